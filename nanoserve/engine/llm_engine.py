@@ -1,0 +1,262 @@
+"""LLMEngine: schedule -> run model -> sample -> postprocess, one step at a time.
+
+Not thread-safe by itself: AsyncEngine (engine/async_engine.py) drives it from one thread.
+`make_request` only reads immutable state and may be called from any thread, so request
+validation errors reach the caller before anything is queued."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from itertools import count
+
+import torch
+
+from nanoserve.config import EngineConfig
+from nanoserve.detokenizer import Detokenizer
+from nanoserve.kvcache.manager import KVCacheManager
+from nanoserve.layers.sampler import Sampler
+from nanoserve.models.llama import LlamaModel
+from nanoserve.models.loader import iter_weights, load_config, load_tokenizer, resolve_model
+from nanoserve.outputs import CompletionOutput, RequestOutput
+from nanoserve.runner import KVLayout, ModelRunner
+from nanoserve.sampling_params import InvalidRequest, SamplingParams
+from nanoserve.scheduler import Scheduler
+from nanoserve.sequence import Sequence
+
+log = logging.getLogger("nanoserve")
+
+GiB = 1 << 30
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    detoks: list[Detokenizer]
+    arrival_time: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class EngineStats:
+    """Monotonic counters for /metrics and benchmarks."""
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: dict[str, int] = field(default_factory=dict)  # by finish reason
+    steps: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        t0 = time.monotonic()
+        self.source = resolve_model(config.model)
+        self.hf_config = load_config(self.source)
+        self.tokenizer = load_tokenizer(self.source, config.tokenizer)
+        self.device = config.resolved_device()
+        self.dtype = config.resolved_dtype(self.device)
+        torch.manual_seed(config.seed)
+        self.model = LlamaModel(self.hf_config, self.dtype, self.device)
+        self.model.load_weights(iter_weights(self.source, self.hf_config))
+        self.model.eval()
+        block_size = config.block_size or (256 if self.device.type == "cuda" else 16)
+        self.layout = KVLayout(self.model.num_layers, block_size, self.model.num_kv_heads,
+                               self.model.head_dim, self.dtype)
+        num_blocks = self._num_device_blocks()
+        self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.layout, num_blocks, self.device)
+        self.sampler = Sampler(config.seed)
+        model_max = self.hf_config.max_position_embeddings
+        if config.max_model_len and config.max_model_len > model_max:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {model_max}")
+        self.max_model_len = min(config.max_model_len or model_max, num_blocks * block_size)
+        self.eos_token_ids = self._eos_ids()
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+        self._seq_ids = count()
+        self.model_name = self.source.name
+        log.info("model %s loaded in %.1fs (%s, %s)", self.model_name, time.monotonic() - t0,
+                 self.device, str(self.dtype).removeprefix("torch."))
+        log.info("KV cache: device %d blocks x %d tokens = %d tokens, %.2f GiB; host tier off; "
+                 "max_model_len %d", num_blocks, block_size, num_blocks * block_size,
+                 num_blocks * self.layout.bytes_per_block / GiB, self.max_model_len)
+
+    # ---- setup helpers -------------------------------------------------------------------
+    def _num_device_blocks(self) -> int:
+        cfg, per_block = self.config, self.layout.bytes_per_block
+        if cfg.num_kv_blocks:
+            return cfg.num_kv_blocks
+        if cfg.kv_cache_gb is not None:
+            budget = cfg.kv_cache_gb * GiB
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - (1 - cfg.gpu_memory_utilization) * total - GiB  # 1 GiB for activations
+        else:
+            budget = min(4 * GiB, 0.2 * _available_memory())
+        blocks = int(budget // per_block)
+        if blocks < 1:
+            raise ValueError(f"KV cache budget {budget / GiB:.3f} GiB holds no block "
+                             f"({per_block / GiB:.4f} GiB each); raise --kv-cache-gb")
+        return blocks
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        try:
+            from transformers import GenerationConfig
+            gen = GenerationConfig.from_pretrained(self.source.path)
+            eos = gen.eos_token_id
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        except Exception:  # no generation_config.json: the tokenizer's EOS is enough
+            pass
+        return frozenset(ids)
+
+    # ---- requests -------------------------------------------------------------------------
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+
+    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                     add_special_tokens: bool = True) -> Request:
+        """Validate and tokenize; raises InvalidRequest naming the bad field."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("prompt must not be empty", param="prompt")
+            text, ids = prompt, self.tokenize(prompt, add_special_tokens)
+        else:
+            text, ids = None, list(prompt)
+        if not ids:
+            raise InvalidRequest("prompt must contain at least one token", param="prompt")
+        vocab = self.model.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"token id {bad[0]!r} is out of vocabulary (valid: 0..{vocab - 1})",
+                                 param="prompt")
+        n, limit = len(ids), self.max_model_len
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
+        if n + max(max_tokens, 1) > limit:
+            raise InvalidRequest(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} for the completion). "
+                "Please reduce the length of the prompt or max_tokens.",
+                param="prompt" if n >= limit else "max_tokens", code="context_length_exceeded")
+        seqs = []
+        for i in range(params.n):
+            gen = torch.Generator().manual_seed(params.seed + i) if params.seed is not None else None
+            seqs.append(Sequence(next(self._seq_ids), request_id, i, ids, params, max_tokens,
+                                 self.eos_token_ids, generator=gen, parent=seqs[0] if seqs else None))
+        detoks = [Detokenizer(self.tokenizer, n, params.stop, params.include_stop_str_in_output)
+                  for _ in seqs]
+        return Request(request_id, text, ids, params, seqs, detoks)
+
+    def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise InvalidRequest(f"duplicate request id {req.request_id!r}", param="request_id")
+        self.requests[req.request_id] = req
+        self.stats.prompt_tokens += len(req.prompt_token_ids) * len(req.seqs)
+        for seq in req.seqs:
+            self.scheduler.add(seq)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        self.add(self.make_request(request_id, prompt, params))
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self._finish(seq, "abort")
+        return self._output(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        self.stats.steps += 1
+        logits, samplers = self.runner.run(sched.scheduled)
+        for s in sched.scheduled:
+            s.seq.num_computed_tokens += s.num_tokens
+            self.kv.publish_computed(s.seq)
+        touched: dict[str, Request] = {}
+        if samplers:
+            result = self.sampler(logits, samplers)
+            now = time.monotonic()
+            for seq, tok, lp in zip(samplers, result.token_ids, result.logprobs):
+                req = self.requests[seq.request_id]
+                touched[req.request_id] = req
+                self._append(req, seq, tok, lp, now)
+        return [self._output(r) for r in touched.values()]
+
+    def _append(self, req: Request, seq: Sequence, tok: int, lp, now: float) -> None:
+        seq.token_ids.append(tok)
+        self.stats.generation_tokens += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if lp is not None:
+            seq.output_logprobs.append(lp)
+        p = seq.params
+        stop_str = req.detoks[seq.index].step(seq.token_ids)
+        if stop_str is not None:
+            seq.stop_reason = stop_str
+            self._finish(seq, "stop")
+        elif tok in p.stop_token_ids:
+            seq.stop_reason = tok
+            self._finish(seq, "stop")
+        elif tok in seq.eos_token_ids and not p.ignore_eos:
+            self._finish(seq, "stop")
+        elif seq.num_output_tokens >= seq.max_tokens:
+            self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        self.scheduler.finish(seq)
+        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+
+    def _output(self, req: Request) -> RequestOutput:
+        finished = all(s.is_finished for s in req.seqs)
+        outs = []
+        for seq, det in zip(req.seqs, req.detoks):
+            if seq.is_finished and not isinstance(seq.stop_reason, str):
+                det.flush(seq.token_ids)
+            outs.append(CompletionOutput(
+                seq.index, det.text, seq.output_token_ids, seq.finish_reason, seq.stop_reason,
+                seq.output_logprobs if seq.params.logprobs is not None else None,
+                det.stream_text(seq.is_finished)))
+        if finished:
+            del self.requests[req.request_id]
+        first = req.seqs[0]
+        times = [s.first_token_time for s in req.seqs if s.first_token_time is not None]
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished,
+                             first.num_cached_tokens, first.num_device_cached_tokens,
+                             first.num_host_cached_tokens,
+                             metrics={"arrival": req.arrival_time, "first_token": min(times, default=0.0)})
+
+    def check_invariants(self) -> None:
+        self.kv.check_invariants()
+        in_tables = sum(len(s.block_table) for s in self.scheduler.running)
+        refs = sum(self.kv.pool.ref_count)
+        assert refs == in_tables, f"ref counts {refs} != blocks held by running sequences {in_tables}"
+        assert all(not s.block_table for s in self.scheduler.waiting), "waiting sequence holds blocks"
+
+
+def _available_memory() -> int:
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * GiB
+

@@ -1,0 +1,116 @@
+"""Block bookkeeping for one KV tier: ref counts, a hash index of full blocks, an LRU of free
+cached blocks. Pure Python, no tensors: the tensors live with the runner (device) or the host tier.
+
+Every block is in exactly one state:
+  in use      ref_count > 0
+  cached-free ref_count == 0, hash published, in `lru` (findable until it is reused)
+  free        ref_count == 0, no hash, in `free`
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+BlockHash = int
+
+
+def chain_hash(parent: BlockHash | None, tokens: tuple[int, ...]) -> BlockHash:
+    return hash((parent, tokens))
+
+
+@dataclass
+class PoolStats:
+    total: int
+    in_use: int
+    cached_free: int
+    free: int
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.ref_count = [0] * num_blocks
+        self.block_hash: list[BlockHash | None] = [None] * num_blocks
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.index: dict[BlockHash, int] = {}
+        self.lru: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self.free: deque[int] = deque(range(num_blocks))
+        self.num_evictions = 0
+
+    def num_available(self) -> int:
+        return len(self.free) + len(self.lru)
+
+    def lookup(self, h: BlockHash, tokens: tuple[int, ...]) -> int | None:
+        """A cached block holding exactly `tokens` under hash `h` (tokens compared: hashes can collide)."""
+        block = self.index.get(h)
+        if block is None or self.block_tokens[block] != tokens:
+            return None
+        return block
+
+    def acquire(self, block: int) -> None:
+        if self.ref_count[block] == 0:
+            self.lru.pop(block, None)
+        self.ref_count[block] += 1
+
+    def allocate(self) -> int:
+        """A block with ref count 1: a never-cached one first, else the least recently used cached one."""
+        if self.free:
+            block = self.free.popleft()
+        elif self.lru:
+            block, _ = self.lru.popitem(last=False)
+            self._unpublish(block)
+            self.num_evictions += 1
+        else:
+            raise RuntimeError("BlockPool exhausted: the caller must check num_available() first")
+        self.ref_count[block] = 1
+        return block
+
+    def release(self, block: int) -> None:
+        assert self.ref_count[block] > 0, f"double free of block {block}"
+        self.ref_count[block] -= 1
+        if self.ref_count[block] == 0:
+            if self.block_hash[block] is None:
+                self.free.append(block)
+            else:
+                self.lru[block] = None
+
+    def publish(self, block: int, h: BlockHash, tokens: tuple[int, ...]) -> bool:
+        """Make a written, full block findable. False if an equal block is already indexed
+        (the duplicate then stays private and returns to the free list when released)."""
+        if h in self.index or self.block_hash[block] is not None:
+            return False
+        self.index[h] = block
+        self.block_hash[block] = h
+        self.block_tokens[block] = tokens
+        return True
+
+    def _unpublish(self, block: int) -> None:
+        h = self.block_hash[block]
+        if h is not None and self.index.get(h) == block:
+            del self.index[h]
+        self.block_hash[block] = None
+        self.block_tokens[block] = None
+
+    def reset_cache(self) -> None:
+        """Forget every cached-free block (e.g. when prefix caching is turned off)."""
+        while self.lru:
+            block, _ = self.lru.popitem(last=False)
+            self._unpublish(block)
+            self.free.append(block)
+
+    def stats(self) -> PoolStats:
+        in_use = sum(1 for r in self.ref_count if r > 0)
+        return PoolStats(self.num_blocks, in_use, len(self.lru), len(self.free))
+
+    def check_invariants(self) -> None:
+        in_use = [b for b, r in enumerate(self.ref_count) if r > 0]
+        assert all(r >= 0 for r in self.ref_count), "negative ref count"
+        assert len(in_use) + len(self.lru) + len(self.free) == self.num_blocks, (
+            f"block accounting: {len(in_use)} in use + {len(self.lru)} cached-free + "
+            f"{len(self.free)} free != {self.num_blocks}")
+        assert not set(in_use) & (set(self.lru) | set(self.free)), "in-use block on a free list"
+        assert not set(self.lru) & set(self.free), "block both cached-free and free"
+        assert all(self.block_hash[b] is not None for b in self.lru), "unhashed block in the LRU"
+        assert all(self.block_hash[b] is None for b in self.free), "hashed block on the free list"
+        for h, b in self.index.items():
+            assert self.block_hash[b] == h, f"index points at block {b} whose hash changed"

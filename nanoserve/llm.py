@@ -1,0 +1,77 @@
+"""Offline API: LLM(...).generate(prompts, SamplingParams) and LLM.chat(messages)."""
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from itertools import count
+
+from tqdm import tqdm
+
+from nanoserve.config import EngineConfig
+from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.outputs import RequestOutput
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.chat import render_chat
+
+Prompt = str | list[int] | dict
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._ids = count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        prompts = _as_list(prompts)
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError("need one SamplingParams per prompt (or a single one for all)")
+        # validate everything before queueing anything, so a bad prompt leaves nothing behind
+        reqs = [self.engine.make_request(str(next(self._ids)), _prompt_of(p), sp,
+                                         add_special_tokens=not (isinstance(p, dict) and p.get("chat")))
+                for p, sp in zip(prompts, params_list)]
+        return self._run(reqs, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
+             add_generation_prompt: bool = True, use_tqdm: bool = False) -> list[RequestOutput]:
+        convs = messages if messages and isinstance(messages[0], list) else [messages]
+        texts = [render_chat(self.engine, conv, add_generation_prompt) for conv in convs]
+        return self.generate([{"prompt": t, "chat": True} for t in texts], params, use_tqdm)
+
+    def _run(self, reqs, use_tqdm: bool) -> list[RequestOutput]:
+        for r in reqs:
+            self.engine.add(r)
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(reqs), desc="Generating", disable=not use_tqdm)
+        try:
+            while len(done) < len(reqs):
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for r in reqs:  # leave the engine clean for the next call
+                if r.request_id not in done:
+                    self.engine.abort(r.request_id)
+            raise
+        finally:
+            bar.close()
+        return [done[r.request_id] for r in reqs]
+
+
+def _as_list(prompts) -> list:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if prompts and isinstance(prompts[0], int):
+        return [list(prompts)]
+    return list(prompts)
+
+
+def _prompt_of(p: Prompt) -> str | list[int]:
+    if isinstance(p, dict):
+        return p["prompt_token_ids"] if "prompt_token_ids" in p else p["prompt"]
+    return p

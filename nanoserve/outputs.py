@@ -1,0 +1,35 @@
+"""What the engine returns for a request (offline API and server alike)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nanoserve.sequence import TokenLogprob
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None   # "stop" | "length" | "abort" | "error" | None (running)
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] | None = None
+    stream_text: str = ""             # prefix of `text` that is final (stop-string hold-back)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    num_device_cached_tokens: int = 0
+    num_host_cached_tokens: int = 0
+    error: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)  # arrival, first_token, finished (monotonic)

@@ -1,0 +1,87 @@
+"""A sequence: one generated choice of a request, with the KV ranges it owns.
+
+Ownership of KV (mirrors mini-SGLang's table):
+  block_table[i] holds tokens [i*B, (i+1)*B). Blocks [0, num_cached_blocks) came from the prefix
+  cache (shared, read-only, ref-counted). Every block after that was allocated for this sequence;
+  a full one is published to the prefix cache once its KV has been written (num_computed_tokens
+  passed its end). The last, partial block is private. On finish/abort/preemption every block is
+  released (ref count -1); published ones stay findable in the cache until reused.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from nanoserve.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token_id, logprob), best first
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request_id: str
+    index: int                       # choice index within the request (n > 1)
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int                  # resolved against max_model_len
+    eos_token_ids: frozenset[int]
+    generator: torch.Generator | None = None
+    parent: Sequence | None = None   # n > 1: siblings wait until the parent's prompt is cached
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chain hashes of the leading full blocks
+    num_cached_tokens: int = 0       # prompt tokens reused from the cache at first admission
+    num_device_cached_tokens: int = 0
+    num_host_cached_tokens: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: str | int | None = None
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_preemptions: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    admitted: bool = False           # cache stats are counted once, at first admission
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    @property
+    def prompt_done(self) -> bool:
+        return self.num_computed_tokens >= self.num_prompt_tokens
