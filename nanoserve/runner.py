@@ -68,10 +68,11 @@ class ModelRunner:
         num_decodes = sum(1 for s in order if self._is_decode(s))
         dev = self.device
         batch = AttentionBatch(query_lens, context_lens, tables, num_decodes,
-                               torch.tensor(slot_blocks, device=dev), torch.tensor(slot_offsets, device=dev))
+                               torch.tensor(slot_blocks, dtype=torch.long, device=dev),
+                               torch.tensor(slot_offsets, dtype=torch.long, device=dev))
         self.attn.prepare(batch)
         logits = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), self.attn,
-                            torch.tensor(logits_idx, device=dev))
+                            torch.tensor(logits_idx, dtype=torch.long, device=dev))
         return logits, samplers
 
     @staticmethod

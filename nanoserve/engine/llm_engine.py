@@ -17,7 +17,7 @@ from nanoserve.detokenizer import Detokenizer
 from nanoserve.kvcache.manager import KVCacheManager
 from nanoserve.layers.sampler import Sampler
 from nanoserve.models.llama import LlamaModel
-from nanoserve.models.loader import iter_weights, load_config, load_tokenizer, resolve_model
+from nanoserve.models.loader import iter_weights, load_config, load_tokenizer, materialize, resolve_model
 from nanoserve.outputs import CompletionOutput, RequestOutput
 from nanoserve.runner import KVLayout, ModelRunner
 from nanoserve.sampling_params import InvalidRequest, SamplingParams
@@ -53,14 +53,14 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         t0 = time.monotonic()
-        self.source = resolve_model(config.model)
+        self.source = materialize(resolve_model(config.model))
         self.hf_config = load_config(self.source)
         self.tokenizer = load_tokenizer(self.source, config.tokenizer)
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype(self.device)
         torch.manual_seed(config.seed)
         self.model = LlamaModel(self.hf_config, self.dtype, self.device)
-        self.model.load_weights(iter_weights(self.source, self.hf_config))
+        self.model.load_weights(iter_weights(self.source))
         self.model.eval()
         block_size = config.block_size or (256 if self.device.type == "cuda" else 16)
         self.layout = KVLayout(self.model.num_layers, block_size, self.model.num_kv_heads,

