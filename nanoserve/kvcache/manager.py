@@ -18,6 +18,24 @@ class PrefixCacheStats:
     hits: int = 0     # prompt tokens found
 
 
+@dataclass
+class TierReport:
+    """One KV tier's state and counters, for /metrics and logs."""
+    tier: str                 # "device" | "host"
+    blocks_total: int
+    blocks_in_use: int
+    blocks_cached: int        # free but still findable by the prefix cache
+    blocks_free: int
+    block_size: int
+    query_tokens: int         # prompt tokens looked up in this tier
+    hit_tokens: int           # prompt tokens served from this tier
+    evictions: int
+    bytes_in: int = 0         # host tier: bytes copied device -> host
+    bytes_out: int = 0        # host tier: bytes copied host -> device
+    seconds_in: float = 0.0
+    seconds_out: float = 0.0
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.block_size = block_size
@@ -109,6 +127,11 @@ class KVCacheManager:
 
     def stats(self) -> PoolStats:
         return self.pool.stats()
+
+    def reports(self) -> list[TierReport]:
+        st = self.pool.stats()
+        return [TierReport("device", st.total, st.in_use, st.cached_free, st.free, self.block_size,
+                           self.device_stats.queries, self.device_stats.hits, self.pool.num_evictions)]
 
     def check_invariants(self) -> None:
         self.pool.check_invariants()
