@@ -1,0 +1,499 @@
+"""The OpenAI-compatible FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, /tokenize,
+/detokenize, /health, /metrics, /version.
+
+Bodies are parsed by hand (not by FastAPI's body injection) so that every invalid request becomes an
+HTTP 400 OpenAI error object naming its parameter, never a 422."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from contextlib import aclosing, asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import nanoserve
+from nanoserve.chat import render_chat
+from nanoserve.engine.async_engine import AsyncEngine, EngineDead, EngineError
+from nanoserve.outputs import RequestOutput
+from nanoserve.sampling_params import InvalidRequest
+from nanoserve.sequence import TokenLogprob
+from nanoserve.server.metrics import ServerMetrics
+from nanoserve.server.protocol import (MAX_LOGPROBS, APIError, ChatCompletionRequest, CompletionRequest,
+                                       DetokenizeRequest, TokenizeRequest, new_id, now, parse)
+
+log = logging.getLogger("nanoserve.server")
+
+JSON_TYPES = ("application/json", "application/x-www-form-urlencoded")  # the latter: `curl -d` default
+
+
+class ClientGone(Exception):
+    pass
+
+
+class _Fanin:
+    """Runs one engine request per prompt and merges their outputs as (prompt_index, output).
+    close() cancels whatever is still running, which aborts it in the engine."""
+
+    def __init__(self, engine: AsyncEngine, reqs: list) -> None:
+        self.engine = engine
+        self.q: asyncio.Queue = asyncio.Queue()
+        self.left = len(reqs)
+        self.tasks = [asyncio.create_task(self._pump(i, r)) for i, r in enumerate(reqs)]
+
+    async def _pump(self, i: int, req) -> None:
+        try:
+            async with aclosing(self.engine.generate(req)) as gen:
+                async for out in gen:
+                    self.q.put_nowait((i, out))
+        except Exception as e:
+            self.q.put_nowait((i, e))
+
+    async def __aiter__(self):
+        while self.left:
+            i, item = await self.q.get()
+            if isinstance(item, Exception):
+                raise item
+            if item.finished:
+                self.left -= 1
+            yield i, item
+
+    async def close(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _engine_error(e: Exception) -> APIError:
+    if isinstance(e, EngineDead):
+        return APIError(str(e), 503, "server_error", code="service_unavailable")
+    if isinstance(e, InvalidRequest):
+        return APIError.from_invalid(e)
+    if isinstance(e, APIError):
+        return e
+    return APIError(str(e) or type(e).__name__, 500, "server_error", code="internal_error")
+
+
+class Server:
+    def __init__(self, engine: AsyncEngine, served_model_name: str | None = None,
+                 api_key: str | None = None, max_queue: int | None = None) -> None:
+        self.engine = engine
+        self.llm = engine.engine
+        self.tok = self.llm.tokenizer
+        self.model_name = served_model_name or self.llm.model_name
+        self.model_aliases = {self.model_name, self.llm.model_name}
+        self.api_key = api_key
+        self.max_queue = max_queue
+        self.metrics: ServerMetrics = engine.observer  # type: ignore[assignment]
+        self.created = now()
+        self._token_str: dict[int, str] = {}
+        self.vocab_size = self.llm.model.vocab_size
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def check_auth(self, request: Request) -> None:
+        if not self.api_key:
+            return
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise APIError("Incorrect API key provided." if auth else
+                           "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.",
+                           401, "invalid_request_error", code="invalid_api_key")
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_aliases:
+            raise APIError(f"The model `{model}` does not exist.", 404, "invalid_request_error",
+                           param="model", code="model_not_found")
+
+    def check_capacity(self, num: int) -> None:
+        if not self.engine.alive:
+            raise APIError("the engine is not running", 503, "server_error", code="service_unavailable")
+        if self.max_queue is not None and self.engine.num_waiting + num > self.max_queue:
+            raise APIError(f"the server is overloaded: {self.engine.num_waiting} requests are waiting "
+                           f"(--max-queue {self.max_queue}); retry later", 503, "server_error",
+                           code="server_overloaded", headers={"Retry-After": "1"})
+
+    async def read_json(self, request: Request) -> Any:
+        ct = request.headers.get("content-type", "")
+        mt = ct.split(";")[0].strip().lower()
+        if mt and mt not in JSON_TYPES and not mt.endswith("+json"):
+            raise APIError(f"Content-Type must be application/json, got {ct!r}", 400,
+                           code="unsupported_content_type")
+        raw = await request.body()
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(f"the request body is not valid JSON: {e}", 400, code="invalid_json")
+
+    def token_str(self, tid: int) -> str:
+        s = self._token_str.get(tid)
+        if s is None:
+            s = self._token_str[tid] = self.tok.decode([tid])
+        return s
+
+    def make_requests(self, rid: str, prompts: list, params, add_special_tokens: bool = True) -> list:
+        reqs = []
+        for i, p in enumerate(prompts):
+            try:
+                reqs.append(self.llm.make_request(f"{rid}-{i}", p, params, add_special_tokens))
+            except InvalidRequest as e:
+                if len(prompts) > 1 and e.param == "prompt":
+                    raise APIError(f"prompt[{i}]: {e}", 400, param="prompt", code=e.code)
+                raise APIError.from_invalid(e)
+        return reqs
+
+    def usage(self, finals: list[RequestOutput]) -> dict:
+        prompt = sum(len(o.prompt_token_ids) for o in finals)
+        completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {
+                    "cached_tokens": sum(o.num_cached_tokens for o in finals),
+                    "device_cached_tokens": sum(o.num_device_cached_tokens for o in finals),
+                    "host_cached_tokens": sum(o.num_host_cached_tokens for o in finals)}}
+
+    async def run_to_end(self, request: Request, reqs: list) -> list[RequestOutput]:
+        """Final outputs of every request; a client disconnect aborts them all (ClientGone)."""
+        fan = _Fanin(self.engine, reqs)
+        finals: list[RequestOutput | None] = [None] * len(reqs)
+
+        async def collect():
+            async for i, out in fan:
+                finals[i] = out
+
+        consume = asyncio.create_task(collect())
+        disc = asyncio.create_task(_wait_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({consume, disc}, return_when=asyncio.FIRST_COMPLETED)
+            if consume in done:
+                consume.result()
+                return finals  # type: ignore[return-value]
+            consume.cancel()
+            raise ClientGone()
+        finally:
+            disc.cancel()
+            await fan.close()
+
+    # ---- logprobs -----------------------------------------------------------------------------
+    def completion_logprobs(self, lps: list[TokenLogprob], start_offset: int,
+                            prompt_ids: list[int] | None = None) -> dict:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        off = start_offset
+        for tid in prompt_ids or []:
+            s = self.token_str(tid)
+            tokens.append(s)
+            token_lps.append(None)
+            tops.append(None)
+            offsets.append(off)
+            off += len(s)
+        for lp in lps:
+            s = self.token_str(lp.token_id)
+            tokens.append(s)
+            token_lps.append(lp.logprob)
+            top = {self.token_str(t): l for t, l in lp.top}
+            top.setdefault(s, lp.logprob)
+            tops.append(top)
+            offsets.append(off)
+            off += len(s)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def chat_logprobs(self, lps: list[TokenLogprob]) -> dict:
+        def entry(tid: int, l: float) -> dict:
+            s = self.token_str(tid)
+            return {"token": s, "logprob": l, "bytes": list(s.encode("utf-8"))}
+        return {"content": [dict(entry(lp.token_id, lp.logprob), top_logprobs=[entry(t, l) for t, l in lp.top])
+                            for lp in lps], "refusal": None}
+
+    # ---- /v1/completions ----------------------------------------------------------------------
+    async def completions(self, request: Request):
+        self.check_auth(request)
+        body = parse(CompletionRequest, await self.read_json(request))
+        self.check_model(body.model)
+        body.check_stream_options()
+        if body.suffix:
+            raise APIError("suffix is not supported", param="suffix")
+        if body.best_of is not None and body.best_of != body.n:
+            raise APIError("best_of must equal n (beam/best-of search is not supported)", param="best_of")
+        if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
+            raise APIError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {body.logprobs}", param="logprobs")
+        prompts = body.prompts()
+        params = body.sampling(body.max_tokens, body.logprobs, self.vocab_size, default_max_tokens=16)
+        cid = new_id("cmpl")
+        reqs = self.make_requests(cid, prompts, params)
+        self.check_capacity(len(reqs))
+        created, n = now(), params.n
+        if body.stream:
+            return StreamingResponse(self._completion_stream(cid, created, body, reqs, n),
+                                     media_type="text/event-stream")
+        try:
+            finals = await self.run_to_end(request, reqs)
+        except ClientGone:
+            return Response(status_code=499)
+        except Exception as e:
+            raise _engine_error(e)
+        choices = []
+        for pi, out in enumerate(finals):
+            prompt_text = self._prompt_text(out) if body.echo else ""
+            for c in out.outputs:
+                lp = None
+                if body.logprobs is not None:
+                    lp = self.completion_logprobs(c.logprobs or [], 0,
+                                                  out.prompt_token_ids if body.echo else None)
+                choices.append({"index": pi * n + c.index, "text": prompt_text + c.text, "logprobs": lp,
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        return {"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
+                "choices": choices, "usage": self.usage(finals), "system_fingerprint": None}
+
+    def _prompt_text(self, out: RequestOutput) -> str:
+        return out.prompt if out.prompt is not None else self.tok.decode(out.prompt_token_ids)
+
+    async def _completion_stream(self, cid: str, created: int, body: CompletionRequest, reqs: list, n: int):
+        fan = _Fanin(self.engine, reqs)
+        sent_text: dict[int, int] = {}
+        sent_tok: dict[int, int] = {}
+        done: set[int] = set()
+        finals: list[RequestOutput | None] = [None] * len(reqs)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        try:
+            async for pi, out in fan:
+                if out.finished:
+                    finals[pi] = out
+                choices = []
+                for c in out.outputs:
+                    idx = pi * n + c.index
+                    if idx in done or (c.finish_reason is None and not c.token_ids):
+                        continue
+                    first = idx not in sent_text
+                    start = sent_text.setdefault(idx, 0)
+                    new = c.text if c.finish_reason is not None else c.stream_text
+                    delta = new[start:] if len(new) > start else ""
+                    prefix = self._prompt_text(out) if first and body.echo else ""
+                    if not delta and not prefix and c.finish_reason is None:
+                        continue
+                    lp = None
+                    if body.logprobs is not None:
+                        ntok = len(c.logprobs or [])
+                        lp = self.completion_logprobs((c.logprobs or [])[sent_tok.get(idx, 0):ntok], 0,
+                                                      out.prompt_token_ids if prefix else None)
+                        sent_tok[idx] = ntok
+                    sent_text[idx] = max(start, len(new))
+                    choices.append({"index": idx, "text": prefix + delta, "logprobs": lp,
+                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                    if c.finish_reason is not None:
+                        done.add(idx)
+                if choices:
+                    yield _sse({"id": cid, "object": "text_completion", "created": created,
+                                "model": self.model_name, "choices": choices})
+            if include_usage:
+                yield _sse({"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
+                            "choices": [], "usage": self.usage([f for f in finals if f is not None])})
+        except Exception as e:
+            yield _sse(_engine_error(e).body())
+        finally:
+            await fan.close()
+        yield "data: [DONE]\n\n"
+
+    # ---- /v1/chat/completions -----------------------------------------------------------------
+    async def chat(self, request: Request):
+        self.check_auth(request)
+        body = parse(ChatCompletionRequest, await self.read_json(request))
+        self.check_model(body.model)
+        body.check_stream_options()
+        messages = [m.as_template_dict(i) for i, m in enumerate(body.messages)]
+        try:
+            prompt = render_chat(self.llm, messages, body.add_generation_prompt)
+        except InvalidRequest as e:
+            raise APIError.from_invalid(e)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = body.sampling(max_tokens, body.num_logprobs(), self.vocab_size, default_max_tokens=None)
+        cid = new_id("chatcmpl")
+        reqs = self.make_requests(cid, [prompt], params, add_special_tokens=False)
+        self.check_capacity(1)
+        created = now()
+        if body.stream:
+            return StreamingResponse(self._chat_stream(cid, created, body, reqs), media_type="text/event-stream")
+        try:
+            (out,) = await self.run_to_end(request, reqs)
+        except ClientGone:
+            return Response(status_code=499)
+        except Exception as e:
+            raise _engine_error(e)
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text, "refusal": None},
+                    "logprobs": self.chat_logprobs(c.logprobs or []) if body.logprobs else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
+        return {"id": cid, "object": "chat.completion", "created": created, "model": self.model_name,
+                "choices": choices, "usage": self.usage([out]), "system_fingerprint": None}
+
+    async def _chat_stream(self, cid: str, created: int, body: ChatCompletionRequest, reqs: list):
+        fan = _Fanin(self.engine, reqs)
+        sent_text: dict[int, int] = {}
+        sent_tok: dict[int, int] = {}
+        done: set[int] = set()
+        final: RequestOutput | None = None
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        def chunk(choices: list) -> str:
+            return _sse({"id": cid, "object": "chat.completion.chunk", "created": created,
+                         "model": self.model_name, "system_fingerprint": None, "choices": choices})
+        try:
+            async for _, out in fan:
+                if out.finished:
+                    final = out
+                choices = []
+                for c in out.outputs:
+                    i = c.index
+                    if i in done or (c.finish_reason is None and not c.token_ids):
+                        continue
+                    if i not in sent_text:  # the role chunk, sent when the first token is ready
+                        sent_text[i] = 0
+                        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}])
+                    new = c.text if c.finish_reason is not None else c.stream_text
+                    start = sent_text[i]
+                    delta = new[start:] if len(new) > start else ""
+                    if not delta and c.finish_reason is None:
+                        continue
+                    lp = None
+                    if body.logprobs:
+                        ntok = len(c.logprobs or [])
+                        lp = self.chat_logprobs((c.logprobs or [])[sent_tok.get(i, 0):ntok])
+                        sent_tok[i] = ntok
+                    sent_text[i] = max(start, len(new))
+                    choices.append({"index": i, "delta": {"content": delta} if delta else {}, "logprobs": lp,
+                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                    if c.finish_reason is not None:
+                        done.add(i)
+                if choices:
+                    yield chunk(choices)
+            if include_usage and final is not None:
+                yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created,
+                            "model": self.model_name, "choices": [], "usage": self.usage([final])})
+        except Exception as e:
+            yield _sse(_engine_error(e).body())
+        finally:
+            await fan.close()
+        yield "data: [DONE]\n\n"
+
+    # ---- the rest -----------------------------------------------------------------------------
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "nanoserve",
+                "root": self.llm.model_name, "parent": None, "max_model_len": self.llm.max_model_len}
+
+    async def tokenize(self, request: Request):
+        self.check_auth(request)
+        body = parse(TokenizeRequest, await self.read_json(request))
+        self.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError("give exactly one of 'prompt' or 'messages'", param="prompt")
+        if body.messages is not None:
+            try:
+                text = render_chat(self.llm, [m.as_template_dict(i) for i, m in enumerate(body.messages)],
+                                   body.add_generation_prompt)
+            except InvalidRequest as e:
+                raise APIError.from_invalid(e)
+            ids = self.llm.tokenize(text, add_special_tokens=False)
+        else:
+            ids = self.llm.tokenize(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.llm.max_model_len}
+
+    async def detokenize(self, request: Request):
+        self.check_auth(request)
+        body = parse(DetokenizeRequest, await self.read_json(request))
+        self.check_model(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(f"token id {bad[0]} is out of vocabulary (valid: 0..{self.vocab_size - 1})",
+                           param="tokens")
+        return {"prompt": self.tok.decode(body.tokens)}
+
+    async def render_metrics(self) -> Response:
+        snap = await self.engine.snapshot()
+        return Response(self.metrics.render(snap), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def create_app(engine: AsyncEngine, served_model_name: str | None = None, api_key: str | None = None,
+               max_queue: int | None = None) -> FastAPI:
+    srv = Server(engine, served_model_name, api_key, max_queue)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            log.info("shutting down: aborting what is still running and stopping the engine")
+            await asyncio.to_thread(engine.stop)
+
+    app = FastAPI(title="nanoserve", version=nanoserve.__version__, lifespan=lifespan)
+    app.state.server = srv
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        if e.status >= 500:
+            log.warning("%s %s -> %d: %s", request.method, request.url.path, e.status, e.message)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        errs = e.errors()
+        loc = [str(x) for x in (errs[0].get("loc", ()) if errs else ()) if x != "body"]
+        return JSONResponse(APIError(f"invalid request: {errs[0].get('msg') if errs else e}",
+                                     param=loc[0] if loc else None).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return JSONResponse(APIError(str(e.detail), e.status_code, "invalid_request_error", code=code).body(),
+                            status_code=e.status_code, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception):
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse(APIError(f"internal error: {type(e).__name__}: {e}", 500, "server_error",
+                                     code="internal_error").body(), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        if not engine.alive:
+            return JSONResponse(APIError("the engine is not running", 503, "server_error").body(), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": nanoserve.__version__}
+
+    @app.get("/metrics")
+    async def metrics():
+        return await srv.render_metrics()
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        srv.check_auth(request)
+        return {"object": "list", "data": [srv.model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        srv.check_auth(request)
+        srv.check_model(model_id)
+        return srv.model_card()
+
+    app.add_api_route("/v1/completions", srv.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", srv.chat, methods=["POST"])
+    app.add_api_route("/tokenize", srv.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", srv.detokenize, methods=["POST"])
+    return app

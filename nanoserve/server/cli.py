@@ -1,0 +1,145 @@
+"""`nanoserve`: serve a model over an OpenAI-compatible HTTP API.
+
+    nanoserve                                      # embedded SmolLM2-135M-Instruct, 127.0.0.1:8000
+    nanoserve --model llama-3-8b --host-cache-gb 48 --port 8000
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+GiB = 1 << 30
+
+log = logging.getLogger("nanoserve.server")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="nanoserve", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Serve an LLM over an OpenAI-compatible HTTP API (/v1/completions, "
+                    "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /metrics, /version).")
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default=None,
+                   help="model to serve: a short name from the local registry (models/), an HF folder, a "
+                        "GGUF file, or a hub id; default: the embedded SmolLM2-135M-Instruct")
+    m.add_argument("--tokenizer", default=None, help="tokenizer to use instead of the model's own")
+    m.add_argument("--served-model-name", default=None,
+                   help="model name reported by /v1/models and accepted in requests "
+                        "(default: the model's own name)")
+    m.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weight and activation dtype; auto = bf16 on CUDA and on CPUs with fast bf16, else fp32")
+    m.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where to run the model; auto = cuda if torch sees a GPU, else cpu")
+    m.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (prompt + completion) in tokens; default: the model's own, "
+                        "capped by the KV cache capacity")
+    m.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="Jinja chat template file overriding the model's own")
+    m.add_argument("--seed", type=int, default=0, help="global seed (per-request seeds override it)")
+    kv = p.add_argument_group("KV cache")
+    kv.add_argument("--block-size", type=int, default=0,
+                    help="tokens per KV block; 0 = backend default (16 on CPU, 256 on CUDA)")
+    g = kv.add_mutually_exclusive_group()
+    g.add_argument("--kv-cache-gb", type=float, default=None,
+                   help="device KV cache budget in GiB (default: from free memory)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="CUDA: fraction of GPU memory the server may use (weights + KV cache)")
+    kv.add_argument("--host-cache-gb", type=float, default=0.0,
+                    help="second prefix-cache tier in host memory, in GiB; 0 = off")
+    kv.add_argument("--no-prefix-caching", action="store_true",
+                    help="disable prefix caching (every prompt is computed in full)")
+    s = p.add_argument_group("scheduling")
+    s.add_argument("--max-num-seqs", type=int, default=128, help="most sequences in one batch")
+    s.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget of one engine step (prefill chunks + decodes)")
+    s.add_argument("--max-queue", type=int, default=None,
+                   help="most requests allowed to wait for a batch slot; beyond it new requests get "
+                        "HTTP 503 with Retry-After (default: unbounded)")
+    h = p.add_argument_group("HTTP")
+    h.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
+    h.add_argument("--port", type=int, default=8000, help="port to listen on")
+    h.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY") or None,
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
+                        "(/health, /metrics and /version stay open); default: $NANOSERVE_API_KEY, or no key")
+    h.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT: seconds to let in-flight requests finish before aborting them")
+    h.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="log level of the server and the engine")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    for name, v in (("--max-queue", args.max_queue), ("--max-num-seqs", args.max_num_seqs),
+                    ("--max-num-batched-tokens", args.max_num_batched_tokens)):
+        if v is not None and v < (0 if name == "--max-queue" else 1):
+            build_parser().error(f"{name} must be >= {0 if name == '--max-queue' else 1}, got {v}")
+
+    import uvicorn
+
+    from nanoserve.config import EngineConfig
+    from nanoserve.engine.async_engine import AsyncEngine
+    from nanoserve.engine.llm_engine import LLMEngine
+    from nanoserve.server.app import create_app
+    from nanoserve.server.metrics import ServerMetrics
+
+    try:
+        config = EngineConfig(
+            model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
+            block_size=args.block_size, kv_cache_gb=args.kv_cache_gb,
+            gpu_memory_utilization=args.gpu_memory_utilization, host_cache_gb=args.host_cache_gb,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+            chat_template=args.chat_template, seed=args.seed)
+        engine = LLMEngine(config)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        log.error("cannot start: %s", e)
+        return 2
+    _log_capacity(engine, args)
+    name = args.served_model_name or engine.model_name
+    aengine = AsyncEngine(engine, ServerMetrics(name))
+    app = create_app(aengine, name, args.api_key, args.max_queue)
+
+    uv = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                       timeout_graceful_shutdown=args.shutdown_timeout))
+    # uvicorn re-raises the signal it caught once it has shut down gracefully; with the default
+    # handler that would kill the process (exit 143). A no-op handler makes a SIGTERM exit 0.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    log.info("serving %s on http://%s:%d (api key %s, max queue %s)", name, args.host, args.port,
+             "required" if args.api_key else "off", args.max_queue if args.max_queue is not None else "unbounded")
+    try:
+        uv.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        aengine.stop()
+    if not uv.started:
+        log.error("the HTTP server did not start (is port %d free?)", args.port)
+        return 1
+    log.info("stopped")
+    return 0
+
+
+def _log_capacity(engine, args) -> None:
+    per_block = engine.layout.bytes_per_block
+    reports = engine.kv.reports()
+    parts = [f"{r.tier} {r.blocks_total} blocks x {r.block_size} tokens = {r.blocks_total * r.block_size} tokens, "
+             f"{r.blocks_total * per_block / GiB:.2f} GiB" for r in reports]
+    tiers = {r.tier for r in reports}
+    if args.host_cache_gb > 0 and "host" not in tiers:
+        parts.append(f"host tier NOT SUPPORTED YET by this engine: --host-cache-gb {args.host_cache_gb} "
+                     "is not in effect")
+        log.warning("--host-cache-gb %s was given but this engine has no host KV tier yet; "
+                    "serving with the device tier only", args.host_cache_gb)
+    elif "host" not in tiers:
+        parts.append("host tier off")
+    log.info("KV capacity: %s; max_model_len %d", "; ".join(parts), engine.max_model_len)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""OpenAI request bodies (pydantic), the error object, and the conversion to SamplingParams.
+
+Unknown fields are accepted and ignored (`extra="ignore"`); every validation failure becomes an
+HTTP 400 OpenAI error object naming the parameter (never FastAPI's 422)."""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Union
+
+from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
+
+from nanoserve.sampling_params import InvalidRequest, SamplingParams
+
+MAX_LOGPROBS = 20
+
+
+class APIError(Exception):
+    """An error answered as an OpenAI error object."""
+
+    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    @classmethod
+    def from_invalid(cls, e: InvalidRequest) -> "APIError":
+        return cls(str(e), 400, "invalid_request_error", e.param, e.code)
+
+
+def error_from_validation(e: ValidationError) -> APIError:
+    err = e.errors()[0]
+    loc = [x for x in err.get("loc", ())
+           if isinstance(x, int) or not any(c in x for c in "[]-") and x not in ("str", "int", "float", "bool")]
+    where = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".")
+    param = next((x for x in loc if isinstance(x, str)), None)
+    if err.get("type") == "missing":
+        return APIError(f"'{where}' is a required property", param=param)
+    return APIError(f"Invalid value for '{where}': {err.get('msg', 'invalid value')}", param=param)
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Base):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(_Base):
+    model: str | None = None
+    max_tokens: StrictInt | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: StrictInt | None = None
+    min_p: float | None = None
+    seed: StrictInt | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    n: StrictInt = 1
+    ignore_eos: bool = False
+    min_tokens: StrictInt = 0
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    include_stop_str_in_output: bool = False
+
+    def check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise APIError("stream_options is only allowed when stream is true", param="stream_options")
+
+    def sampling(self, max_tokens: int | None, logprobs: int | None, vocab_size: int,
+                 default_max_tokens: int | None) -> SamplingParams:
+        bias: dict[int, float] = {}
+        for k, v in (self.logit_bias or {}).items():
+            try:
+                tid = int(k)
+            except ValueError:
+                raise APIError(f"logit_bias keys must be token ids, got {k!r}", param="logit_bias")
+            if not 0 <= tid < vocab_size:
+                raise APIError(f"logit_bias token id {tid} is out of vocabulary (valid: 0..{vocab_size - 1})",
+                               param="logit_bias")
+            if not -100 <= v <= 100:
+                raise APIError(f"logit_bias values must be in [-100, 100], got {v}", param="logit_bias")
+            bias[tid] = float(v)
+        for tid in self.stop_token_ids or []:
+            if not 0 <= tid < vocab_size:
+                raise APIError(f"stop_token_ids: token id {tid} is out of vocabulary", param="stop_token_ids")
+        if self.n > 16:
+            raise APIError(f"n must be <= 16, got {self.n}", param="n")
+        if max_tokens is not None and max_tokens < 1:
+            raise APIError(f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
+        kw: dict[str, Any] = dict(
+            n=self.n, max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+            min_tokens=self.min_tokens, seed=self.seed, stop=self.stop or [],
+            stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, logprobs=logprobs,
+            logit_bias=bias, include_stop_str_in_output=self.include_stop_str_in_output)
+        for name, default in (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0),
+                              ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                              ("repetition_penalty", 1.0)):
+            v = getattr(self, name)
+            kw[name] = default if v is None else v
+        try:
+            return SamplingParams(**kw)
+        except InvalidRequest as e:
+            raise APIError.from_invalid(e)
+
+
+PromptType = Union[str, list[StrictInt], list[str], list[list[StrictInt]]]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: PromptType
+    echo: bool = False
+    logprobs: StrictInt | None = None
+    suffix: str | None = None
+    best_of: StrictInt | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise APIError("prompt must not be empty", param="prompt")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+
+class TextPart(_Base):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Base):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_dict(self, i: int) -> dict:
+        c = self.content
+        if isinstance(c, list):
+            texts = []
+            for part in c:
+                if part.type != "text" or part.text is None:
+                    raise APIError(f"messages[{i}].content: only text parts are supported, got type "
+                                   f"{part.type!r}", param="messages")
+                texts.append(part.text)
+            c = "\n".join(texts)
+        d = {"role": self.role, "content": c if c is not None else ""}
+        if self.name:
+            d["name"] = self.name
+        return d
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: StrictInt | None = None
+    logprobs: bool = False
+    top_logprobs: StrictInt | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise APIError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
+                               param="top_logprobs")
+            if not self.logprobs:
+                raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        if not self.logprobs:
+            return None
+        return self.top_logprobs or 0
+
+
+class TokenizeRequest(_Base):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Base):
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
+def parse(model_cls: type[BaseModel], obj: Any) -> Any:
+    if not isinstance(obj, dict):
+        raise APIError("the request body must be a JSON object", param=None)
+    try:
+        return model_cls.model_validate(obj)
+    except ValidationError as e:
+        raise error_from_validation(e)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
