@@ -19,6 +19,7 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    backend: type[AttentionBackend] = TorchAttention
 
     @property
     def bytes_per_block(self) -> int:
@@ -26,7 +27,8 @@ class KVLayout:
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
 
     def shape(self, num_blocks: int) -> tuple[int, ...]:
-        return (num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        block = self.backend.block_shape(self.block_size, self.num_kv_heads, self.head_dim)
+        return (num_blocks, self.num_layers, 2, *block)
 
 
 class ModelRunner:
@@ -35,7 +37,7 @@ class ModelRunner:
         self.layout = layout
         self.device = device
         self.kv_cache = torch.zeros(layout.shape(num_blocks), dtype=layout.dtype, device=device)
-        self.attn: AttentionBackend = TorchAttention(self.kv_cache, model.num_heads, model.scale)
+        self.attn: AttentionBackend = layout.backend(self.kv_cache, model.num_heads, model.scale)
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[Sequence]]:

@@ -1,11 +1,14 @@
 """Attention backends over the paged KV cache.
 
-The cache is one tensor per tier, block-major: [num_blocks, num_layers, 2, block_size, kv_heads,
-head_dim]. A backend gets per-layer strided views of it. `prepare(batch)` builds the step's
-metadata once; `forward(q, k, v, layer)` writes the new K/V into the cache and attends.
+The cache is one tensor per tier, block-major: [num_blocks, num_layers, 2, *block_shape], so one
+block of all layers is contiguous and moves between tiers in one copy. The layout *inside* a block
+belongs to the backend: the torch backend uses [kv_heads, block_size, head_dim] (head-major: a
+gather over (block, head) rows yields K as [seqs, heads, tokens, dim], ready for bmm with no
+copy); flash-attn needs [block_size, kv_heads, head_dim].
 
-The runner orders each batch decodes first (one query token, already-cached context), then
-prefill chunks, so the torch backend can attend all decodes with one gather and one SDPA call.
+`prepare(batch)` builds the step's metadata once; `forward(q, k, v, layer)` writes the new K/V into
+the cache and attends. The runner orders each batch decodes first (one query token each), then
+prefill chunks, so decodes are attended together.
 """
 from __future__ import annotations
 
@@ -18,8 +21,7 @@ import torch.nn.functional as F
 
 @dataclass
 class AttentionBatch:
-    """What a backend needs to know about one step. Sequences are in batch order; the first
-    `num_decodes` have exactly one query token."""
+    """One step, sequences in batch order; the first `num_decodes` have exactly one query token."""
     query_lens: list[int]
     context_lens: list[int]           # tokens visible to each sequence after this step
     block_tables: list[list[int]]
@@ -33,7 +35,11 @@ class AttentionBackend(ABC):
         self.kv_cache = kv_cache
         self.num_heads = num_heads
         self.scale = scale
-        self.block_size = kv_cache.shape[3]
+
+    @staticmethod
+    @abstractmethod
+    def block_shape(block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, int, int]:
+        """Shape of one layer's K (or V) within a block."""
 
     @abstractmethod
     def prepare(self, batch: AttentionBatch) -> None: ...
@@ -52,26 +58,36 @@ class _Prefill:
 
 
 class TorchAttention(AttentionBackend):
-    """CPU (and any device) backend: SDPA on gathered blocks. Decodes are batched: one index_select
-    per layer fetches every decode's blocks at once, padded to the longest context and masked."""
+    """CPU (and any device) backend. Decodes: one gather of K and one of V per layer for all
+    decoding sequences, then two bmm calls (for a single query, CPU SDPA is ~20x slower).
+    Prefill chunks: SDPA per sequence, on the chunk itself or on its gathered context."""
+
+    @staticmethod
+    def block_shape(block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, int, int]:
+        return (num_kv_heads, block_size, head_dim)
 
     def prepare(self, batch: AttentionBatch) -> None:
         self.batch = batch
         dev = self.kv_cache.device
-        bs = self.block_size
+        _, _, _, kh, bs, _ = self.kv_cache.shape
         nd = batch.num_decodes
-        self.dec_tables = self.dec_mask = None
         if nd:
             max_blocks = max(-(-c // bs) for c in batch.context_lens[:nd])
             table = torch.zeros(nd, max_blocks, dtype=torch.long)
             for i, bt in enumerate(batch.block_tables[:nd]):
                 n = -(-batch.context_lens[i] // bs)
                 table[i, :n] = torch.tensor(bt[:n])
-            self.dec_tables = table.to(dev).view(-1)
+            # Rows of the whole cache viewed as [N * layers * 2 * kh, bs * D] (a free view: the
+            # tensor is contiguous), ordered [k/v, seq, head, block]: one index_select per layer
+            # then yields K and V as [2, seq * head, tokens, D], ready for bmm.
+            n_layers = self.kv_cache.shape[1]
+            rows = table.unsqueeze(1) * (n_layers * 2 * kh) + torch.arange(kh).view(1, kh, 1)
+            rows = torch.stack((rows, rows + kh)).view(1, -1)
+            self.dec_rows = (rows + (torch.arange(n_layers) * 2 * kh).view(-1, 1)).to(dev)
             ctx = torch.tensor(batch.context_lens[:nd], device=dev)
             pos = torch.arange(max_blocks * bs, device=dev)
-            self.dec_mask = (pos[None, :] < ctx[:, None]).view(nd, 1, 1, -1)
-            self.dec_max_blocks = max_blocks
+            bias = torch.zeros(nd, max_blocks * bs, dtype=self.kv_cache.dtype, device=dev)
+            self.dec_bias = bias.masked_fill_(pos[None, :] >= ctx[:, None], float("-inf")).view(nd, 1, 1, -1)
         self.prefills: list[_Prefill] = []
         start = nd
         for qlen, ctx, bt in zip(batch.query_lens[nd:], batch.context_lens[nd:], batch.block_tables[nd:]):
@@ -79,26 +95,16 @@ class TorchAttention(AttentionBackend):
             self.prefills.append(_Prefill(start, start + qlen, ctx, blocks))
             start += qlen
 
-    def _layer_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        kv = self.kv_cache[:, layer]
-        return kv[:, 0], kv[:, 1]  # [num_blocks, block_size, Hkv, D] each, strided
-
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-        k_cache, v_cache = self._layer_cache(layer)
+        k_cache, v_cache = self.kv_cache[:, layer, 0], self.kv_cache[:, layer, 1]  # [N, kh, bs, D]
         b = self.batch
         # Indexed assignment writes in place (index_put_); `cache[idx].copy_()` would not.
-        k_cache[b.slot_blocks, b.slot_offsets] = k
-        v_cache[b.slot_blocks, b.slot_offsets] = v
+        k_cache[b.slot_blocks, :, b.slot_offsets] = k
+        v_cache[b.slot_blocks, :, b.slot_offsets] = v
         out = torch.empty_like(q)
         nd = b.num_decodes
         if nd:
-            kh, d = k.shape[1], k.shape[2]
-            kd = k_cache.index_select(0, self.dec_tables).view(nd, -1, kh, d).transpose(1, 2)
-            vd = v_cache.index_select(0, self.dec_tables).view(nd, -1, kh, d).transpose(1, 2)
-            qd = q[:nd].unsqueeze(2)  # [nd, H, 1, D]
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.dec_mask, scale=self.scale,
-                                               enable_gqa=True)
-            out[:nd] = o.squeeze(2)
+            out[:nd] = self._decode(q[:nd], layer)
         for p in self.prefills:
             qp = q[p.start:p.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             if p.blocks is None:
@@ -107,14 +113,30 @@ class TorchAttention(AttentionBackend):
                 o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale,
                                                    enable_gqa=True)
             else:
-                kh, d = k.shape[1], k.shape[2]
-                kp = k_cache.index_select(0, p.blocks).view(-1, kh, d)[:p.context_len]
-                vp = v_cache.index_select(0, p.blocks).view(-1, kh, d)[:p.context_len]
+                kp = self._gather_context(k_cache, p)
+                vp = self._gather_context(v_cache, p)
                 n = p.end - p.start
                 # query i (absolute position ctx-n+i) sees keys 0..ctx-n+i
                 mask = torch.ones(n, p.context_len, dtype=torch.bool, device=q.device).tril(p.context_len - n)
-                o = F.scaled_dot_product_attention(qp, kp.transpose(0, 1).unsqueeze(0),
-                                                   vp.transpose(0, 1).unsqueeze(0), attn_mask=mask,
-                                                   scale=self.scale, enable_gqa=True)
+                o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=self.scale,
+                                                   enable_gqa=True)
             out[p.start:p.end] = o.squeeze(0).transpose(0, 1)
         return out
+
+    @staticmethod
+    def _gather_context(cache: torch.Tensor, p: _Prefill) -> torch.Tensor:
+        """[1, kh, context_len, D] from the sequence's blocks."""
+        g = cache.index_select(0, p.blocks)  # [nblk, kh, bs, D]
+        kh, d = g.shape[1], g.shape[3]
+        return g.transpose(0, 1).reshape(kh, -1, d)[:, :p.context_len].unsqueeze(0)
+
+    def _decode(self, q: torch.Tensor, layer: int) -> torch.Tensor:
+        nd, h, d = q.shape
+        kh = self.kv_cache.shape[3]
+        g = h // kh
+        tiles = self.kv_cache.view(-1, self.kv_cache.shape[4] * d)
+        kv = tiles.index_select(0, self.dec_rows[layer]).view(2, nd * kh, -1, d)
+        qg = (q * self.scale).view(nd * kh, g, d)
+        scores = torch.bmm(qg, kv[0].transpose(1, 2)).view(nd, kh, g, -1) + self.dec_bias
+        probs = scores.float().softmax(dim=-1).to(q.dtype).view(nd * kh, g, -1)
+        return torch.bmm(probs, kv[1]).view(nd, h, d)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.layers.attention import AttentionBackend
-from nanoserve.layers.rotary import RotaryEmbedding
+from nanoserve.layers.rotary import RotaryEmbedding, rotate
 
 
 class LlamaModel(nn.Module):
@@ -111,13 +111,13 @@ class LlamaModel(nn.Module):
         h, d, hk = self.num_heads, self.head_dim, self.num_kv_heads
         q_end, k_end = self.q_size, self.q_size + self.kv_size
         residual = x
+        cos, sin = self.rotary.cos_sin(positions)
         for i, layer in enumerate(self.layers):
             x = F.rms_norm(residual, (self.hidden,), layer.input_norm, self.eps)
             qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-            q = qkv[:, :q_end].view(-1, h, d)
-            k = qkv[:, q_end:k_end].view(-1, hk, d)
+            qk = rotate(qkv[:, :k_end].view(-1, h + hk, d), cos, sin)
+            q, k = qk[:, :h], qk[:, h:]
             v = qkv[:, k_end:].view(-1, hk, d)
-            q, k = self.rotary(positions, q, k)
             o = attn.forward(q, k, v, i)
             residual = residual + F.linear(o.view(-1, h * d), layer.o)
             x = F.rms_norm(residual, (self.hidden,), layer.post_norm, self.eps)

@@ -1,0 +1,108 @@
+"""Start the real `nanoserve` server as a subprocess on 127.0.0.1 and talk to it over HTTP.
+
+Used by tests/test_server_*.py through module-scoped fixtures: one server per module, because
+loading the model costs ~10-20 s on this machine."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, *args: str, env: dict[str, str] | None = None, startup_timeout: float = 240.0) -> None:
+        self.port = free_port()
+        self.url = f"http://{HOST}:{self.port}"
+        self.base_url = self.url + "/v1"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="nanoserve-test-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "nanoserve.server.cli", "--host", HOST, "--port", str(self.port),
+               "--kv-cache-gb", "0.25", "--log-level", "warning", *args]
+        full_env = dict(os.environ, **(env or {}))
+        full_env.setdefault("OMP_NUM_THREADS", "2")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=full_env)
+        self._wait_healthy(startup_timeout)
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} during start-up:\n{self.logs()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"server not healthy after {timeout}s:\n{self.logs()}")
+
+    def logs(self) -> str:
+        self.log.flush()
+        with open(self.log.name) as f:
+            return f.read()[-5000:]
+
+    def client(self, api_key: str = "unused", **kw):
+        import openai
+        return openai.OpenAI(base_url=self.base_url, api_key=api_key, max_retries=0, timeout=120, **kw)
+
+    def async_client(self, api_key: str = "unused", **kw):
+        import openai
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key=api_key, max_retries=0, timeout=120, **kw)
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        """{(sample name, sorted labels without model_name): value} from /metrics."""
+        text = httpx.get(self.url + "/metrics", timeout=30).text
+        out = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
+                out[(s.name, labels)] = s.value
+        return out
+
+    def terminate(self, timeout: float = 90.0) -> int:
+        """SIGTERM and wait; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def stop(self) -> None:
+        self.terminate()
+        self.log.close()
+        os.unlink(self.log.name)
+
+
+def m(metrics: dict, name: str, **labels) -> float:
+    """One sample's value (0 if absent)."""
+    return metrics.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def assert_error(resp: httpx.Response, status: int, param: str | None = "?") -> dict:
+    assert resp.status_code == status, (resp.status_code, resp.text)
+    body = resp.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) >= {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"]
+    if param != "?":
+        assert err["param"] == param, err
+    return err
