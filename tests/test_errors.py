@@ -1,0 +1,65 @@
+"""Bad input raises a clear InvalidRequest naming the field, and the engine keeps serving."""
+from __future__ import annotations
+
+import pytest
+
+from nanoserve import LLM, InvalidRequest, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(max_model_len=256)
+
+
+def ok(llm):
+    out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("prompt, params, param, text", [
+    ("", SamplingParams(max_tokens=4), "prompt", "empty"),
+    ([], SamplingParams(max_tokens=4), "prompt", "at least one token"),
+    ([1, 2, 10**9], SamplingParams(max_tokens=4), "prompt", "out of vocabulary"),
+    ([1, -3], SamplingParams(max_tokens=4), "prompt", "out of vocabulary"),
+    ("word " * 300, SamplingParams(max_tokens=4), "prompt", "maximum context length is 256"),
+    ("Hello", SamplingParams(max_tokens=1000), "max_tokens", "maximum context length is 256"),
+])
+def test_bad_prompt(llm, prompt, params, param, text):
+    with pytest.raises(InvalidRequest, match=text) as e:
+        llm.generate([prompt], params)
+    assert e.value.param == param
+    ok(llm)
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(max_tokens=-1), "max_tokens"), (dict(temperature=-0.5), "temperature"), (dict(top_p=0), "top_p"),
+    (dict(n=0), "n"), (dict(top_k=-5), "top_k"), (dict(logprobs=50), "logprobs"),
+])
+def test_bad_sampling_params(kwargs, param):
+    with pytest.raises(InvalidRequest) as e:
+        SamplingParams(**kwargs)
+    assert e.value.param == param
+
+
+def test_bad_request_in_a_batch_queues_nothing(llm):
+    with pytest.raises(InvalidRequest):
+        llm.generate(["fine", ""], SamplingParams(max_tokens=2))
+    assert not llm.engine.has_unfinished()
+    ok(llm)
+
+
+def test_unknown_model_lists_where_it_looked():
+    with pytest.raises(InvalidRequest) as e:
+        LLM("no-such-model-xyz")
+    msg = str(e.value)
+    assert "no-such-model-xyz" in msg and "looked in" in msg and "local store" in msg and "To get it" in msg
+    assert e.value.param == "model"
+
+
+def test_request_larger_than_kv_budget_is_rejected(tiny_model):
+    llm = LLM(str(tiny_model), dtype="float32", block_size=4, num_kv_blocks=8)  # 32 tokens in all
+    assert llm.engine.max_model_len == 32
+    with pytest.raises(InvalidRequest, match="maximum context length"):
+        llm.generate([list(range(100, 120))], SamplingParams(max_tokens=20))
+    out = llm.generate([list(range(100, 110))], SamplingParams(max_tokens=20, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 20

@@ -1,0 +1,116 @@
+"""Block accounting: property tests on the pool and the prefix cache, and engine-level invariants
+after every step of random workloads with aborts and preemption."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.kvcache.block_pool import BlockPool, chain_hash
+from nanoserve.kvcache.manager import KVCacheManager
+from nanoserve.sampling_params import SamplingParams as SP
+from nanoserve.sequence import Sequence
+
+ops = st.lists(st.tuples(st.sampled_from(["alloc", "release", "publish", "lookup"]), st.integers(0, 10**6)),
+               max_size=200)
+
+
+@given(ops)
+@settings(max_examples=200, deadline=None)
+def test_block_pool_accounting(script):
+    pool = BlockPool(8)
+    held: list[int] = []
+    for op, x in script:
+        if op == "alloc" and pool.num_available():
+            b = pool.allocate()
+            assert pool.ref_count[b] == 1 and pool.block_hash[b] is None
+            held.append(b)
+        elif op == "release" and held:
+            pool.release(held.pop(x % len(held)))
+        elif op == "publish" and held:
+            b = held[x % len(held)]
+            pool.publish(b, chain_hash(None, (x % 5,)), (x % 5,))
+        elif op == "lookup":
+            b = pool.lookup(chain_hash(None, (x % 5,)), (x % 5,))
+            if b is not None:
+                assert pool.block_tokens[b] == (x % 5,)
+                pool.acquire(b)
+                held.append(b)
+        pool.check_invariants()
+        assert pool.stats().in_use == len(set(held))
+    for b in held:
+        pool.release(b)
+    pool.check_invariants()
+    assert pool.stats().in_use == 0
+
+
+def test_lru_evicts_oldest_and_cached_blocks_stay_findable():
+    pool = BlockPool(3)
+    blocks = [pool.allocate() for _ in range(3)]
+    for i, b in enumerate(blocks):
+        pool.publish(b, chain_hash(None, (i,)), (i,))
+    for b in blocks:  # released in order: blocks[0] is the least recently used
+        pool.release(b)
+    assert pool.lookup(chain_hash(None, (0,)), (0,)) == blocks[0]
+    assert pool.allocate() == blocks[0]  # evicted first ...
+    assert pool.lookup(chain_hash(None, (0,)), (0,)) is None  # ... and no longer findable
+    assert pool.lookup(chain_hash(None, (1,)), (1,)) == blocks[1]
+
+
+def test_hash_collision_is_caught_by_token_check():
+    pool = BlockPool(2)
+    b = pool.allocate()
+    pool.publish(b, 12345, (1, 2))
+    assert pool.lookup(12345, (1, 2)) == b
+    assert pool.lookup(12345, (3, 4)) is None
+
+
+@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=20), min_size=1, max_size=12))
+@settings(max_examples=100, deadline=None)
+def test_prefix_matching_reuses_only_equal_prefixes(prompts):
+    kv = KVCacheManager(num_blocks=64, block_size=2)
+    for i, prompt in enumerate(prompts):
+        s = Sequence(i, str(i), 0, prompt, SP(), 4, frozenset())
+        assert kv.admit(s, len(prompt))
+        cached = s.num_computed_tokens
+        assert cached < len(prompt)  # at least one token is always computed
+        # every reused block holds exactly this prompt's tokens at that position
+        for j in range(cached // 2):
+            assert kv.pool.block_tokens[s.block_table[j]] == tuple(prompt[2 * j:2 * j + 2])
+        s.num_computed_tokens = len(prompt)
+        kv.publish_computed(s)
+        kv.free(s)
+        kv.check_invariants()
+    assert kv.stats().in_use == 0
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_model):
+    return LLM(str(tiny_model), dtype="float32", block_size=4, num_kv_blocks=24, max_num_batched_tokens=24)
+
+
+def test_engine_invariants_random_workload_with_aborts(tiny_llm):
+    eng = tiny_llm.engine
+    rng = random.Random(0)
+    shared = [rng.randrange(100, 5000) for _ in range(12)]
+    live: list[str] = []
+    for step in range(150):
+        if step < 100 and rng.random() < 0.6:
+            rid = f"req{step}"
+            prompt = (shared if rng.random() < 0.5 else []) + [rng.randrange(100, 5000) for _ in range(rng.randint(1, 20))]
+            eng.add_request(rid, prompt, SamplingParams(temperature=0.8, max_tokens=rng.randint(1, 40),
+                                                        n=rng.choice([1, 1, 2]), seed=step, ignore_eos=True))
+            live.append(rid)
+        if live and rng.random() < 0.1:
+            eng.abort(live.pop(rng.randrange(len(live))))
+        for out in eng.step():
+            if out.finished and out.request_id in live:
+                live.remove(out.request_id)
+        eng.check_invariants()
+    while eng.has_unfinished():
+        eng.step()
+        eng.check_invariants()
+    assert eng.kv.stats().in_use == 0
+    assert eng.scheduler.num_preemptions > 0  # the budget was tight enough to exercise preemption
