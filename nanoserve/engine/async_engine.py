@@ -20,6 +20,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from nanoserve.engine.llm_engine import LLMEngine, Request
 from nanoserve.outputs import RequestOutput
 
@@ -157,6 +159,12 @@ class AsyncEngine:
 
     # ---- engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
+        # The engine thread only ever runs inference: inference mode (thread-local) makes every
+        # tensor the step creates an inference tensor, so in-place sampler updates on them are legal.
+        with torch.inference_mode():
+            self._loop()
+
+    def _loop(self) -> None:
         eng = self.engine
         try:
             while True:
