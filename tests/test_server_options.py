@@ -1,0 +1,113 @@
+"""Server options that need their own server: API key (from NANOSERVE_API_KEY) together with
+--no-prefix-caching, and --max-queue with graceful SIGTERM; plus `--help`."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from server_fixture import ServerProcess, assert_error
+
+KEY = "sk-test-1234"
+LONG_PROMPT = ("The quick brown fox jumps over the lazy dog while the farmer watches from the porch and "
+               "thinks about the harvest, the weather, and the price of grain at the market this autumn.")
+
+
+def test_help_explains_every_flag():
+    out = subprocess.run([sys.executable, "-m", "nanoserve.server.cli", "--help"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0
+    for flag in ("--model", "--host", "--port", "--served-model-name", "--api-key", "--dtype", "--device",
+                 "--block-size", "--kv-cache-gb", "--gpu-memory-utilization", "--host-cache-gb", "--max-num-seqs",
+                 "--max-num-batched-tokens", "--max-model-len", "--max-queue", "--no-prefix-caching",
+                 "--chat-template", "--log-level", "NANOSERVE_API_KEY"):
+        assert flag in out.stdout, flag
+
+
+@pytest.fixture(scope="module")
+def keyed():
+    s = ServerProcess("--no-prefix-caching", "--served-model-name", "tiny", env={"NANOSERVE_API_KEY": KEY})
+    yield s
+    s.stop()
+
+
+def test_api_key(keyed):
+    assert_error(httpx.get(keyed.base_url + "/models"), 401)
+    assert_error(httpx.get(keyed.base_url + "/models", headers={"Authorization": "Bearer nope"}), 401)
+    assert_error(httpx.post(keyed.base_url + "/completions", json={"prompt": "hi"}), 401)
+    assert_error(httpx.post(keyed.url + "/tokenize", json={"prompt": "hi"}), 401)
+    assert httpx.get(keyed.url + "/health").status_code == 200
+    assert httpx.get(keyed.url + "/metrics").status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        keyed.client(api_key="wrong").models.list()
+    c = keyed.client(api_key=KEY)
+    assert [m.id for m in c.models.list().data] == ["tiny"]
+    r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    assert r.model == "tiny" and r.usage.completion_tokens <= 3
+
+
+def test_no_prefix_caching_reports_zero_cached(keyed):
+    c = keyed.client(api_key=KEY)
+    for _ in range(2):
+        r = c.completions.create(model="tiny", prompt=LONG_PROMPT, max_tokens=2, temperature=0)
+        assert r.usage.prompt_tokens > 32
+        assert r.usage.prompt_tokens_details.cached_tokens == 0
+
+
+@pytest.fixture(scope="module")
+def queued():
+    s = ServerProcess("--max-num-seqs", "1", "--max-queue", "1")
+    yield s
+    s.stop()
+
+
+def test_max_queue_gives_503_with_retry_after(queued):
+    def one(i):
+        return httpx.post(queued.base_url + "/completions", timeout=120,
+                          json={"prompt": f"Item {i}:", "max_tokens": 24, "ignore_eos": True, "temperature": 0})
+    with ThreadPoolExecutor(8) as ex:
+        rs = list(ex.map(one, range(8)))
+    codes = sorted(r.status_code for r in rs)
+    assert set(codes) == {200, 503}, codes
+    for r in rs:
+        if r.status_code == 503:
+            err = assert_error(r, 503)
+            assert int(r.headers["retry-after"]) >= 1 and err["code"] == "server_overloaded"
+        else:
+            assert r.json()["usage"]["completion_tokens"] == 24
+    # once the queue drains, requests are accepted again
+    assert one(99).status_code == 200
+
+
+def test_sigterm_finishes_in_flight_and_exits_0(queued):
+    """Runs last in this module: it stops the server."""
+    chunks: list[str] = []
+    first = threading.Event()
+
+    def stream():
+        with httpx.stream("POST", queued.base_url + "/completions", timeout=120,
+                          json={"prompt": "Once upon a time", "max_tokens": 20, "ignore_eos": True,
+                                "stream": True}) as r:
+            for line in r.iter_lines():
+                if line:
+                    chunks.append(line)
+                    first.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert first.wait(60)
+    t0 = time.monotonic()
+    code = queued.terminate(timeout=90)
+    t.join(30)
+    assert code == 0, queued.logs()
+    assert chunks[-1] == "data: [DONE]"  # the in-flight request was allowed to finish
+    assert any('"finish_reason": "length"' in c for c in chunks)
+    assert time.monotonic() - t0 < 60
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(queued.url + "/health", timeout=5)
