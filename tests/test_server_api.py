@@ -118,6 +118,18 @@ def test_completion_stream_matches_non_stream(client, model):
     assert with_usage[-1].choices == [] and with_usage[-1].usage.completion_tokens == ref.usage.completion_tokens
 
 
+def test_stream_multibyte_characters(client, model):
+    """Characters split across tokens are streamed whole: no chunk but possibly the last (cut off by
+    max_tokens) carries U+FFFD, and the chunks join to the non-streamed text."""
+    prompt = "日本語: こんにちは、私の名前は"
+    ref = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0)
+    texts = [c.choices[0].text for c in client.completions.create(model=model, prompt=prompt, max_tokens=16,
+                                                                  temperature=0, stream=True) if c.choices]
+    assert "".join(texts) == ref.choices[0].text
+    assert any(ord(ch) > 0x3000 for ch in ref.choices[0].text)
+    assert not any("\ufffd" in t for t in texts[:-1])
+
+
 def test_stop_strings_trimmed(client, model):
     ref = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
     mid = len(ref) // 2
