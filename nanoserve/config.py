@@ -17,6 +17,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None  # exact device block count (tests); overrides kv_cache_gb
     host_cache_gb: float = 0.0        # second tier; 0 = off
+    host_offload_watermark: int = 0   # device blocks kept reusable without KV loss; 0 = one step's worth
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None = model's own, capped by KV capacity
@@ -34,6 +35,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.host_cache_gb < 0:
             raise ValueError("host_cache_gb must be >= 0")
+        if self.host_cache_gb and not self.enable_prefix_caching:
+            raise ValueError("--host-cache-gb needs prefix caching; drop --no-prefix-caching")
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

@@ -14,6 +14,7 @@ import torch
 
 from nanoserve.config import EngineConfig
 from nanoserve.detokenizer import Detokenizer
+from nanoserve.kvcache.host_tier import HostTier
 from nanoserve.kvcache.manager import KVCacheManager
 from nanoserve.layers.sampler import Sampler
 from nanoserve.models.llama import LlamaModel
@@ -66,9 +67,12 @@ class LLMEngine:
         self.layout = KVLayout(self.model.num_layers, block_size, self.model.num_kv_heads,
                                self.model.head_dim, self.dtype)
         num_blocks = self._num_device_blocks()
-        self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.layout, num_blocks, self.device)
+        host = self._host_tier()
+        watermark = config.host_offload_watermark or (
+            -(-config.max_num_batched_tokens // block_size) + config.max_num_seqs)
+        self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching, host, watermark)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(config.seed)
         model_max = self.hf_config.max_position_embeddings
         if config.max_model_len and config.max_model_len > model_max:
@@ -82,9 +86,11 @@ class LLMEngine:
         self.model_name = self.source.name
         log.info("model %s loaded in %.1fs (%s, %s)", self.model_name, time.monotonic() - t0,
                  self.device, str(self.dtype).removeprefix("torch."))
-        log.info("KV cache: device %d blocks x %d tokens = %d tokens, %.2f GiB; host tier off; "
-                 "max_model_len %d", num_blocks, block_size, num_blocks * block_size,
-                 num_blocks * self.layout.bytes_per_block / GiB, self.max_model_len)
+        log.info("KV cache: device %d blocks x %d tokens = %d tokens, %.2f GiB; %s; max_model_len %d",
+                 num_blocks, block_size, num_blocks * block_size,
+                 num_blocks * self.layout.bytes_per_block / GiB,
+                 f"host {host.pool.num_blocks} blocks = {host.pool.num_blocks * block_size} tokens, "
+                 f"{host.num_bytes / GiB:.2f} GiB" if host else "host tier off", self.max_model_len)
 
     # ---- setup helpers -------------------------------------------------------------------
     def _num_device_blocks(self) -> int:
@@ -103,6 +109,19 @@ class LLMEngine:
             raise ValueError(f"KV cache budget {budget / GiB:.3f} GiB holds no block "
                              f"({per_block / GiB:.4f} GiB each); raise --kv-cache-gb")
         return blocks
+
+    def _host_tier(self) -> HostTier | None:
+        gb = self.config.host_cache_gb
+        if not gb:
+            return None
+        available = _available_memory()
+        if gb * GiB > available:
+            raise ValueError(f"--host-cache-gb {gb} asks for more than this machine has available "
+                             f"({available / GiB:.1f} GiB)")
+        blocks = int(gb * GiB // self.layout.bytes_per_block)
+        if blocks < 1:
+            raise ValueError(f"--host-cache-gb {gb} holds no block ({self.layout.bytes_per_block / GiB:.4f} GiB each)")
+        return HostTier(blocks, self.runner.kv_cache)
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -181,6 +200,7 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self.kv.offload_cold_blocks()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []

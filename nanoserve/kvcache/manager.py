@@ -1,14 +1,18 @@
 """KV cache manager: maps sequences to device blocks, with prefix caching over hash-chained full
 blocks. The scheduler talks only to this class; it never touches tensors.
 
-A second (host) tier plugs in behind `match_prefix` / `free`: the device tier is asked first,
-then the host tier for the blocks that follow (see kvcache/host_tier.py when it exists).
+With a host tier, the prompt's chain of full blocks is matched block by block against the device
+index, then the host index; host hits are copied into newly allocated device blocks at admission
+(they count as computed only once copied). Before each step, `offload_cold_blocks` copies the
+device LRU's oldest cached blocks to host, so that evicting them later loses nothing and never
+waits for a copy; blocks that never get near eviction are never copied.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from nanoserve.kvcache.block_pool import BlockPool, PoolStats, chain_hash
+from nanoserve.kvcache.host_tier import HostTier
 from nanoserve.sequence import Sequence
 
 
@@ -37,11 +41,17 @@ class TierReport:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 host: HostTier | None = None, offload_watermark: int = 0) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.device_stats = PrefixCacheStats()
+        self.host = host
+        self.host_stats = PrefixCacheStats()
+        # blocks that must be reusable without losing cached KV (free, or cached and already on
+        # host) at the start of each step: about one step's worth of allocations
+        self.offload_watermark = min(offload_watermark, num_blocks)
 
     @property
     def num_blocks(self) -> int:
@@ -58,19 +68,24 @@ class KVCacheManager:
             hashes.append(chain_hash(hashes[-1] if hashes else None, tuple(seq.token_ids[i * bs:(i + 1) * bs])))
         return hashes[:num_blocks]
 
-    def match_prefix(self, seq: Sequence) -> list[int]:
-        """Cached device blocks for the sequence's leading full blocks. At least one token is left
-        to compute, so the last prompt position always produces logits."""
+    def match_prefix(self, seq: Sequence) -> list[tuple[str, int]]:
+        """(tier, block) for the sequence's leading cached full blocks, each looked up on device,
+        then on host. At least one token is left to compute, so the last prompt position always
+        produces logits."""
         if not self.enable_prefix_caching:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
-        hits: list[int] = []
+        hits: list[tuple[str, int]] = []
         bs = self.block_size
         for i, h in enumerate(self._hashes(seq, max_blocks)):
-            block = self.pool.lookup(h, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
-            if block is None:
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            block = self.pool.lookup(h, tokens)
+            if block is not None:
+                hits.append(("device", block))
+            elif self.host is not None and (hb := self.host.lookup(h, tokens)) is not None:
+                hits.append(("host", hb))
+            else:
                 break
-            hits.append(block)
         return hits
 
     def admit(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -78,23 +93,61 @@ class KVCacheManager:
         Returns False (and changes nothing) if the pool cannot supply them."""
         assert not seq.block_table and seq.num_computed_tokens == 0
         hits = self.match_prefix(seq)
+        dev_hits = [b for tier, b in hits if tier == "device"]
         num_cached = len(hits) * self.block_size
         num_new_tokens = min(num_new_tokens, seq.num_tokens - num_cached)
-        # Hits sitting in the LRU count as available, but acquiring them removes them from it.
-        need = self.blocks_needed(num_cached + num_new_tokens) - len(hits)
-        cached_free_hits = sum(1 for b in hits if self.pool.ref_count[b] == 0)
+        need = self.blocks_needed(num_cached + num_new_tokens) - len(dev_hits)
+        # device hits sitting in the LRU count as available, but acquiring them removes them from it
+        cached_free_hits = sum(1 for b in dev_hits if self.pool.ref_count[b] == 0)
         if self.pool.num_available() - cached_free_hits < need:
             return False
-        for b in hits:
+        for b in dev_hits:
             self.pool.acquire(b)
-        seq.block_table = hits + [self.pool.allocate() for _ in range(need)]
+        table: list[int] = []
+        loads: list[tuple[int, int]] = []  # (host block, device block)
+        for tier, b in hits:
+            if tier == "device":
+                table.append(b)
+            else:
+                table.append(self.pool.allocate())
+                loads.append((b, table[-1]))
+        if loads:
+            self.host.load([hb for hb, _ in loads], [db for _, db in loads])
+            bs = self.block_size
+            for i, (tier, _) in enumerate(hits):
+                if tier == "host":  # the copy is complete: the device block now holds this KV
+                    self.pool.publish(table[i], seq.block_hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+        table.extend(self.pool.allocate() for _ in range(need - len(loads)))
+        seq.block_table = table
         seq.num_computed_tokens = num_cached
         if not seq.admitted:
             seq.admitted = True
-            seq.num_cached_tokens = seq.num_device_cached_tokens = num_cached
+            host_tokens = len(loads) * self.block_size
+            seq.num_cached_tokens = num_cached
+            seq.num_device_cached_tokens = num_cached - host_tokens
+            seq.num_host_cached_tokens = host_tokens
             self.device_stats.queries += seq.num_prompt_tokens
-            self.device_stats.hits += num_cached
+            self.device_stats.hits += num_cached - host_tokens
+            if self.host is not None:
+                self.host_stats.queries += seq.num_prompt_tokens - (num_cached - host_tokens)
+                self.host_stats.hits += host_tokens
         return True
+
+    def offload_cold_blocks(self) -> int:
+        """Copy to host the oldest cached device blocks not yet there, until `offload_watermark`
+        blocks can be reused without losing KV. Returns the number of blocks copied."""
+        if self.host is None:
+            return 0
+        reusable = len(self.pool.free)
+        to_save = []
+        for block in self.pool.lru:  # oldest first: the next to be evicted
+            if reusable >= self.offload_watermark:
+                break
+            reusable += 1
+            h, tokens = self.pool.block_hash[block], self.pool.block_tokens[block]
+            if self.host.lookup(h, tokens) is None:
+                to_save.append((block, h, tokens))
+        return self.host.save(to_save) if to_save else 0
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow a running sequence's block table to hold `num_new_tokens` more tokens."""
@@ -130,8 +183,17 @@ class KVCacheManager:
 
     def reports(self) -> list[TierReport]:
         st = self.pool.stats()
-        return [TierReport("device", st.total, st.in_use, st.cached_free, st.free, self.block_size,
-                           self.device_stats.queries, self.device_stats.hits, self.pool.num_evictions)]
+        out = [TierReport("device", st.total, st.in_use, st.cached_free, st.free, self.block_size,
+                          self.device_stats.queries, self.device_stats.hits, self.pool.num_evictions)]
+        if self.host is not None:
+            hs, t = self.host.pool.stats(), self.host.transfers
+            out.append(TierReport("host", hs.total, hs.in_use, hs.cached_free, hs.free, self.block_size,
+                                  self.host_stats.queries, self.host_stats.hits, self.host.pool.num_evictions,
+                                  t.bytes_in, t.bytes_out, t.seconds_in, t.seconds_out))
+        return out
 
     def check_invariants(self) -> None:
         self.pool.check_invariants()
+        if self.host is not None:
+            self.host.pool.check_invariants()
+            assert self.host.pool.stats().in_use == 0, "host block still pinned after its copy"
