@@ -81,6 +81,7 @@ class AsyncEngine:
         self._num_waiting = 0                           # scheduler-waiting requests after the last step
         self._num_running = 0
         self._stopping = False
+        self._closed = False                            # set once the engine thread stops taking work
         self._thread: threading.Thread | None = None
         self.step_errors = 0
         self.last_error: str | None = None
@@ -119,13 +120,13 @@ class AsyncEngine:
     async def generate(self, req: Request) -> AsyncIterator[RequestOutput]:
         """Add `req` and yield its outputs until the finished one. Leaving early (break, cancel,
         client gone) aborts the request. Raises EngineError if the engine failed it."""
-        if not self.alive:
-            raise EngineDead("the engine is not running")
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        with self._lock:
+        with self._lock:  # either the engine thread will see this add, or we refuse it here
+            if self._closed or not self.alive:
+                raise EngineDead("the engine is not running")
             self._pending_adds += 1
-        self._inbox.put(("add", req, _Track(loop, q, time.monotonic())))
+            self._inbox.put(("add", req, _Track(loop, q, time.monotonic())))
         finished = False
         try:
             while True:
@@ -282,6 +283,8 @@ class AsyncEngine:
 
     def _shutdown(self) -> None:
         self._stopping = True
+        with self._lock:
+            self._closed = True  # from here on generate() refuses; everything queued before is failed below
         err = EngineDead("the server is shutting down")
         for rid, track in list(self._tracks.items()):
             try:
