@@ -34,6 +34,7 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
 
+    @torch.inference_mode()  # penalties and biases edit the runner's (inference) logits in place
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         logits = logits.float()
         want_lp = [s.params.logprobs is not None for s in seqs]

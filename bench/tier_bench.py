@@ -1,0 +1,193 @@
+"""Two-tier prefix cache benchmark: the long-document QA workload.
+
+D documents of L tokens; request i asks `doc[i % D] + question_i`; R rounds, round-robin, so a
+device tier holding a quarter of the documents (LRU) never has the next one. Configs, side by side
+in one run: prefix caching off, device only, device + host. Reports per round TTFT (mean/p50/p90),
+time, throughput and the fraction of prompt tokens served by each tier; then the no-reuse workload
+(unique prompts) with the host tier on vs off.
+
+    python bench/tier_bench.py                       # offline engine
+    python bench/tier_bench.py --target server       # the same through the HTTP server (streaming)
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+GiB = 1 << 30
+
+
+@dataclass
+class Done:
+    prompt_tokens: int
+    output_tokens: int
+    ttft: float
+    device_cached: int
+    host_cached: int
+
+
+def workload(args, reuse: bool, seed: int = 0) -> list[list[list[int]]]:
+    """Rounds of token-id prompts."""
+    rng = random.Random(seed)
+    tok = lambda n: [rng.randrange(100, 40000) for _ in range(n)]  # noqa: E731
+    docs = [tok(args.doc_len) for _ in range(args.docs)]
+    return [[(docs[i] if reuse else tok(args.doc_len)) + tok(args.question_len) for i in range(args.docs)]
+            for _ in range(args.rounds)]
+
+
+def summarize(name: str, rnd: int, done: list[Done], elapsed: float) -> dict:
+    ttft = sorted(d.ttft * 1000 for d in done)
+    prompt = sum(d.prompt_tokens for d in done)
+    row = {"config": name, "round": rnd, "ttft_mean_ms": statistics.mean(ttft),
+           "ttft_p50_ms": statistics.median(ttft), "ttft_p90_ms": ttft[int(0.9 * (len(ttft) - 1))],
+           "time_s": elapsed, "tok_s": (prompt + sum(d.output_tokens for d in done)) / elapsed,
+           "device_hit": sum(d.device_cached for d in done) / prompt,
+           "host_hit": sum(d.host_cached for d in done) / prompt}
+    print(f"{name:14s} round {rnd}: TTFT mean {row['ttft_mean_ms']:8.1f} ms  p50 {row['ttft_p50_ms']:8.1f}  "
+          f"p90 {row['ttft_p90_ms']:8.1f}  time {elapsed:6.2f}s  {row['tok_s']:7.1f} tok/s  "
+          f"hits: device {row['device_hit']:.0%} host {row['host_hit']:.0%}", flush=True)
+    return row
+
+
+# ---- offline engine ----------------------------------------------------------------------
+def run_offline(args, name: str, cfg: dict, rounds) -> list[dict]:
+    from nanoserve.config import EngineConfig
+    from nanoserve.engine.llm_engine import LLMEngine
+    from nanoserve.sampling_params import SamplingParams
+    eng = LLMEngine(EngineConfig(model=args.model, **cfg))
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    rows = []
+    for rnd, prompts in enumerate(rounds):
+        pending = list(enumerate(prompts))
+        done: list[Done] = []
+        t0 = time.perf_counter()
+        while pending or eng.has_unfinished():
+            while pending and len(eng.requests) < args.concurrency:  # closed loop
+                i, p = pending.pop(0)
+                eng.add(eng.make_request(f"{rnd}-{i}", p, params))
+            for out in eng.step():
+                if out.finished:
+                    done.append(Done(len(out.prompt_token_ids), len(out.outputs[0].token_ids),
+                                     out.metrics["first_token"] - out.metrics["arrival"],
+                                     out.num_device_cached_tokens, out.num_host_cached_tokens))
+        rows.append(summarize(name, rnd, done, time.perf_counter() - t0))
+        eng.check_invariants()
+    return rows
+
+
+# ---- HTTP server -----------------------------------------------------------------------------
+def cli_flags(cfg: dict) -> list[str]:
+    flags = ["--kv-cache-gb", str(cfg["kv_cache_gb"]), "--max-num-seqs", str(cfg["max_num_seqs"])]
+    if cfg.get("host_cache_gb"):
+        flags += ["--host-cache-gb", str(cfg["host_cache_gb"])]
+    if not cfg.get("enable_prefix_caching", True):
+        flags.append("--no-prefix-caching")
+    return flags
+
+
+def run_server(args, name: str, cfg: dict, rounds) -> list[dict]:
+    import httpx
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.server_fixture import ServerProcess
+    server = ServerProcess(*cli_flags(cfg), *(["--model", args.model] if args.model else []))
+
+    async def one(client, prompt) -> Done:
+        body = {"model": "x", "prompt": prompt, "max_tokens": args.output_len, "temperature": 0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        t0 = time.perf_counter()
+        ttft, usage = None, {}
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("choices") and ttft is None:
+                    ttft = time.perf_counter() - t0
+                usage = chunk.get("usage") or usage
+        det = usage.get("prompt_tokens_details") or {}
+        return Done(usage["prompt_tokens"], usage["completion_tokens"], ttft or 0.0,
+                    det.get("device_cached_tokens", 0), det.get("host_cached_tokens", 0))
+
+    async def run_round(prompts) -> list[Done]:
+        sem = asyncio.Semaphore(args.concurrency)
+        async with httpx.AsyncClient(base_url=server.url, timeout=600) as client:
+            async def limited(p):
+                async with sem:
+                    return await one(client, p)
+            return await asyncio.gather(*(limited(p) for p in prompts))
+
+    rows = []
+    try:
+        for rnd, prompts in enumerate(rounds):
+            t0 = time.perf_counter()
+            done = asyncio.run(run_round(prompts))
+            rows.append(summarize(name, rnd, done, time.perf_counter() - t0))
+    finally:
+        server.stop()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", choices=["offline", "server"], default="offline")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--docs", type=int, default=16)
+    ap.add_argument("--doc-len", type=int, default=1024)
+    ap.add_argument("--question-len", type=int, default=16)
+    ap.add_argument("--output-len", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, default=2)
+    ap.add_argument("--configs", default="off,device,host,noreuse")
+    args = ap.parse_args()
+    from nanoserve.engine.llm_engine import LLMEngine  # noqa: F401  (fail early if not installed)
+    # device: a quarter of the documents plus room for the running requests; host: all of them
+    bytes_per_token = 30 * 2 * 3 * 64 * 2  # embedded model, bf16
+    req_tokens = args.doc_len + args.question_len + args.output_len
+    device_gb = (args.docs * args.doc_len / 4 + args.concurrency * req_tokens) * bytes_per_token / GiB
+    host_gb = 1.5 * args.docs * req_tokens * bytes_per_token / GiB
+    base = dict(kv_cache_gb=round(device_gb, 4), max_num_seqs=args.concurrency)
+    configs = {"off": dict(base, enable_prefix_caching=False), "device": base,
+               "host": dict(base, host_cache_gb=round(host_gb, 4))}
+    print(f"workload: {args.docs} docs x {args.doc_len} tokens, {args.rounds} rounds, concurrency "
+          f"{args.concurrency}; device KV {device_gb:.3f} GiB (~{args.docs // 4} docs), host {host_gb:.3f} GiB; "
+          f"target {args.target}", flush=True)
+    run = run_offline if args.target == "offline" else run_server
+    wanted = args.configs.split(",")
+    results: dict[str, list[dict]] = {}
+    reuse = workload(args, reuse=True)
+    for name in ("off", "device", "host"):
+        if name in wanted:
+            results[name] = run(args, name, configs[name], reuse)
+    if "noreuse" in wanted:
+        unique = workload(args, reuse=False, seed=1)
+        for name, cfg in (("noreuse-off", base), ("noreuse-host", configs["host"])):
+            results[name] = run(args, name, cfg, unique)
+    print("\nsummary (rounds after the first):")
+    later = {k: [r for r in v if r["round"] > 0] for k, v in results.items()}
+    for k, rows in later.items():
+        if rows:
+            print(f"  {k:14s} TTFT mean {statistics.mean(r['ttft_mean_ms'] for r in rows):8.1f} ms  "
+                  f"hits device {statistics.mean(r['device_hit'] for r in rows):.0%} "
+                  f"host {statistics.mean(r['host_hit'] for r in rows):.0%}  "
+                  f"throughput {statistics.median(r['tok_s'] for r in rows):.1f} tok/s")
+    if "device" in later and "host" in later and later["host"]:
+        ratio = statistics.mean(r["ttft_mean_ms"] for r in later["device"]) / statistics.mean(
+            r["ttft_mean_ms"] for r in later["host"])
+        print(f"  TTFT mean device-only / device+host: {ratio:.1f}x")
+    if "noreuse-off" in results:
+        off = statistics.median(r["tok_s"] for r in results["noreuse-off"])
+        on = statistics.median(r["tok_s"] for r in results["noreuse-host"])
+        print(f"  no reuse: throughput host on / off = {on / off:.3f}")
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
