@@ -62,7 +62,7 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.model = LlamaModel(self.hf_config, self.dtype, self.device)
         self.model.load_weights(iter_weights(self.source))
-        self.model.eval()
+        self.model.finalize()
         block_size = config.block_size or (256 if self.device.type == "cuda" else 16)
         self.layout = KVLayout(self.model.num_layers, block_size, self.model.num_kv_heads,
                                self.model.head_dim, self.dtype)

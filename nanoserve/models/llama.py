@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.layers.attention import AttentionBackend
+from nanoserve.layers.linear import Linear
 from nanoserve.layers.rotary import RotaryEmbedding, rotate
 
 
@@ -104,6 +105,15 @@ class LlamaModel(nn.Module):
         if len(loaded) != expected:
             raise ValueError(f"checkpoint is incomplete: loaded {len(loaded)} of {expected} tensors")
 
+    def finalize(self) -> None:
+        """After loading: wrap the projection weights in (CPU-prepacked) linear layers."""
+        for layer in self.layers:
+            layer.qkv_lin = Linear(layer.qkv, layer.qkv_bias)
+            layer.o_lin = Linear(layer.o)
+            layer.gate_up_lin = Linear(layer.gate_up)
+            layer.down_lin = Linear(layer.down)
+        self.lm_head_lin = Linear(self.lm_head)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids/positions [T] -> logits [len(logits_indices), vocab] in fp32."""
@@ -114,15 +124,15 @@ class LlamaModel(nn.Module):
         cos, sin = self.rotary.cos_sin(positions)
         for i, layer in enumerate(self.layers):
             x = F.rms_norm(residual, (self.hidden,), layer.input_norm, self.eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv_lin(x)
             qk = rotate(qkv[:, :k_end].view(-1, h + hk, d), cos, sin)
             q, k = qk[:, :h], qk[:, h:]
             v = qkv[:, k_end:].view(-1, hk, d)
             o = attn.forward(q, k, v, i)
-            residual = residual + F.linear(o.view(-1, h * d), layer.o)
+            residual = residual + layer.o_lin(o.view(-1, h * d))
             x = F.rms_norm(residual, (self.hidden,), layer.post_norm, self.eps)
-            gu = F.linear(x, layer.gate_up)
+            gu = layer.gate_up_lin(x)
             gate, up = gu.chunk(2, dim=-1)
-            residual = residual + F.linear(F.silu(gate) * up, layer.down)
+            residual = residual + layer.down_lin(F.silu(gate) * up)
         x = F.rms_norm(residual[logits_indices], (self.hidden,), self.norm, self.eps)
-        return F.linear(x, self.lm_head).float()
+        return self.lm_head_lin(x).float()
