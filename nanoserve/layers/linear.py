@@ -13,9 +13,9 @@ import torch.nn.functional as F
 class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight, self.bias = weight, bias
+        # keep `weight` referenced: the packed tensor may alias its storage (freeing the
+        # original corrupts the packed weight)
         self.packed = _pack(weight, bias)
-        if self.packed is not None:
-            self.weight = None  # the packed copy is all forward needs
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
