@@ -58,29 +58,31 @@ def summarize(name: str, rnd: int, done: list[Done], elapsed: float) -> dict:
 
 
 # ---- offline engine ----------------------------------------------------------------------
-def run_offline(args, name: str, cfg: dict, rounds) -> list[dict]:
-    from nanoserve.config import EngineConfig
-    from nanoserve.engine.llm_engine import LLMEngine
-    from nanoserve.sampling_params import SamplingParams
-    eng = LLMEngine(EngineConfig(model=args.model, **cfg))
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    rows = []
-    for rnd, prompts in enumerate(rounds):
-        pending = list(enumerate(prompts))
-        done: list[Done] = []
-        t0 = time.perf_counter()
+class OfflineTarget:
+    def __init__(self, args, cfg: dict) -> None:
+        from nanoserve.config import EngineConfig
+        from nanoserve.engine.llm_engine import LLMEngine
+        from nanoserve.sampling_params import SamplingParams
+        self.args = args
+        self.eng = LLMEngine(EngineConfig(model=args.model, **cfg))
+        self.params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+
+    def round(self, rnd: int, prompts) -> list[Done]:
+        eng, pending, done = self.eng, list(enumerate(prompts)), []
         while pending or eng.has_unfinished():
-            while pending and len(eng.requests) < args.concurrency:  # closed loop
+            while pending and len(eng.requests) < self.args.concurrency:  # closed loop
                 i, p = pending.pop(0)
-                eng.add(eng.make_request(f"{rnd}-{i}", p, params))
+                eng.add(eng.make_request(f"{rnd}-{i}", p, self.params))
             for out in eng.step():
                 if out.finished:
                     done.append(Done(len(out.prompt_token_ids), len(out.outputs[0].token_ids),
                                      out.metrics["first_token"] - out.metrics["arrival"],
                                      out.num_device_cached_tokens, out.num_host_cached_tokens))
-        rows.append(summarize(name, rnd, done, time.perf_counter() - t0))
         eng.check_invariants()
-    return rows
+        return done
+
+    def close(self) -> None:
+        pass
 
 
 # ---- HTTP server -----------------------------------------------------------------------------
@@ -93,14 +95,15 @@ def cli_flags(cfg: dict) -> list[str]:
     return flags
 
 
-def run_server(args, name: str, cfg: dict, rounds) -> list[dict]:
-    import httpx
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.server_fixture import ServerProcess
-    server = ServerProcess(*cli_flags(cfg), *(["--model", args.model] if args.model else []))
+class ServerTarget:
+    def __init__(self, args, cfg: dict) -> None:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from tests.server_fixture import ServerProcess
+        self.args = args
+        self.server = ServerProcess(*cli_flags(cfg), *(["--model", args.model] if args.model else []))
 
-    async def one(client, prompt) -> Done:
-        body = {"model": "x", "prompt": prompt, "max_tokens": args.output_len, "temperature": 0,
+    async def _one(self, client, prompt) -> Done:
+        body = {"model": "x", "prompt": prompt, "max_tokens": self.args.output_len, "temperature": 0,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
         t0 = time.perf_counter()
         ttft, usage = None, {}
@@ -116,22 +119,36 @@ def run_server(args, name: str, cfg: dict, rounds) -> list[dict]:
         return Done(usage["prompt_tokens"], usage["completion_tokens"], ttft or 0.0,
                     det.get("device_cached_tokens", 0), det.get("host_cached_tokens", 0))
 
-    async def run_round(prompts) -> list[Done]:
-        sem = asyncio.Semaphore(args.concurrency)
-        async with httpx.AsyncClient(base_url=server.url, timeout=600) as client:
-            async def limited(p):
-                async with sem:
-                    return await one(client, p)
-            return await asyncio.gather(*(limited(p) for p in prompts))
+    def round(self, rnd: int, prompts) -> list[Done]:
+        import httpx
 
-    rows = []
+        async def run() -> list[Done]:
+            sem = asyncio.Semaphore(self.args.concurrency)
+            async with httpx.AsyncClient(base_url=self.server.url, timeout=600) as client:
+                async def limited(p):
+                    async with sem:
+                        return await self._one(client, p)
+                return await asyncio.gather(*(limited(p) for p in prompts))
+        return asyncio.run(run())
+
+    def close(self) -> None:
+        self.server.stop()
+
+
+def run_side_by_side(args, configs: dict[str, dict], rounds) -> dict[str, list[dict]]:
+    """All configs up at once, rounds interleaved (A0 B0 A1 B1 ...): machine drift hits them alike."""
+    cls = OfflineTarget if args.target == "offline" else ServerTarget
+    targets = {name: cls(args, cfg) for name, cfg in configs.items()}
+    rows: dict[str, list[dict]] = {name: [] for name in configs}
     try:
         for rnd, prompts in enumerate(rounds):
-            t0 = time.perf_counter()
-            done = asyncio.run(run_round(prompts))
-            rows.append(summarize(name, rnd, done, time.perf_counter() - t0))
+            for name, target in targets.items():
+                t0 = time.perf_counter()
+                done = target.round(rnd, prompts)
+                rows[name].append(summarize(name, rnd, done, time.perf_counter() - t0))
     finally:
-        server.stop()
+        for target in targets.values():
+            target.close()
     return rows
 
 
@@ -144,6 +161,7 @@ def main() -> None:
     ap.add_argument("--question-len", type=int, default=16)
     ap.add_argument("--output-len", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--noreuse-rounds", type=int, default=5)
     ap.add_argument("--concurrency", type=int, default=2)
     ap.add_argument("--configs", default="off,device,host,noreuse")
     args = ap.parse_args()
@@ -159,17 +177,11 @@ def main() -> None:
     print(f"workload: {args.docs} docs x {args.doc_len} tokens, {args.rounds} rounds, concurrency "
           f"{args.concurrency}; device KV {device_gb:.3f} GiB (~{args.docs // 4} docs), host {host_gb:.3f} GiB; "
           f"target {args.target}", flush=True)
-    run = run_offline if args.target == "offline" else run_server
     wanted = args.configs.split(",")
-    results: dict[str, list[dict]] = {}
-    reuse = workload(args, reuse=True)
-    for name in ("off", "device", "host"):
-        if name in wanted:
-            results[name] = run(args, name, configs[name], reuse)
+    results = run_side_by_side(args, {k: v for k, v in configs.items() if k in wanted}, workload(args, reuse=True))
     if "noreuse" in wanted:
-        unique = workload(args, reuse=False, seed=1)
-        for name, cfg in (("noreuse-off", base), ("noreuse-host", configs["host"])):
-            results[name] = run(args, name, cfg, unique)
+        unique = workload(argparse.Namespace(**{**vars(args), "rounds": args.noreuse_rounds}), reuse=False, seed=1)
+        results.update(run_side_by_side(args, {"noreuse-off": base, "noreuse-host": configs["host"]}, unique))
     print("\nsummary (rounds after the first):")
     later = {k: [r for r in v if r["round"] > 0] for k, v in results.items()}
     for k, rows in later.items():
@@ -183,9 +195,9 @@ def main() -> None:
             r["ttft_mean_ms"] for r in later["host"])
         print(f"  TTFT mean device-only / device+host: {ratio:.1f}x")
     if "noreuse-off" in results:
-        off = statistics.median(r["tok_s"] for r in results["noreuse-off"])
-        on = statistics.median(r["tok_s"] for r in results["noreuse-host"])
-        print(f"  no reuse: throughput host on / off = {on / off:.3f}")
+        ratios = [h["tok_s"] / o["tok_s"] for h, o in zip(results["noreuse-host"], results["noreuse-off"])]
+        print(f"  no reuse: throughput host on / off = {statistics.median(ratios):.3f} (median of per-round "
+              f"ratios {', '.join(f'{r:.3f}' for r in ratios)})")
     print(json.dumps(results))
 
 

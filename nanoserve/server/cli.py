@@ -11,7 +11,6 @@ import os
 import signal
 import sys
 
-GiB = 1 << 30
 
 log = logging.getLogger("nanoserve.server")
 
@@ -49,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CUDA: fraction of GPU memory the server may use (weights + KV cache)")
     kv.add_argument("--host-cache-gb", type=float, default=0.0,
                     help="second prefix-cache tier in host memory, in GiB; 0 = off")
+    kv.add_argument("--host-offload-watermark", type=int, default=0, metavar="BLOCKS",
+                    help="device blocks kept reusable without losing cached KV (cold blocks are copied "
+                         "to the host tier ahead of eviction to keep this many); 0 = one step's worth")
     kv.add_argument("--no-prefix-caching", action="store_true",
                     help="disable prefix caching (every prompt is computed in full)")
     s = p.add_argument_group("scheduling")
@@ -93,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
             block_size=args.block_size, kv_cache_gb=args.kv_cache_gb,
             gpu_memory_utilization=args.gpu_memory_utilization, host_cache_gb=args.host_cache_gb,
+            host_offload_watermark=args.host_offload_watermark,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
             chat_template=args.chat_template, seed=args.seed)
@@ -100,7 +103,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, OSError) as e:
         log.error("cannot start: %s", e)
         return 2
-    _log_capacity(engine, args)
     name = args.served_model_name or engine.model_name
     aengine = AsyncEngine(engine, ServerMetrics(name))
     app = create_app(aengine, name, args.api_key, args.max_queue)
@@ -123,22 +125,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     log.info("stopped")
     return 0
-
-
-def _log_capacity(engine, args) -> None:
-    per_block = engine.layout.bytes_per_block
-    reports = engine.kv.reports()
-    parts = [f"{r.tier} {r.blocks_total} blocks x {r.block_size} tokens = {r.blocks_total * r.block_size} tokens, "
-             f"{r.blocks_total * per_block / GiB:.2f} GiB" for r in reports]
-    tiers = {r.tier for r in reports}
-    if args.host_cache_gb > 0 and "host" not in tiers:
-        parts.append(f"host tier NOT SUPPORTED YET by this engine: --host-cache-gb {args.host_cache_gb} "
-                     "is not in effect")
-        log.warning("--host-cache-gb %s was given but this engine has no host KV tier yet; "
-                    "serving with the device tier only", args.host_cache_gb)
-    elif "host" not in tiers:
-        parts.append("host tier off")
-    log.info("KV capacity: %s; max_model_len %d", "; ".join(parts), engine.max_model_len)
 
 
 if __name__ == "__main__":
