@@ -82,7 +82,10 @@ class OfflineTarget:
         return done
 
     def close(self) -> None:
-        pass
+        for r in self.eng.kv.reports():
+            if r.tier == "host":
+                print(f"  host tier: {r.bytes_in / 2**20:.0f} MiB in ({r.seconds_in:.2f}s), "
+                      f"{r.bytes_out / 2**20:.0f} MiB out ({r.seconds_out:.2f}s)")
 
 
 # ---- HTTP server -----------------------------------------------------------------------------
@@ -101,13 +104,17 @@ class ServerTarget:
         from tests.server_fixture import ServerProcess
         self.args = args
         self.server = ServerProcess(*cli_flags(cfg), *(["--model", args.model] if args.model else []))
+        import httpx
+        self.model = httpx.get(self.server.base_url + "/models").json()["data"][0]["id"]
 
     async def _one(self, client, prompt) -> Done:
-        body = {"model": "x", "prompt": prompt, "max_tokens": self.args.output_len, "temperature": 0,
+        body = {"model": self.model, "prompt": prompt, "max_tokens": self.args.output_len, "temperature": 0,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
         t0 = time.perf_counter()
         ttft, usage = None, {}
         async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:500]}")
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue

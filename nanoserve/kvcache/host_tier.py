@@ -48,7 +48,9 @@ class HostTier:
         self.pool = BlockPool(num_blocks)
         on_cuda = device_cache.device.type == "cuda"
         self.device_cache = device_cache
-        self.cache = torch.empty((num_blocks, *device_cache.shape[1:]), dtype=device_cache.dtype,
+        # zeros, not empty: touch every page now, at start-up, rather than page-faulting inside
+        # the serving loop on each block's first copy
+        self.cache = torch.zeros((num_blocks, *device_cache.shape[1:]), dtype=device_cache.dtype,
                                  pin_memory=on_cuda)
         self.block_bytes = device_cache[0].numel() * device_cache.element_size()
         self.stream = torch.cuda.Stream(device_cache.device) if on_cuda else None
