@@ -159,7 +159,11 @@ def materialize(src: ModelSource) -> ModelSource:
         cfg.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         save_file(tensors, str(tmp / "model.safetensors"))
-        tmp.rename(out) if not out.exists() else None
+        try:
+            tmp.rename(out)
+        except OSError:  # another process finished the same conversion first: use theirs
+            if not (out / "model.safetensors").exists():
+                raise
     return ModelSource(src.name, out)
 
 
