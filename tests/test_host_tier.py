@@ -154,3 +154,58 @@ def test_embedded_model_identical_from_host(embedded_dir):
     fresh = LLM(dtype="float32", enable_prefix_caching=False)
     assert again.outputs[0].token_ids == fresh.generate([q[1]], params)[0].outputs[0].token_ids
     assert first.outputs[0].token_ids == fresh.generate([q[0]], params)[0].outputs[0].token_ids
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from nanoserve.kvcache.manager import KVCacheManager  # noqa: E402
+from nanoserve.sequence import Sequence  # noqa: E402
+
+
+def _pattern(tokens: tuple[int, ...]) -> float:
+    return float(hash(tokens) % 100003)
+
+
+@given(st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=12), min_size=1, max_size=25),
+       st.integers(2, 12))
+@settings(max_examples=80, deadline=None)
+def test_manager_with_host_tier_keeps_kv_content_and_accounting(prompts, host_blocks):
+    """Random prompts over a tiny alphabet (many shared prefixes) through a 6-block device tier and a
+    2..12-block host tier (both tiers evict). Each computed block is filled with a value derived from its tokens; whatever
+    tier a cached block comes from, its device content must be that value."""
+    bs = 2
+    device = torch.zeros(6, 1, 2, 1, bs, 1)
+    kv = KVCacheManager(6, bs, host=HostTier(host_blocks, device), offload_watermark=6)  # >= one admission
+    for i, prompt in enumerate(prompts):
+        kv.offload_cold_blocks()
+        seq = Sequence(i, str(i), 0, prompt, SamplingParams(), 4, frozenset())
+        assert kv.admit(seq, len(prompt))
+        for j in range(seq.num_computed_tokens // bs):  # reused blocks hold this prefix's KV
+            assert device[seq.block_table[j]].eq(_pattern(tuple(prompt[j * bs:(j + 1) * bs]))).all()
+        for j in range(seq.num_computed_tokens // bs, len(prompt) // bs):  # "compute" the rest
+            device[seq.block_table[j]] = _pattern(tuple(prompt[j * bs:(j + 1) * bs]))
+        seq.num_computed_tokens = len(prompt)
+        kv.publish_computed(seq)
+        assert seq.num_cached_tokens == seq.num_device_cached_tokens + seq.num_host_cached_tokens
+        kv.free(seq)
+        kv.check_invariants()
+    device_report, host_report = kv.reports()
+    assert device_report.blocks_in_use == 0 and host_report.blocks_in_use == 0
+    assert host_report.hit_tokens <= host_report.query_tokens
+
+
+def test_manager_property_setup_reaches_the_host_tier():
+    """The property test above is only worth something if its setup produces host hits."""
+    bs = 2
+    device = torch.zeros(6, 1, 2, 1, bs, 1)
+    kv = KVCacheManager(6, bs, host=HostTier(12, device), offload_watermark=6)
+    got = []
+    for i, prompt in enumerate([[0, 0, 0, 0, 1], [1] * 11, [0, 0, 0, 0, 2]]):
+        kv.offload_cold_blocks()
+        seq = Sequence(i, str(i), 0, prompt, SamplingParams(), 4, frozenset())
+        assert kv.admit(seq, len(prompt))
+        got.append(seq.num_host_cached_tokens)
+        seq.num_computed_tokens = len(prompt)
+        kv.publish_computed(seq)
+        kv.free(seq)
+    assert got == [0, 0, 4]
