@@ -32,4 +32,5 @@ class RequestOutput:
     num_device_cached_tokens: int = 0
     num_host_cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # first entry None (nothing precedes it)
     metrics: dict[str, float] = field(default_factory=dict)  # arrival, first_token, finished (monotonic)

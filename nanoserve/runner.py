@@ -13,6 +13,14 @@ from nanoserve.sequence import Sequence
 
 
 @dataclass
+class PromptLogitRows:
+    """Rows of the step's logits that score prompt tokens: row i predicts token first_target + i."""
+    seq: Sequence
+    first_target: int
+    count: int
+
+
+@dataclass
 class KVLayout:
     num_layers: int
     block_size: int
@@ -40,9 +48,10 @@ class ModelRunner:
         self.attn: AttentionBackend = layout.backend(self.kv_cache, model.num_heads, model.scale)
 
     @torch.inference_mode()
-    def run(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[Sequence]]:
-        """Compute one step. Returns logits [S, V] for the S sequences whose scheduled tokens reach
-        their end (they sample next), in that order."""
+    def run(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[Sequence], list[PromptLogitRows]]:
+        """Compute one step. Returns logits whose first S rows belong to the S sequences whose
+        scheduled tokens reach their end (they sample next), in that order, followed by the rows
+        that score prompt tokens for requests that asked for prompt logprobs."""
         # decodes first: the torch backend attends them with one batched call
         order = sorted(scheduled, key=lambda s: not self._is_decode(s))
         bs = self.layout.block_size
@@ -53,6 +62,8 @@ class ModelRunner:
         query_lens, context_lens, tables = [], [], []
         logits_idx: list[int] = []
         samplers: list[Sequence] = []
+        prompt_idx: list[int] = []
+        prompt_rows: list[PromptLogitRows] = []
         for s in order:
             seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_tokens
             ids.extend(seq.token_ids[start:start + n])
@@ -67,6 +78,13 @@ class ModelRunner:
             if start + n == seq.num_tokens:
                 logits_idx.append(len(ids) - 1)
                 samplers.append(seq)
+            if seq.wants_prompt_logprobs:  # position p scores token p + 1; skip ones already scored
+                first = max(start, len(seq.prompt_logprobs) - 1)
+                end = min(start + n, seq.num_prompt_tokens - 1)
+                if end > first:
+                    base = len(ids) - n - start
+                    prompt_idx.extend(range(base + first, base + end))
+                    prompt_rows.append(PromptLogitRows(seq, first + 1, end - first))
         num_decodes = sum(1 for s in order if self._is_decode(s))
         dev = self.device
         batch = AttentionBatch(query_lens, context_lens, tables, num_decodes,
@@ -74,8 +92,8 @@ class ModelRunner:
                                torch.tensor(slot_offsets, dtype=torch.long, device=dev))
         self.attn.prepare(batch)
         logits = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), self.attn,
-                            torch.tensor(logits_idx, dtype=torch.long, device=dev))
-        return logits, samplers
+                            torch.tensor(logits_idx + prompt_idx, dtype=torch.long, device=dev))
+        return logits, samplers, prompt_rows
 
     @staticmethod
     def _is_decode(s: ScheduledSeq) -> bool:

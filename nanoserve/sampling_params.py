@@ -21,6 +21,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None       # top-N alternatives per generated token (0 = sampled token only)
+    prompt_logprobs: int | None = None  # the same for every prompt token (computes the whole prompt)
     logit_bias: dict[int, float] = field(default_factory=dict)
     include_stop_str_in_output: bool = False
 
@@ -45,6 +46,8 @@ class SamplingParams:
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
             ("repetition_penalty", 0.0 < self.repetition_penalty <= 2.0, "must be in (0, 2]"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
+            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+             "must be in [0, 20]"),
         ]
         for name, ok, why in checks:
             if not ok:

@@ -54,6 +54,27 @@ def test_matches_hf_without_prefix_caching(tiny_case):
     assert all(o.num_cached_tokens == 0 for o in llm.generate(prompts, GREEDY))
 
 
+def test_prompt_logprobs_match_hf(tiny_case):
+    """Prompt logprobs (computed chunk by chunk, never from the prefix cache) equal HF's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    path, prompts, _ = tiny_case
+    llm = LLM(str(path), dtype="float32", block_size=4, max_num_batched_tokens=16)
+    llm.generate(prompts, GREEDY)  # warm the prefix cache: prompt logprobs must not use it
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    for prompt, out in zip(prompts, llm.generate(prompts, params)):
+        with torch.no_grad():
+            lp = torch.log_softmax(ref(torch.tensor([prompt])).logits[0].float(), dim=-1)
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        for k in range(1, len(prompt)):
+            got = out.prompt_logprobs[k]
+            assert got.token_id == prompt[k]
+            assert got.logprob == pytest.approx(float(lp[k - 1, prompt[k]]), abs=1e-4)
+            assert [t for t, _ in got.top] == lp[k - 1].topk(2).indices.tolist()
+        assert out.num_cached_tokens == 0
+
+
 @pytest.fixture(scope="module")
 def embedded_llm_fp32(embedded_dir):
     return LLM(dtype="float32")

@@ -169,7 +169,11 @@ def test_completion_logprobs_and_echo(client, model, tokenizer):
     assert e.choices[0].text.startswith(PROMPT) and len(e.choices[0].text) > len(PROMPT)
     n_prompt = len(tokenizer.encode(PROMPT))
     assert len(e.choices[0].logprobs.tokens) == n_prompt + 3
-    assert e.choices[0].logprobs.token_logprobs[0] is None
+    elp = e.choices[0].logprobs
+    assert elp.token_logprobs[0] is None and elp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in elp.token_logprobs[1:])  # prompt tokens are scored
+    assert all(len(t) >= 1 for t in elp.top_logprobs[1:])
+    assert "".join(elp.tokens) == e.choices[0].text
     with pytest.raises(openai.BadRequestError) as ei:
         client.completions.create(model=model, prompt=PROMPT, max_tokens=2, logprobs=21)
     assert ei.value.body["param"] == "logprobs"

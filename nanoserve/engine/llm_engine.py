@@ -205,13 +205,19 @@ class LLMEngine:
         if not sched.scheduled:
             return []
         self.stats.steps += 1
-        logits, samplers = self.runner.run(sched.scheduled)
+        logits, samplers, prompt_rows = self.runner.run(sched.scheduled)
         for s in sched.scheduled:
             s.seq.num_computed_tokens += s.num_tokens
             self.kv.publish_computed(s.seq)
+        row = len(samplers)
+        for pr in prompt_rows:
+            targets = pr.seq.token_ids[pr.first_target:pr.first_target + pr.count]
+            pr.seq.prompt_logprobs += self.sampler.prompt_logprobs(
+                logits[row:row + pr.count], targets, pr.seq.params.prompt_logprobs)
+            row += pr.count
         touched: dict[str, Request] = {}
         if samplers:
-            result = self.sampler(logits, samplers)
+            result = self.sampler(logits[:len(samplers)], samplers)
             now = time.monotonic()
             for seq, tok, lp in zip(samplers, result.token_ids, result.logprobs):
                 req = self.requests[seq.request_id]
@@ -258,9 +264,10 @@ class LLMEngine:
             del self.requests[req.request_id]
         first = req.seqs[0]
         times = [s.first_token_time for s in req.seqs if s.first_token_time is not None]
+        prompt_lps = first.prompt_logprobs if req.params.prompt_logprobs is not None else None
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished,
                              first.num_cached_tokens, first.num_device_cached_tokens,
-                             first.num_host_cached_tokens,
+                             first.num_host_cached_tokens, prompt_logprobs=prompt_lps,
                              metrics={"arrival": req.arrival_time, "first_token": min(times, default=0.0)})
 
     def check_invariants(self) -> None:

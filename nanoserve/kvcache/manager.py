@@ -72,8 +72,8 @@ class KVCacheManager:
         """(tier, block) for the sequence's leading cached full blocks, each looked up on device,
         then on host. At least one token is left to compute, so the last prompt position always
         produces logits."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or seq.wants_prompt_logprobs:
+            return []  # prompt logprobs need logits at every prompt position: compute them all
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hits: list[tuple[str, int]] = []
         bs = self.block_size

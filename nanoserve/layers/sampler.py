@@ -49,6 +49,13 @@ class Sampler:
         return SampleResult(tokens, lps)
 
     @staticmethod
+    @torch.inference_mode()
+    def prompt_logprobs(logits: torch.Tensor, targets: list[int], top_n: int) -> list[TokenLogprob]:
+        """Logprob of each target token under its row of logits, with the top-N alternatives."""
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        return [Sampler._logprob(row, t, top_n) for row, t in zip(lp, targets)]
+
+    @staticmethod
     def _logprob(row: torch.Tensor, token: int, top_n: int) -> TokenLogprob:
         top: list[tuple[int, float]] = []
         if top_n:

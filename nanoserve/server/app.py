@@ -191,16 +191,18 @@ class Server:
 
     # ---- logprobs -----------------------------------------------------------------------------
     def completion_logprobs(self, lps: list[TokenLogprob], start_offset: int,
-                            prompt_ids: list[int] | None = None) -> dict:
+                            prompt: RequestOutput | None = None) -> dict:
+        """OpenAI `logprobs` of a completion choice; with `prompt` (echo) the prompt tokens come first,
+        the first of them with null logprobs as nothing precedes it."""
         tokens, token_lps, tops, offsets = [], [], [], []
         off = start_offset
-        for tid in prompt_ids or []:
-            s = self.token_str(tid)
-            tokens.append(s)
+        if prompt is not None:
+            tokens.append(self.token_str(prompt.prompt_token_ids[0]))
             token_lps.append(None)
             tops.append(None)
             offsets.append(off)
-            off += len(s)
+            off += len(tokens[0])
+            lps = [lp for lp in (prompt.prompt_logprobs or [])[1:] if lp is not None] + list(lps)
         for lp in lps:
             s = self.token_str(lp.token_id)
             tokens.append(s)
@@ -233,6 +235,8 @@ class Server:
             raise APIError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {body.logprobs}", param="logprobs")
         prompts = body.prompts()
         params = body.sampling(body.max_tokens, body.logprobs, self.vocab_size, default_max_tokens=16)
+        if body.echo and body.logprobs is not None:
+            params.prompt_logprobs = body.logprobs
         cid = new_id("cmpl")
         reqs = self.make_requests(cid, prompts, params)
         self.check_capacity(len(reqs))
@@ -252,8 +256,7 @@ class Server:
             for c in out.outputs:
                 lp = None
                 if body.logprobs is not None:
-                    lp = self.completion_logprobs(c.logprobs or [], 0,
-                                                  out.prompt_token_ids if body.echo else None)
+                    lp = self.completion_logprobs(c.logprobs or [], 0, out if body.echo else None)
                 choices.append({"index": pi * n + c.index, "text": prompt_text + c.text, "logprobs": lp,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return {"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
@@ -289,7 +292,7 @@ class Server:
                     if body.logprobs is not None:
                         ntok = len(c.logprobs or [])
                         lp = self.completion_logprobs((c.logprobs or [])[sent_tok.get(idx, 0):ntok], 0,
-                                                      out.prompt_token_ids if prefix else None)
+                                                      out if prefix else None)
                         sent_tok[idx] = ntok
                     sent_text[idx] = max(start, len(new))
                     choices.append({"index": idx, "text": prefix + delta, "logprobs": lp,
