@@ -73,7 +73,7 @@ class LLMEngine:
             -(-config.max_num_batched_tokens // block_size) + config.max_num_seqs)
         self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching, host, watermark)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, self.device)
         model_max = self.hf_config.max_position_embeddings
         if config.max_model_len and config.max_model_len > model_max:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
@@ -168,7 +168,8 @@ class LLMEngine:
                 param="prompt" if n >= limit else "max_tokens", code="context_length_exceeded")
         seqs = []
         for i in range(params.n):
-            gen = torch.Generator().manual_seed(params.seed + i) if params.seed is not None else None
+            gen = (torch.Generator(device=self.device).manual_seed(params.seed + i)
+                   if params.seed is not None else None)
             seqs.append(Sequence(next(self._seq_ids), request_id, i, ids, params, max_tokens,
                                  self.eos_token_ids, generator=gen, parent=seqs[0] if seqs else None))
         detoks = [Detokenizer(self.tokenizer, n, params.stop, params.include_stop_str_in_output)

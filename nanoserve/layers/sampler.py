@@ -31,8 +31,9 @@ def apply_penalties(logits: torch.Tensor, seq: Sequence) -> None:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+        # generators live on the logits' device: exponential_() refuses a generator from another
+        self.generator = torch.Generator(device=device).manual_seed(seed)
 
     @torch.inference_mode()  # penalties and biases edit the runner's (inference) logits in place
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
@@ -67,8 +68,9 @@ class Sampler:
         for i, s in enumerate(seqs):
             p = s.params
             if p.logit_bias:
-                ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long)
-                logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
+                ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long, device=logits.device)
+                logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype,
+                                               device=logits.device)
             if s.num_output_tokens < p.min_tokens:
                 banned = [t for t in set(p.stop_token_ids) | (set() if p.ignore_eos else s.eos_token_ids)
                           if t < logits.shape[-1]]
