@@ -209,3 +209,10 @@ def test_manager_property_setup_reaches_the_host_tier():
         kv.publish_computed(seq)
         kv.free(seq)
     assert got == [0, 0, 4]
+
+
+def test_host_budget_beyond_available_memory_is_refused(tiny_model):
+    with pytest.raises(ValueError, match="more than this machine has available"):
+        LLM(str(tiny_model), dtype="float32", host_cache_gb=100_000)
+    with pytest.raises(ValueError, match="needs prefix caching"):
+        LLM(str(tiny_model), dtype="float32", host_cache_gb=0.01, enable_prefix_caching=False)
