@@ -2,6 +2,7 @@
 # nanoserve and vLLM CPU (see shared peers.md for its install) up at once on 127.0.0.1; the same
 # bench/serve_bench.py workload alternated A B A B A B, so machine drift hits both alike.
 # Needs the HF export of the embedded model: python bench/export_hf.py
+cd "$(dirname "$0")/.."
 W="--num-prompts 32 --input-len 256 --output-len 64 --max-concurrency 8"
 .venv/bin/python -m nanoserve.server.cli --host 127.0.0.1 --port 8011 --log-level warning > /tmp/nanoserve_ab.log 2>&1 &
 NS=$!
