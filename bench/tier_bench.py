@@ -162,7 +162,7 @@ def run_side_by_side(args, configs: dict[str, dict], rounds) -> dict[str, list[d
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", choices=["offline", "server"], default="offline")
-    ap.add_argument("--model", default=None)
+    ap.add_argument("--model", default=None, help="tier budgets below are sized for the embedded model")
     ap.add_argument("--docs", type=int, default=16)
     ap.add_argument("--doc-len", type=int, default=1024)
     ap.add_argument("--question-len", type=int, default=16)

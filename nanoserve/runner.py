@@ -53,7 +53,8 @@ class ModelRunner:
         scheduled tokens reach their end (they sample next), in that order, followed by the rows
         that score prompt tokens for requests that asked for prompt logprobs."""
         # decodes first: the torch backend attends them with one batched call
-        order = sorted(scheduled, key=lambda s: not self._is_decode(s))
+        decodes = [s for s in scheduled if self._is_decode(s)]
+        order = decodes + [s for s in scheduled if not self._is_decode(s)]
         bs = self.layout.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -85,9 +86,8 @@ class ModelRunner:
                     base = len(ids) - n - start
                     prompt_idx.extend(range(base + first, base + end))
                     prompt_rows.append(PromptLogitRows(seq, first + 1, end - first))
-        num_decodes = sum(1 for s in order if self._is_decode(s))
         dev = self.device
-        batch = AttentionBatch(query_lens, context_lens, tables, num_decodes,
+        batch = AttentionBatch(query_lens, context_lens, tables, len(decodes),
                                torch.tensor(slot_blocks, dtype=torch.long, device=dev),
                                torch.tensor(slot_offsets, dtype=torch.long, device=dev))
         self.attn.prepare(batch)

@@ -60,12 +60,14 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def _block_tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
+        return tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
         """Chain hashes of the first `num_blocks` full blocks, extending the sequence's memo."""
-        bs, hashes = self.block_size, seq.block_hashes
+        hashes = seq.block_hashes
         while len(hashes) < num_blocks:
-            i = len(hashes)
-            hashes.append(chain_hash(hashes[-1] if hashes else None, tuple(seq.token_ids[i * bs:(i + 1) * bs])))
+            hashes.append(chain_hash(hashes[-1] if hashes else None, self._block_tokens(seq, len(hashes))))
         return hashes[:num_blocks]
 
     def match_prefix(self, seq: Sequence) -> list[tuple[str, int]]:
@@ -76,9 +78,8 @@ class KVCacheManager:
             return []  # prompt logprobs need logits at every prompt position: compute them all
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hits: list[tuple[str, int]] = []
-        bs = self.block_size
         for i, h in enumerate(self._hashes(seq, max_blocks)):
-            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            tokens = self._block_tokens(seq, i)
             block = self.pool.lookup(h, tokens)
             if block is not None:
                 hits.append(("device", block))
@@ -104,19 +105,15 @@ class KVCacheManager:
         for b in dev_hits:
             self.pool.acquire(b)
         table: list[int] = []
-        loads: list[tuple[int, int]] = []  # (host block, device block)
-        for tier, b in hits:
-            if tier == "device":
-                table.append(b)
-            else:
-                table.append(self.pool.allocate())
-                loads.append((b, table[-1]))
+        loads: list[tuple[int, int, int]] = []  # (block index, host block, device block)
+        for i, (tier, b) in enumerate(hits):
+            table.append(b if tier == "device" else self.pool.allocate())
+            if tier == "host":
+                loads.append((i, b, table[-1]))
         if loads:
-            self.host.load([hb for hb, _ in loads], [db for _, db in loads])
-            bs = self.block_size
-            for i, (tier, _) in enumerate(hits):
-                if tier == "host":  # the copy is complete: the device block now holds this KV
-                    self.pool.publish(table[i], seq.block_hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+            self.host.load([hb for _, hb, _ in loads], [db for _, _, db in loads])
+            for i, _, db in loads:  # the copy is complete: the device block now holds this KV
+                self.pool.publish(db, seq.block_hashes[i], self._block_tokens(seq, i))
         table.extend(self.pool.allocate() for _ in range(need - len(loads)))
         seq.block_table = table
         seq.num_computed_tokens = num_cached
@@ -147,7 +144,7 @@ class KVCacheManager:
             h, tokens = self.pool.block_hash[block], self.pool.block_tokens[block]
             if self.host.lookup(h, tokens) is None:
                 to_save.append((block, h, tokens))
-        return self.host.save(to_save) if to_save else 0
+        return self.host.save(to_save)
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow a running sequence's block table to hold `num_new_tokens` more tokens."""
@@ -162,11 +159,10 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         num_full = seq.num_computed_tokens // self.block_size
-        bs = self.block_size
         for i, h in enumerate(self._hashes(seq, num_full)):
             block = seq.block_table[i]
             if self.pool.block_hash[block] is None:
-                self.pool.publish(block, h, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+                self.pool.publish(block, h, self._block_tokens(seq, i))
 
     def free(self, seq: Sequence) -> None:
         """Release every block; tail blocks first so the LRU evicts them before shared prefixes."""

@@ -58,8 +58,8 @@ class _Prefill:
 
 
 class TorchAttention(AttentionBackend):
-    """CPU (and any device) backend. Decodes: one gather of K and one of V per layer for all
-    decoding sequences, then two bmm calls (for a single query, CPU SDPA is ~20x slower).
+    """CPU (and any device) backend. Decodes: one gather per layer fetches K and V of every
+    decoding sequence together, then two bmm calls (for a single query, CPU SDPA is ~20x slower).
     Prefill chunks: SDPA per sequence, on the chunk itself or on its gathered context."""
 
     @staticmethod

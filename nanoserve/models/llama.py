@@ -119,7 +119,7 @@ class LlamaModel(nn.Module):
         """input_ids/positions [T] -> logits [len(logits_indices), vocab] in fp32."""
         x = F.embedding(input_ids, self.embed)
         h, d, hk = self.num_heads, self.head_dim, self.num_kv_heads
-        q_end, k_end = self.q_size, self.q_size + self.kv_size
+        k_end = self.q_size + self.kv_size
         residual = x
         cos, sin = self.rotary.cos_sin(positions)
         for i, layer in enumerate(self.layers):

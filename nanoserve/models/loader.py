@@ -89,7 +89,7 @@ def resolve_model(name: str | None) -> ModelSource:
 
 def load_config(src: ModelSource):
     from transformers import AutoConfig
-    cfg = AutoConfig.from_pretrained(materialize(src).path)
+    cfg = AutoConfig.from_pretrained(src.path)  # a GGUF source is materialize()d first
     archs = set(getattr(cfg, "architectures", None) or [])
     if not archs & SUPPORTED_ARCHS and cfg.model_type not in ("llama", "mistral", "qwen2"):
         raise InvalidRequest(f"architecture {sorted(archs) or cfg.model_type} is not supported "
