@@ -1,6 +1,7 @@
 """Engine configuration: one dataclass, validated once, passed down explicitly."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -46,8 +47,13 @@ class EngineConfig:
         return torch.device(self.device)
 
     def resolved_dtype(self, device: torch.device) -> torch.dtype:
-        if self.dtype != "auto":
-            return getattr(torch, self.dtype)
+        """An explicit dtype wins; `auto` honours $NANOSERVE_DTYPE (so a whole test suite or a
+        deployment can force one), else picks by hardware."""
+        dtype = self.dtype if self.dtype != "auto" else os.environ.get("NANOSERVE_DTYPE", "auto")
+        if dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"$NANOSERVE_DTYPE must be auto|float32|bfloat16|float16, got {dtype!r}")
+        if dtype != "auto":
+            return getattr(torch, dtype)
         if device.type == "cuda":
             return torch.bfloat16
         return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32

@@ -1,7 +1,17 @@
 """Per-request sampling parameters (the vLLM / OpenAI set), validated at construction."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# Bounds on list-valued fields: each costs work per generated token (stop strings are searched in
+# the held-back text, logit biases are applied per step), so none may grow without limit.
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 512
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 1024
+MAX_LOGPROBS = 20
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed accepts
 
 
 @dataclass
@@ -32,6 +42,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        finite = all(math.isfinite(getattr(self, f)) for f in (
+            "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"))
         checks = [
             ("n", self.n >= 1, "must be >= 1"),
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1"),
@@ -45,10 +57,27 @@ class SamplingParams:
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
             ("repetition_penalty", 0.0 < self.repetition_penalty <= 2.0, "must be in (0, 2]"),
-            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
-            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
-             "must be in [0, 20]"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+             f"must be in [0, {MAX_LOGPROBS}]"),
+            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+             f"must be in [0, {MAX_LOGPROBS}]"),
+            ("seed", self.seed is None or SEED_RANGE[0] <= self.seed <= SEED_RANGE[1],
+             "must fit in 64 bits"),
+            ("stop", len(self.stop) <= MAX_STOP_STRINGS
+             and all(len(x) <= MAX_STOP_STRING_CHARS for x in self.stop),
+             f"must be at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} characters"),
+            ("stop_token_ids", len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS
+             and all(isinstance(t, int) and 0 <= t < 1 << 31 for t in self.stop_token_ids),
+             f"must be at most {MAX_STOP_TOKEN_IDS} token ids"),
+            ("logit_bias", len(self.logit_bias) <= MAX_LOGIT_BIAS
+             and all(isinstance(k, int) and 0 <= k < 1 << 31 and math.isfinite(v) and -100 <= v <= 100
+                     for k, v in self.logit_bias.items()),
+             f"must map at most {MAX_LOGIT_BIAS} token ids to values in [-100, 100]"),
         ]
+        if not finite:  # NaN passes no range check below, but say plainly what is wrong
+            name = next(f for f in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                                    "repetition_penalty") if not math.isfinite(getattr(self, f)))
+            raise InvalidRequest(f"{name} must be a finite number, got {getattr(self, name)!r}", param=name)
         for name, ok, why in checks:
             if not ok:
                 raise InvalidRequest(f"{name} {why}, got {getattr(self, name)!r}", param=name)

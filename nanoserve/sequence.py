@@ -45,7 +45,7 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # chain hashes of the leading full blocks
+    block_hashes: list[bytes] = field(default_factory=list)  # chain digests of the leading full blocks
     num_cached_tokens: int = 0       # prompt tokens reused from the cache at first admission
     num_device_cached_tokens: int = 0
     num_host_cached_tokens: int = 0

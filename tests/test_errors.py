@@ -63,3 +63,35 @@ def test_request_larger_than_kv_budget_is_rejected(tiny_model):
         llm.generate([list(range(100, 120))], SamplingParams(max_tokens=20))
     out = llm.generate([list(range(100, 110))], SamplingParams(max_tokens=20, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 20
+
+
+def test_implicit_context_length_capped_by_kv_warns(tiny_model, caplog):
+    with caplog.at_level("WARNING", logger="nanoserve"):
+        llm = LLM(str(tiny_model), dtype="float32", block_size=4, num_kv_blocks=8)
+    assert llm.engine.max_model_len == 32
+    assert any("32" in r.getMessage() and "512" in r.getMessage() for r in caplog.records
+               if r.levelname == "WARNING"), [r.getMessage() for r in caplog.records]
+
+
+def test_explicit_context_length_beyond_kv_refuses_to_start(tiny_model):
+    with pytest.raises(ValueError, match=r"--max-model-len 64 does not fit the KV cache: it holds 32 tokens"):
+        LLM(str(tiny_model), dtype="float32", block_size=4, num_kv_blocks=8, max_model_len=64)
+    with pytest.raises(ValueError, match="max_position_embeddings 512"):
+        LLM(str(tiny_model), dtype="float32", max_model_len=513)
+    assert LLM(str(tiny_model), dtype="float32", block_size=4, num_kv_blocks=8,
+               max_model_len=32).engine.max_model_len == 32
+
+
+def test_dtype_env_var_forces_auto(monkeypatch):
+    import torch
+
+    from nanoserve.config import EngineConfig
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("NANOSERVE_DTYPE", "float32")
+    assert EngineConfig().resolved_dtype(cpu) == torch.float32
+    assert EngineConfig(dtype="bfloat16").resolved_dtype(cpu) == torch.bfloat16  # explicit wins
+    monkeypatch.setenv("NANOSERVE_DTYPE", "bfloat16")
+    assert EngineConfig().resolved_dtype(cpu) == torch.bfloat16
+    monkeypatch.setenv("NANOSERVE_DTYPE", "fp8")
+    with pytest.raises(ValueError, match="NANOSERVE_DTYPE"):
+        EngineConfig().resolved_dtype(cpu)

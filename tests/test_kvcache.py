@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.kvcache.block_pool import BlockPool, chain_hash
+from nanoserve.kvcache.block_pool import BlockKey, BlockPool, chain_hash
 from nanoserve.kvcache.manager import KVCacheManager
 from nanoserve.sampling_params import SamplingParams as SP
 from nanoserve.sequence import Sequence
@@ -31,11 +31,11 @@ def test_block_pool_accounting(script):
             pool.release(held.pop(x % len(held)))
         elif op == "publish" and held:
             b = held[x % len(held)]
-            pool.publish(b, chain_hash(None, (x % 5,)), (x % 5,))
+            pool.publish(b, chain_hash(None, (x % 5,)), BlockKey(None, (x % 5,)))
         elif op == "lookup":
-            b = pool.lookup(chain_hash(None, (x % 5,)), (x % 5,))
+            b = pool.lookup(chain_hash(None, (x % 5,)), BlockKey(None, (x % 5,)))
             if b is not None:
-                assert pool.block_tokens[b] == (x % 5,)
+                assert pool.block_key[b] == BlockKey(None, (x % 5,))
                 pool.acquire(b)
                 held.append(b)
         pool.check_invariants()
@@ -50,21 +50,32 @@ def test_lru_evicts_oldest_and_cached_blocks_stay_findable():
     pool = BlockPool(3)
     blocks = [pool.allocate() for _ in range(3)]
     for i, b in enumerate(blocks):
-        pool.publish(b, chain_hash(None, (i,)), (i,))
+        pool.publish(b, chain_hash(None, (i,)), BlockKey(None, (i,)))
     for b in blocks:  # released in order: blocks[0] is the least recently used
         pool.release(b)
-    assert pool.lookup(chain_hash(None, (0,)), (0,)) == blocks[0]
+    assert pool.lookup(chain_hash(None, (0,)), BlockKey(None, (0,))) == blocks[0]
     assert pool.allocate() == blocks[0]  # evicted first ...
-    assert pool.lookup(chain_hash(None, (0,)), (0,)) is None  # ... and no longer findable
-    assert pool.lookup(chain_hash(None, (1,)), (1,)) == blocks[1]
+    assert pool.lookup(chain_hash(None, (0,)), BlockKey(None, (0,))) is None  # ... and no longer findable
+    assert pool.lookup(chain_hash(None, (1,)), BlockKey(None, (1,))) == blocks[1]
 
 
-def test_hash_collision_is_caught_by_token_check():
+def test_digest_collision_is_caught_by_parent_and_token_check():
     pool = BlockPool(2)
     b = pool.allocate()
-    pool.publish(b, 12345, (1, 2))
-    assert pool.lookup(12345, (1, 2)) == b
-    assert pool.lookup(12345, (3, 4)) is None
+    forged = b"x" * 32  # pretend two different chain links produced the same digest
+    pool.publish(b, forged, BlockKey(b"p" * 32, (1, 2)))
+    assert pool.lookup(forged, BlockKey(b"p" * 32, (1, 2))) == b
+    assert pool.lookup(forged, BlockKey(b"p" * 32, (3, 4))) is None   # other tokens
+    assert pool.lookup(forged, BlockKey(b"q" * 32, (1, 2))) is None   # same tokens, other parent
+    assert pool.lookup(forged, BlockKey(None, (1, 2))) is None
+
+
+def test_chain_digest_depends_on_parent_tokens_and_salt():
+    a = chain_hash(None, (1, 2))
+    assert len(a) == 32 and a == chain_hash(None, (1, 2))
+    assert chain_hash(a, (3,)) != chain_hash(chain_hash(None, (1, 3)), (3,))
+    assert chain_hash(None, (1, 2), b"salt") != a
+    assert chain_hash(None, (256,)) != chain_hash(None, (1, 0))  # fixed-width token encoding
 
 
 @given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=20), min_size=1, max_size=12))
@@ -78,7 +89,7 @@ def test_prefix_matching_reuses_only_equal_prefixes(prompts):
         assert cached < len(prompt)  # at least one token is always computed
         # every reused block holds exactly this prompt's tokens at that position
         for j in range(cached // 2):
-            assert kv.pool.block_tokens[s.block_table[j]] == tuple(prompt[2 * j:2 * j + 2])
+            assert kv.pool.block_key[s.block_table[j]].tokens == tuple(prompt[2 * j:2 * j + 2])
         s.num_computed_tokens = len(prompt)
         kv.publish_computed(s)
         kv.free(s)

@@ -35,6 +35,19 @@ def model(client):
 
 
 @pytest.fixture(scope="module")
+def max_len(server) -> int:
+    """The context length the server reports. It depends on the dtype `--dtype auto` picked on this
+    CPU (the test server's KV budget is fixed in GiB): the model's 8192 in bf16, the KV capacity in
+    fp32. Derived, never hard-coded, and checked against the KV capacity /metrics reports."""
+    n = httpx.get(server.base_url + "/models").json()["data"][0]["max_model_len"]
+    met = server.metrics()
+    capacity = m(met, "nanoserve:kv_cache_blocks", tier="device", state="total")
+    block = 16  # the CPU default block size
+    assert capacity > 0 and n == min(8192, int(capacity) * block), (n, capacity)
+    return n
+
+
+@pytest.fixture(scope="module")
 def tokenizer(embedded_dir):
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(embedded_dir)
@@ -49,11 +62,11 @@ def post(server, path: str, body, **kw) -> httpx.Response:
 
 
 # ---- models, health, misc endpoints --------------------------------------------------------------
-def test_models_health_version(server, client, model):
+def test_models_health_version(server, client, model, max_len):
     models = client.models.list()
     assert len(models.data) == 1 and models.data[0].id == model
     raw = httpx.get(server.base_url + "/models").json()
-    assert raw["object"] == "list" and raw["data"][0]["max_model_len"] == 8192
+    assert raw["object"] == "list" and raw["data"][0]["max_model_len"] == max_len
     assert client.models.retrieve(model).id == model
     with pytest.raises(openai.NotFoundError) as ei:
         client.models.retrieve("no-such-model")
@@ -66,10 +79,10 @@ def test_models_health_version(server, client, model):
         client.completions.create(model="gpt-17", prompt=PROMPT, max_tokens=2)
 
 
-def test_tokenize_detokenize(server, tokenizer):
+def test_tokenize_detokenize(server, tokenizer, max_len):
     r = post(server, "/tokenize", {"prompt": PROMPT}).json()
     assert r["tokens"] == tokenizer.encode(PROMPT) and r["count"] == len(r["tokens"])
-    assert r["max_model_len"] == 8192
+    assert r["max_model_len"] == max_len
     assert post(server, "/detokenize", {"tokens": r["tokens"]}).json()["prompt"] == PROMPT
     chat = post(server, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat["count"] > 3
@@ -261,7 +274,7 @@ def test_chat_logprobs(client, model):
 
 
 # ---- errors --------------------------------------------------------------------------------------
-def test_malformed_requests_are_400(server, model):
+def test_malformed_requests_are_400(server, model, max_len):
     chat, cmpl = "/v1/chat/completions", "/v1/completions"
     assert_error(post(server, chat, {"model": model}), 400, "messages")
     assert_error(post(server, chat, {"model": model, "messages": "hi"}), 400, "messages")
@@ -284,7 +297,7 @@ def test_malformed_requests_are_400(server, model):
     assert_error(post(server, cmpl, {"prompt": "hi", "n": 0}), 400, "n")
     assert_error(post(server, cmpl, {"prompt": "hi", "logit_bias": {"abc": 1}}), 400, "logit_bias")
     huge = assert_error(post(server, cmpl, {"prompt": "hi", "max_tokens": 10 ** 6}), 400, "max_tokens")
-    assert "maximum context length" in huge["message"] and "8192" in huge["message"]
+    assert "maximum context length" in huge["message"] and str(max_len) in huge["message"]
     long = assert_error(post(server, cmpl, {"prompt": [100] * 9000, "max_tokens": 4}), 400, "prompt")
     assert "maximum context length" in long["message"] and "9000" in long["message"]
     assert long["code"] == "context_length_exceeded"

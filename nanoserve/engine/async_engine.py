@@ -6,7 +6,8 @@ thread drains that queue before every step and blocks on it when there is nothin
 spin). Each step's outputs go back through `loop.call_soon_threadsafe` into a per-request
 asyncio.Queue. A request whose consumer goes away (client disconnect, cancellation) is aborted,
 which frees its KV blocks at once. An exception inside step() fails every request that was in the
-engine with an error and the thread keeps serving.
+step with an error (queued requests are untouched), the KV invariants are checked, and the thread
+keeps serving. When the engine goes idle it checks the KV invariants too (`invariant_violations`).
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ class EngineSnapshot:
     finished: dict[str, int] = field(default_factory=dict)
     steps: int = 0
     step_errors: int = 0
+    invariant_violations: int = 0
     tiers: list[Any] = field(default_factory=list)  # kvcache TierReport per tier
     time: float = 0.0
 
@@ -84,6 +86,7 @@ class AsyncEngine:
         self._closed = False                            # set once the engine thread stops taking work
         self._thread: threading.Thread | None = None
         self.step_errors = 0
+        self.invariant_violations = 0
         self.last_error: str | None = None
         self._snapshot = EngineSnapshot()
 
@@ -146,6 +149,10 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
+    def fail_all(self, reason: str) -> None:
+        """Abort every request in flight or queued; each gets EngineDead(reason) (shutdown timeout)."""
+        self._inbox.put(("fail_all", reason))
+
     async def snapshot(self, timeout: float = 5.0) -> EngineSnapshot:
         """A fresh snapshot from the engine thread (within one step); the last one if it is busy."""
         if not self.alive:
@@ -173,18 +180,19 @@ class AsyncEngine:
                 if not self._drain(block):
                     break
                 if not eng.has_unfinished():
+                    self._check_invariants()
                     continue
                 try:
                     outs = eng.step()
-                except Exception as e:  # fail what was in flight, keep serving
-                    self._fail_all(e)
+                except Exception as e:  # fail what was in that step, keep serving
+                    self._fail_step(e)
                     continue
                 self._deliver(outs)
                 self._count()
         except BaseException as e:  # pragma: no cover - a bug in this loop itself
             log.exception("engine thread crashed")
             self.last_error = repr(e)
-            self._fail_all(e, abort=False)
+            self._fail_all(e)
             raise
         finally:
             self._shutdown()
@@ -223,6 +231,13 @@ class AsyncEngine:
                     self._finished(track, out, time.monotonic())
                     track.loop.call_soon_threadsafe(track.q.put_nowait, out)
                 self._count()
+            elif kind == "fail_all":
+                err = EngineDead(item[1])
+                for rid, track in list(self._tracks.items()):
+                    self._force_abort(rid)
+                    track.loop.call_soon_threadsafe(track.q.put_nowait, err)
+                self._tracks.clear()
+                self._count()
             elif kind == "snapshot":
                 _, loop, fut = item
                 snap = self._take_snapshot()
@@ -259,20 +274,40 @@ class AsyncEngine:
         except Exception:
             log.exception("metrics observer failed")
 
-    def _fail_all(self, exc: BaseException, abort: bool = True) -> None:
+    def _fail_step(self, exc: Exception) -> None:
+        """One step raised: fail only the requests it concerned (when scheduling itself failed, the
+        running ones and the one it was admitting), then verify the KV state is still sound."""
+        eng = self.engine
         self.step_errors += 1
         self.last_error = f"{type(exc).__name__}: {exc}"
-        log.error("engine step failed; failing %d request(s)", len(self._tracks), exc_info=exc)
+        ids = getattr(eng, "step_request_ids", None)
+        if ids is None:
+            sch = eng.scheduler
+            ids = {s.request_id for s in sch.running} | ({sch.waiting[0].request_id} if sch.waiting else set())
+        log.error("engine step failed; failing the %d request(s) in it", len(ids), exc_info=exc)
         err = EngineError(f"the engine failed while running this request: {self.last_error}")
-        for rid, track in list(self._tracks.items()):
-            if abort:
-                self._force_abort(rid)
+        for rid in ids:
+            self._force_abort(rid)
+            track = self._tracks.pop(rid, None)
+            if track is not None:
+                track.loop.call_soon_threadsafe(track.q.put_nowait, err)
+        self._count()
+        self._check_invariants()
+
+    def _check_invariants(self) -> None:
+        try:
+            self.engine.check_invariants()
+        except AssertionError:
+            self.invariant_violations += 1
+            log.exception("KV cache invariant violated")
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """The loop itself crashed: fail every tracked request (the engine is not touched again)."""
+        self.last_error = f"{type(exc).__name__}: {exc}"
+        err = EngineError(f"the engine failed while running this request: {self.last_error}")
+        for track in self._tracks.values():
             track.loop.call_soon_threadsafe(track.q.put_nowait, err)
         self._tracks.clear()
-        if abort:  # anything the engine still holds that we do not track
-            for rid in list(getattr(self.engine, "requests", {})):
-                self._force_abort(rid)
-            self._count()
 
     def _force_abort(self, rid: str) -> None:
         try:
@@ -318,7 +353,7 @@ class AsyncEngine:
             num_running=self._num_running, num_waiting=self.num_waiting,
             num_preemptions=eng.scheduler.num_preemptions, prompt_tokens=st.prompt_tokens,
             generation_tokens=st.generation_tokens, finished=dict(st.finished), steps=st.steps,
-            step_errors=self.step_errors, tiers=[dataclasses.replace(r) for r in eng.kv.reports()],
+            step_errors=self.step_errors, invariant_violations=self.invariant_violations, tiers=[dataclasses.replace(r) for r in eng.kv.reports()],
             time=time.time())
         return self._snapshot
 

@@ -74,12 +74,12 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching, host, watermark)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(config.seed, self.device)
-        model_max = self.hf_config.max_position_embeddings
-        if config.max_model_len and config.max_model_len > model_max:
-            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
-                             f"max_position_embeddings {model_max}")
-        self.max_model_len = min(config.max_model_len or model_max, num_blocks * block_size)
+        self.max_model_len = self._max_model_len(num_blocks * block_size)
         self.eos_token_ids = self._eos_ids()
+        # the longest text one token can stand for: a prompt longer than max_model_len times this
+        # cannot fit, whatever its tokenization
+        self.max_token_chars = max((len(t or "") for t in self.tokenizer.convert_ids_to_tokens(
+            list(range(len(self.tokenizer))))), default=1) or 1
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._seq_ids = count()
@@ -109,6 +109,23 @@ class LLMEngine:
             raise ValueError(f"KV cache budget {budget / GiB:.3f} GiB holds no block "
                              f"({per_block / GiB:.4f} GiB each); raise --kv-cache-gb")
         return blocks
+
+    def _max_model_len(self, kv_tokens: int) -> int:
+        """An explicit length the model or the KV cache cannot hold refuses to start (as vLLM
+        does); the model's own length is capped by the KV capacity with a warning."""
+        model_max, asked = self.hf_config.max_position_embeddings, self.config.max_model_len
+        if asked:
+            if asked > model_max:
+                raise ValueError(f"--max-model-len {asked} exceeds the model's max_position_embeddings "
+                                 f"{model_max}")
+            if asked > kv_tokens:
+                raise ValueError(f"--max-model-len {asked} does not fit the KV cache: it holds {kv_tokens} "
+                                 f"tokens; raise --kv-cache-gb or lower --max-model-len")
+            return asked
+        if model_max > kv_tokens:
+            log.warning("max_model_len capped at the KV cache capacity: %d tokens (the model supports %d); "
+                        "raise --kv-cache-gb for longer contexts", kv_tokens, model_max)
+        return min(model_max, kv_tokens)
 
     def _host_tier(self) -> HostTier | None:
         gb = self.config.host_cache_gb
@@ -148,6 +165,11 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequest("prompt must not be empty", param="prompt")
+            if len(prompt) > self.max_model_len * self.max_token_chars:  # refused without tokenizing it
+                raise InvalidRequest(
+                    f"This model's maximum context length is {self.max_model_len} tokens, and a prompt of "
+                    f"{len(prompt)} characters has more tokens than that.", param="prompt",
+                    code="context_length_exceeded")
             text, ids = prompt, self.tokenize(prompt, add_special_tokens)
         else:
             text, ids = None, list(prompt)
@@ -160,6 +182,9 @@ class LLMEngine:
                                  param="prompt")
         n, limit = len(ids), self.max_model_len
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
+        if params.min_tokens > max(max_tokens, 0):
+            raise InvalidRequest(f"min_tokens {params.min_tokens} exceeds the tokens left for the completion "
+                                 f"({max_tokens})", param="min_tokens")
         if n + max(max_tokens, 1) > limit:
             raise InvalidRequest(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
@@ -168,7 +193,7 @@ class LLMEngine:
                 param="prompt" if n >= limit else "max_tokens", code="context_length_exceeded")
         seqs = []
         for i in range(params.n):
-            gen = (torch.Generator(device=self.device).manual_seed(params.seed + i)
+            gen = (torch.Generator(device=self.device).manual_seed((params.seed + i) & 0xFFFF_FFFF_FFFF_FFFF)
                    if params.seed is not None else None)
             seqs.append(Sequence(next(self._seq_ids), request_id, i, ids, params, max_tokens,
                                  self.eos_token_ids, generator=gen, parent=seqs[0] if seqs else None))
@@ -201,8 +226,11 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        # which requests a failure inside this step concerns; None until scheduling has decided
+        self.step_request_ids: set[str] | None = None
         self.kv.offload_cold_blocks()
         sched = self.scheduler.schedule()
+        self.step_request_ids = {s.seq.request_id for s in sched.scheduled}
         if not sched.scheduled:
             return []
         self.stats.steps += 1

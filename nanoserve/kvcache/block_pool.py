@@ -1,6 +1,11 @@
 """Block bookkeeping for one KV tier: ref counts, a hash index of full blocks, an LRU of free
 cached blocks. Pure Python, no tensors: the tensors live with the runner (device) or the host tier.
 
+Block keys: `chain_hash` is a keyed cryptographic digest (blake2b) of the parent block's digest and
+this block's token ids, so a digest names a whole prefix and cannot be forged or predicted by a
+client (the key is a per-process random salt). A lookup also compares the stored `BlockKey`
+(parent digest + tokens): a hit is a verified chain link, never a digest match alone.
+
 Every block is in exactly one state:
   in use      ref_count > 0
   cached-free ref_count == 0, hash published, in `lru` (findable until it is reused)
@@ -8,14 +13,26 @@ Every block is in exactly one state:
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
-BlockHash = int
+BlockHash = bytes
 
 
-def chain_hash(parent: BlockHash | None, tokens: tuple[int, ...]) -> BlockHash:
-    return hash((parent, tokens))
+class BlockKey(NamedTuple):
+    """What a cached block's KV is a function of: the prefix before it (as its digest) and its tokens."""
+    parent: BlockHash | None
+    tokens: tuple[int, ...]
+
+
+def chain_hash(parent: BlockHash | None, tokens: tuple[int, ...], salt: bytes = b"") -> BlockHash:
+    h = hashlib.blake2b(digest_size=32, key=salt[:64])
+    h.update(parent if parent is not None else b"\0" * 32)
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
 
 
 @dataclass
@@ -31,7 +48,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.ref_count = [0] * num_blocks
         self.block_hash: list[BlockHash | None] = [None] * num_blocks
-        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.block_key: list[BlockKey | None] = [None] * num_blocks
         self.index: dict[BlockHash, int] = {}
         self.lru: OrderedDict[int, None] = OrderedDict()  # oldest first
         self.free: deque[int] = deque(range(num_blocks))
@@ -40,10 +57,10 @@ class BlockPool:
     def num_available(self) -> int:
         return len(self.free) + len(self.lru)
 
-    def lookup(self, h: BlockHash, tokens: tuple[int, ...]) -> int | None:
-        """A cached block holding exactly `tokens` under hash `h` (tokens compared: hashes can collide)."""
+    def lookup(self, h: BlockHash, key: BlockKey) -> int | None:
+        """The cached block published under digest `h` with exactly this parent and tokens."""
         block = self.index.get(h)
-        if block is None or self.block_tokens[block] != tokens:
+        if block is None or self.block_key[block] != key:
             return None
         return block
 
@@ -74,14 +91,14 @@ class BlockPool:
             else:
                 self.lru[block] = None
 
-    def publish(self, block: int, h: BlockHash, tokens: tuple[int, ...]) -> bool:
+    def publish(self, block: int, h: BlockHash, key: BlockKey) -> bool:
         """Make a written, full block findable. False if an equal block is already indexed
         (the duplicate then stays private and returns to the free list when released)."""
         if h in self.index or self.block_hash[block] is not None:
             return False
         self.index[h] = block
         self.block_hash[block] = h
-        self.block_tokens[block] = tokens
+        self.block_key[block] = key
         return True
 
     def _unpublish(self, block: int) -> None:
@@ -89,7 +106,7 @@ class BlockPool:
         if h is not None and self.index.get(h) == block:
             del self.index[h]
         self.block_hash[block] = None
-        self.block_tokens[block] = None
+        self.block_key[block] = None
 
     def reset_cache(self) -> None:
         """Forget every cached-free block (e.g. when prefix caching is turned off)."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoserve.kvcache.block_pool import BlockHash, BlockPool
+from nanoserve.kvcache.block_pool import BlockHash, BlockKey, BlockPool
 
 
 @dataclass
@@ -60,19 +60,19 @@ class HostTier:
     def num_bytes(self) -> int:
         return self.cache.numel() * self.cache.element_size()
 
-    def lookup(self, h: BlockHash, tokens: tuple[int, ...]) -> int | None:
-        return self.pool.lookup(h, tokens)
+    def lookup(self, h: BlockHash, key: BlockKey) -> int | None:
+        return self.pool.lookup(h, key)
 
-    def save(self, blocks: list[tuple[int, BlockHash, tuple[int, ...]]]) -> int:
+    def save(self, blocks: list[tuple[int, BlockHash, BlockKey]]) -> int:
         """Copy device blocks (with their hashes) to host. Host LRU blocks are evicted to make
         room. Returns how many were saved."""
         dev_ids, host_ids, meta = [], [], []
-        for dev_block, h, tokens in blocks:
+        for dev_block, h, key in blocks:
             if self.pool.num_available() == 0:
                 break
             host_ids.append(self.pool.allocate())
             dev_ids.append(dev_block)
-            meta.append((h, tokens))
+            meta.append((h, key))
         if not dev_ids:
             return 0
         t0 = time.perf_counter()
@@ -80,8 +80,8 @@ class HostTier:
         self.transfers.seconds_in += time.perf_counter() - t0
         self.transfers.blocks_in += len(dev_ids)
         self.transfers.bytes_in += len(dev_ids) * self.block_bytes
-        for hb, (h, tokens) in zip(host_ids, meta):
-            self.pool.publish(hb, h, tokens)  # only now: the copy is complete
+        for hb, (h, key) in zip(host_ids, meta):
+            self.pool.publish(hb, h, key)  # only now: the copy is complete
             self.pool.release(hb)
         return len(dev_ids)
 

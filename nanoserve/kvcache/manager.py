@@ -9,9 +9,10 @@ waits for a copy; blocks that never get near eviction are never copied.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
-from nanoserve.kvcache.block_pool import BlockPool, PoolStats, chain_hash
+from nanoserve.kvcache.block_pool import BlockHash, BlockKey, BlockPool, PoolStats, chain_hash
 from nanoserve.kvcache.host_tier import HostTier
 from nanoserve.sequence import Sequence
 
@@ -42,8 +43,11 @@ class TierReport:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 host: HostTier | None = None, offload_watermark: int = 0) -> None:
+                 host: HostTier | None = None, offload_watermark: int = 0,
+                 hash_salt: bytes | None = None) -> None:
         self.block_size = block_size
+        # per-process random key for block digests: clients cannot predict or collide them offline
+        self.hash_salt = os.urandom(32) if hash_salt is None else hash_salt
         self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.device_stats = PrefixCacheStats()
@@ -63,11 +67,16 @@ class KVCacheManager:
     def _block_tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
         return tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
 
-    def _hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
-        """Chain hashes of the first `num_blocks` full blocks, extending the sequence's memo."""
+    def _block_key(self, seq: Sequence, i: int) -> BlockKey:
+        return BlockKey(seq.block_hashes[i - 1] if i else None, self._block_tokens(seq, i))
+
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
+        """Chain digests of the first `num_blocks` full blocks, extending the sequence's memo
+        (each full block is hashed once per sequence)."""
         hashes = seq.block_hashes
         while len(hashes) < num_blocks:
-            hashes.append(chain_hash(hashes[-1] if hashes else None, self._block_tokens(seq, len(hashes))))
+            hashes.append(chain_hash(hashes[-1] if hashes else None, self._block_tokens(seq, len(hashes)),
+                                     self.hash_salt))
         return hashes[:num_blocks]
 
     def match_prefix(self, seq: Sequence) -> list[tuple[str, int]]:
@@ -79,11 +88,11 @@ class KVCacheManager:
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hits: list[tuple[str, int]] = []
         for i, h in enumerate(self._hashes(seq, max_blocks)):
-            tokens = self._block_tokens(seq, i)
-            block = self.pool.lookup(h, tokens)
+            key = self._block_key(seq, i)
+            block = self.pool.lookup(h, key)
             if block is not None:
                 hits.append(("device", block))
-            elif self.host is not None and (hb := self.host.lookup(h, tokens)) is not None:
+            elif self.host is not None and (hb := self.host.lookup(h, key)) is not None:
                 hits.append(("host", hb))
             else:
                 break
@@ -113,7 +122,7 @@ class KVCacheManager:
         if loads:
             self.host.load([hb for _, hb, _ in loads], [db for _, _, db in loads])
             for i, _, db in loads:  # the copy is complete: the device block now holds this KV
-                self.pool.publish(db, seq.block_hashes[i], self._block_tokens(seq, i))
+                self.pool.publish(db, seq.block_hashes[i], self._block_key(seq, i))
         table.extend(self.pool.allocate() for _ in range(need - len(loads)))
         seq.block_table = table
         seq.num_computed_tokens = num_cached
@@ -141,9 +150,9 @@ class KVCacheManager:
             if reusable >= self.offload_watermark:
                 break
             reusable += 1
-            h, tokens = self.pool.block_hash[block], self.pool.block_tokens[block]
-            if self.host.lookup(h, tokens) is None:
-                to_save.append((block, h, tokens))
+            h, key = self.pool.block_hash[block], self.pool.block_key[block]
+            if self.host.lookup(h, key) is None:
+                to_save.append((block, h, key))
         return self.host.save(to_save)
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -162,7 +171,7 @@ class KVCacheManager:
         for i, h in enumerate(self._hashes(seq, num_full)):
             block = seq.block_table[i]
             if self.pool.block_hash[block] is None:
-                self.pool.publish(block, h, self._block_tokens(seq, i))
+                self.pool.publish(block, h, self._block_key(seq, i))
 
     def free(self, seq: Sequence) -> None:
         """Release every block; tail blocks first so the LRU evicts them before shared prefixes."""

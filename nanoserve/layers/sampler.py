@@ -23,7 +23,10 @@ def apply_penalties(logits: torch.Tensor, seq: Sequence) -> None:
         seen = torch.tensor(sorted(set(t for t in seq.token_ids if t < vocab)), dtype=torch.long,
                             device=logits.device)
         vals = logits[seen]
-        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        # a tiny penalty would push logits to +-inf and softmax to NaN: keep them finite
+        big = torch.finfo(logits.dtype).max
+        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty,
+                                   vals * p.repetition_penalty).clamp(-big, big)
     if (p.frequency_penalty or p.presence_penalty) and seq.num_output_tokens:
         out = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
         counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
@@ -93,13 +96,14 @@ class Sampler:
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             vocab = logits.shape[-1]
-            ks = torch.tensor([k if k > 0 else vocab for k in top_k], device=dev).unsqueeze(1)
+            ks = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k], device=dev).unsqueeze(1)
             ranks = torch.arange(vocab, device=dev).unsqueeze(0)
             drop = ranks >= ks
             probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
             # drop a token if the tokens ranked above it already reach top_p (the best is always kept)
             ps = torch.tensor(top_p, device=dev).unsqueeze(1)
             drop |= (probs.cumsum(dim=-1) - probs) >= ps
+            drop[:, 0] = False  # a top_p that underflows to 0 must still keep the best token
             logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
         probs = logits.softmax(dim=-1)
         min_p = torch.tensor([s.params.min_p for s in seqs], device=dev).unsqueeze(1)
@@ -110,6 +114,7 @@ class Sampler:
         noise = torch.empty_like(probs)
         for i, s in enumerate(seqs):
             noise[i].exponential_(generator=s.generator or self.generator)
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # p / 0 would let a masked (p = 0) token win
         sampled = (probs / noise).argmax(dim=-1)
         greedy_t = torch.tensor(greedy, device=dev)
         return torch.where(greedy_t, logits.argmax(dim=-1), sampled).tolist()

@@ -30,6 +30,37 @@ from nanoserve.server.protocol import (MAX_LOGPROBS, APIError, ChatCompletionReq
 log = logging.getLogger("nanoserve.server")
 
 JSON_TYPES = ("application/json", "application/x-www-form-urlencoded")  # the latter: `curl -d` default
+DEFAULT_MAX_REQUEST_BYTES = 16 << 20
+OFF_LOOP_BYTES = 64 << 10  # bodies larger than this are parsed on a worker thread
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _find_lone_surrogate(obj: Any) -> str | None:
+    """The top-level field holding a string that is not valid Unicode (a lone UTF-16 surrogate,
+    which JSON escapes can express), or None. One C-speed encode per field."""
+    for key, value in obj.items():
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+            key.encode("utf-8")
+        except UnicodeEncodeError:
+            return key.encode("utf-8", "backslashreplace").decode()
+    return None
+
+
+def parse_json_body(raw: bytes) -> Any:
+    try:
+        obj = json.loads(raw, parse_constant=_reject_constant)
+    except RecursionError:
+        raise APIError("the request body is nested too deeply", 400, code="invalid_json")
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
+        raise APIError(f"the request body is not valid JSON: {e}", 400, code="invalid_json")
+    if isinstance(obj, dict) and (bad := _find_lone_surrogate(obj)) is not None:
+        raise APIError(f"'{bad}' contains a string that is not valid Unicode (a lone UTF-16 surrogate)",
+                       400, param=bad, code="invalid_unicode")
+    return obj
 
 
 class ClientGone(Exception):
@@ -92,7 +123,8 @@ def _engine_error(e: Exception) -> APIError:
 
 class Server:
     def __init__(self, engine: AsyncEngine, served_model_name: str | None = None,
-                 api_key: str | None = None, max_queue: int | None = None) -> None:
+                 api_key: str | None = None, max_queue: int | None = None,
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
         self.engine = engine
         self.llm = engine.engine
         self.tok = self.llm.tokenizer
@@ -100,6 +132,8 @@ class Server:
         self.model_aliases = {self.model_name, self.llm.model_name}
         self.api_key = api_key
         self.max_queue = max_queue
+        self.max_request_bytes = max_request_bytes
+        self.draining = False  # set on SIGTERM: new requests get 503 while in-flight ones finish
         self.metrics: ServerMetrics = engine.observer  # type: ignore[assignment]
         self.created = now()
         self._token_str: dict[int, str] = {}
@@ -124,6 +158,8 @@ class Server:
     def check_capacity(self, num: int) -> None:
         if not self.engine.alive:
             raise APIError("the engine is not running", 503, "server_error", code="service_unavailable")
+        if self.draining:
+            raise APIError("the server is shutting down", 503, "server_error", code="service_unavailable")
         if self.max_queue is not None and self.engine.num_waiting + num > self.max_queue:
             raise APIError(f"the server is overloaded: {self.engine.num_waiting} requests are waiting "
                            f"(--max-queue {self.max_queue}); retry later", 503, "server_error",
@@ -135,11 +171,22 @@ class Server:
         if mt and mt not in JSON_TYPES and not mt.endswith("+json"):
             raise APIError(f"Content-Type must be application/json, got {ct!r}", 400,
                            code="unsupported_content_type")
-        raw = await request.body()
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(f"the request body is not valid JSON: {e}", 400, code="invalid_json")
+        limit = self.max_request_bytes
+        too_big = APIError(f"the request body is larger than {limit} bytes (--max-request-bytes)", 413,
+                           code="request_too_large")
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():  # counted as it arrives: no huge body is ever held
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        if size > OFF_LOOP_BYTES:
+            return await asyncio.to_thread(parse_json_body, raw)
+        return parse_json_body(raw)
 
     def token_str(self, tid: int) -> str:
         s = self._token_str.get(tid)
@@ -238,7 +285,7 @@ class Server:
         if body.echo and body.logprobs is not None:
             params.prompt_logprobs = body.logprobs
         cid = new_id("cmpl")
-        reqs = self.make_requests(cid, prompts, params)
+        reqs = await asyncio.to_thread(self.make_requests, cid, prompts, params)
         self.check_capacity(len(reqs))
         created, n = now(), params.n
         if body.stream:
@@ -319,13 +366,13 @@ class Server:
         body.check_stream_options()
         messages = [m.as_template_dict(i) for i, m in enumerate(body.messages)]
         try:
-            prompt = render_chat(self.llm, messages, body.add_generation_prompt)
+            prompt = await asyncio.to_thread(render_chat, self.llm, messages, body.add_generation_prompt)
         except InvalidRequest as e:
             raise APIError.from_invalid(e)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = body.sampling(max_tokens, body.num_logprobs(), self.vocab_size, default_max_tokens=None)
         cid = new_id("chatcmpl")
-        reqs = self.make_requests(cid, [prompt], params, add_special_tokens=False)
+        reqs = await asyncio.to_thread(self.make_requests, cid, [prompt], params, False)
         self.check_capacity(1)
         created = now()
         if body.stream:
@@ -405,13 +452,19 @@ class Server:
             raise APIError("give exactly one of 'prompt' or 'messages'", param="prompt")
         if body.messages is not None:
             try:
-                text = render_chat(self.llm, [m.as_template_dict(i) for i, m in enumerate(body.messages)],
-                                   body.add_generation_prompt)
+                text = await asyncio.to_thread(render_chat, self.llm, [m.as_template_dict(i) for i, m in
+                                                                       enumerate(body.messages)],
+                                               body.add_generation_prompt)
             except InvalidRequest as e:
                 raise APIError.from_invalid(e)
-            ids = self.llm.tokenize(text, add_special_tokens=False)
+            add_special = False
         else:
-            ids = self.llm.tokenize(body.prompt, add_special_tokens=body.add_special_tokens)
+            text, add_special = body.prompt, body.add_special_tokens
+        limit = self.llm.max_model_len * self.llm.max_token_chars
+        if len(text) > limit:
+            raise APIError(f"the text is longer than any prompt this model accepts ({len(text)} > {limit} "
+                           "characters)", param="prompt", code="context_length_exceeded")
+        ids = await asyncio.to_thread(self.llm.tokenize, text, add_special)
         return {"tokens": ids, "count": len(ids), "max_model_len": self.llm.max_model_len}
 
     async def detokenize(self, request: Request):
@@ -422,7 +475,7 @@ class Server:
         if bad:
             raise APIError(f"token id {bad[0]} is out of vocabulary (valid: 0..{self.vocab_size - 1})",
                            param="tokens")
-        return {"prompt": self.tok.decode(body.tokens)}
+        return {"prompt": await asyncio.to_thread(self.tok.decode, body.tokens)}
 
     async def render_metrics(self) -> Response:
         snap = await self.engine.snapshot()
@@ -430,8 +483,8 @@ class Server:
 
 
 def create_app(engine: AsyncEngine, served_model_name: str | None = None, api_key: str | None = None,
-               max_queue: int | None = None) -> FastAPI:
-    srv = Server(engine, served_model_name, api_key, max_queue)
+               max_queue: int | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    srv = Server(engine, served_model_name, api_key, max_queue, max_request_bytes)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -68,7 +68,10 @@ class _SnapshotCollector:
                              ("generation_tokens", "Tokens generated.", s.generation_tokens),
                              ("num_preemptions", "Sequences preempted for lack of KV blocks.", s.num_preemptions),
                              ("engine_step_errors", "Engine steps that raised (their requests failed).",
-                              s.step_errors)):
+                              s.step_errors),
+                             ("kv_invariant_violations", "KV block accounting checks that failed (checked "
+                              "whenever the engine goes idle and after a failed step; must stay 0).",
+                              s.invariant_violations)):
             c = CounterMetricFamily(P + name, doc, labels=["model_name"])
             c.add_metric([m], v)
             yield c

@@ -204,6 +204,8 @@ def parse(model_cls: type[BaseModel], obj: Any) -> Any:
         return model_cls.model_validate(obj)
     except ValidationError as e:
         raise error_from_validation(e)
+    except RecursionError:
+        raise APIError("the request body is nested too deeply", 400, code="invalid_json")
 
 
 def new_id(prefix: str) -> str:
