@@ -23,9 +23,10 @@ class Detokenizer:
         self.read_offset = self.prompt_len
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
 
-    def step(self, token_ids: list[int]) -> str | None:
+    def step(self, token_ids: list[int], check_stop: bool = True) -> str | None:
         """Consume the newest token; returns the stop string that matched, if any (text is then
-        cut before it, or after it with include_stop)."""
+        cut before it, or after it with include_stop). `check_stop=False` (before min_tokens)
+        only extends the text: a stop string completed there never matches."""
         decode = self.tokenizer.decode
         prefix = decode(token_ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
         full = decode(token_ids[self.prefix_offset:], skip_special_tokens=True)
@@ -35,7 +36,7 @@ class Detokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
         start = max(0, len(self.text) - self.holdback)
         self.text += delta
-        for s in self.stop:
+        for s in self.stop if check_stop else ():
             idx = self.text.find(s, start)
             if idx >= 0:
                 self.text = self.text[:idx + (len(s) if self.include_stop else 0)]

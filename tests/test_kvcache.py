@@ -97,6 +97,54 @@ def test_prefix_matching_reuses_only_equal_prefixes(prompts):
     assert kv.stats().in_use == 0
 
 
+def test_forced_digest_collision_never_shares_kv(monkeypatch):
+    """Even if every block digest collided, two chains whose blocks hold equal tokens under
+    different parents never share a block: the stored parent is compared on lookup."""
+    from nanoserve.kvcache import manager as manager_mod
+    monkeypatch.setattr(manager_mod, "chain_hash", lambda parent, tokens, salt=b"": b"\0" * 32)
+    kv = KVCacheManager(num_blocks=16, block_size=2)
+    victim = Sequence(0, "v", 0, [1, 2, 3, 4, 9], SP(), 4, frozenset())
+    assert kv.admit(victim, 5)
+    victim.num_computed_tokens = 5
+    kv.publish_computed(victim)
+    attacker = Sequence(1, "a", 0, [7, 8, 3, 4, 9], SP(), 4, frozenset())  # same 2nd block, other parent
+    assert kv.admit(attacker, 5)
+    assert attacker.num_computed_tokens == 0 and not set(attacker.block_table) & set(victim.block_table)
+
+
+def _kv_oracle(tokens: list[int], j: int, block: int) -> tuple[int, ...]:
+    """What block j's KV is a function of: the whole prefix up to its end."""
+    return tuple(tokens[:(j + 1) * block])
+
+
+@given(st.lists(st.tuples(st.integers(0, 2), st.lists(st.integers(0, 2), min_size=1, max_size=9)),
+                min_size=2, max_size=16))
+@settings(max_examples=60, deadline=None)
+def test_reused_blocks_hold_kv_of_the_whole_prefix(requests):
+    """Simulated KV content per block = the prefix it was computed under; every reused block must
+    carry exactly the reusing prompt's prefix. Shared stems make hits certain, checked below."""
+    block = 2
+    kv = KVCacheManager(num_blocks=12, block_size=block)
+    content: dict[int, tuple[int, ...]] = {}
+    stems = [[5, 6, 7, 8], [5, 6, 1, 1], [9, 9, 7, 8]]  # equal blocks under different parents
+    hits = 0
+    for i, (stem, tail) in enumerate([(0, [1])] + requests + [(0, [2])]):
+        prompt = stems[stem] + tail
+        s = Sequence(i, str(i), 0, prompt, SP(), 4, frozenset())
+        if not kv.admit(s, len(prompt)):
+            continue
+        for j in range(s.num_computed_tokens // block):
+            assert content[s.block_table[j]] == _kv_oracle(prompt, j, block), (prompt, j)
+            hits += 1
+        for j in range(s.num_computed_tokens // block, len(s.block_table)):
+            content[s.block_table[j]] = _kv_oracle(prompt, j, block)  # "compute" the rest
+        s.num_computed_tokens = len(prompt)
+        kv.publish_computed(s)
+        kv.free(s)
+        kv.check_invariants()
+    assert hits >= 2  # the first and last requests share stem 0's two full blocks
+
+
 @pytest.fixture(scope="module")
 def tiny_llm(tiny_model):
     return LLM(str(tiny_model), dtype="float32", block_size=4, num_kv_blocks=24, max_num_batched_tokens=24)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from nanoserve.models.loader import EMBEDDED_GGUF, materialize, resolve_model
 
 
@@ -24,3 +26,61 @@ def test_embedded_default_and_gguf_path():
     folder = materialize(default).path
     assert (folder / "config.json").exists() and (folder / "model.safetensors").exists()
     assert materialize(default).path == folder  # converted once, then reused
+
+
+def _write_gguf(path, arch: str, tensors: dict, heads: int, kv_heads: int) -> None:
+    """A GGUF file as llama.cpp's converter lays it out: llama Q/K rows permuted for interleaved
+    rope, qwen2 (NeoX rope) left as is."""
+    import numpy as np
+    from gguf import GGUFWriter
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_embedding_length(8)
+    w.add_feed_forward_length(16)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_context_length(64)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_vocab_size(32)
+    for name, t in tensors.items():
+        a = t.numpy()
+        kind = name.split(".")[2] if name.startswith("blk.") else ""
+        if arch == "llama" and kind in ("attn_q", "attn_k"):
+            n = heads if kind == "attn_q" else kv_heads
+            a = a.reshape(n, 2, a.shape[0] // n // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+        w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gguf_qk_layout_restored_per_architecture(tmp_path, arch):
+    import torch
+
+    from nanoserve.models.loader import _gguf_config, _gguf_weights
+    torch.manual_seed(0)
+    heads, kv_heads, hd = 2, 1, 4
+    shapes = {"token_embd.weight": (32, 8), "output_norm.weight": (8,), "output.weight": (32, 8),
+              "blk.0.attn_norm.weight": (8,), "blk.0.ffn_norm.weight": (8,),
+              "blk.0.attn_q.weight": (heads * hd, 8), "blk.0.attn_k.weight": (kv_heads * hd, 8),
+              "blk.0.attn_v.weight": (kv_heads * hd, 8), "blk.0.attn_output.weight": (8, heads * hd),
+              "blk.0.ffn_gate.weight": (16, 8), "blk.0.ffn_up.weight": (16, 8), "blk.0.ffn_down.weight": (8, 16)}
+    if arch == "qwen2":
+        shapes.update({"blk.0.attn_q.bias": (heads * hd,), "blk.0.attn_k.bias": (kv_heads * hd,),
+                       "blk.0.attn_v.bias": (kv_heads * hd,)})
+    original = {k: torch.randn(v) for k, v in shapes.items()}
+    f = tmp_path / f"{arch}.gguf"
+    _write_gguf(f, arch, original, heads, kv_heads)
+    cfg = _gguf_config(f)
+    assert cfg.model_type == arch and cfg.num_key_value_heads == kv_heads
+    loaded = dict(_gguf_weights(f, cfg))
+    hf = {"blk.0.attn_q.weight": "model.layers.0.self_attn.q_proj.weight",
+          "blk.0.attn_k.weight": "model.layers.0.self_attn.k_proj.weight",
+          "blk.0.attn_q.bias": "model.layers.0.self_attn.q_proj.bias",
+          "blk.0.ffn_down.weight": "model.layers.0.mlp.down_proj.weight",
+          "token_embd.weight": "model.embed_tokens.weight"}
+    for g, name in hf.items():
+        if g in original:
+            assert torch.equal(loaded[name], original[g]), (arch, name)

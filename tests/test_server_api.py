@@ -309,6 +309,104 @@ def test_malformed_requests_are_400(server, model, max_len):
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")
 
 
+def _ok(server) -> None:
+    """The server still answers a normal request."""
+    r = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+
+
+HOSTILE = [  # (path, body, status, param): raw bodies are bytes; each must be refused cleanly
+    ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}', 400, "prompt"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}', 400, "messages"),
+    ("/tokenize", b'{"prompt": "x\\ud800"}', 400, "prompt"),
+    ("/v1/completions", b'{"model": "\\ud800", "prompt": "hi"}', 400, "model"),
+    ("/v1/completions", b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, None),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}', 400, None),
+    ("/v1/completions", b'{"prompt": "hi", "top_p": Infinity}', 400, None),
+    ("/v1/completions", {"prompt": "hi", "seed": 2 ** 70}, 400, "seed"),
+    ("/v1/completions", {"prompt": "hi", "seed": -(2 ** 64)}, 400, "seed"),
+    ("/v1/completions", {"prompt": "hi", "top_k": 2 ** 70}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "hi", "top_k": 10 ** 6}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 100}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop": "y" * 10000}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [1] * 1000}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(2000)}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 1e300}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "n": 10 ** 30}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 10 ** 30}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "min_tokens": 10 ** 9}, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 99,
+                              "logprobs": True}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "hi"}],
+                              "continue_final_message": True}, 400, "continue_final_message"),
+    ("/v1/completions", {"prompt": "x" * 3_000_000}, 400, "prompt"),
+    ("/tokenize", {"prompt": "x" * 3_000_000}, 400, "prompt"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, param", HOSTILE, ids=range(len(HOSTILE)))
+def test_hostile_inputs_are_refused_and_the_server_keeps_serving(server, path, body, status, param):
+    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {}
+    r = post(server, path, body, **kw)
+    err = assert_error(r, status, param if param is not None else "?")
+    assert "Traceback" not in err["message"]
+    _ok(server)
+
+
+def test_oversized_body_is_413_and_health_stays_up(server):
+    r = post(server, "/v1/completions", b'{"prompt": "' + b"a" * (17 << 20) + b'"}',
+             headers={"content-type": "application/json"})
+    assert_error(r, 413)
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    _ok(server)
+
+
+def test_extreme_but_legal_sampling_values_give_real_tokens(client, model, tokenizer):
+    greedy = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0)
+    tiny_p = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=1.0,
+                                       top_p=1e-50, seed=1)
+    assert tiny_p.choices[0].text == greedy.choices[0].text  # only the best token survives top_p
+    # a tiny repetition penalty pushes seen tokens' logits towards +-inf: sampling must still see
+    # finite logits, not NaN (whose argmax is token 0, every time)
+    rep = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=3, logprobs=0,
+                                    extra_body={"repetition_penalty": 1e-30, "ignore_eos": True})
+    toks = rep.choices[0].logprobs.tokens
+    assert len(toks) == 6 and tokenizer.decode([0]) not in toks, toks
+    big_k = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0, n=2,
+                                      extra_body={"top_k": 49152, "seed": 2 ** 64 - 1})
+    assert [c.text for c in big_k.choices] == [greedy.choices[0].text] * 2
+
+
+def test_stop_strings_only_after_min_tokens(client, model):
+    free = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
+    text = free.choices[0].text
+    word = text.split()[0]  # appears within the first few tokens
+    early = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0, stop=[word])
+    assert early.choices[0].finish_reason == "stop" and word not in early.choices[0].text
+    late = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0, stop=[word],
+                                     extra_body={"min_tokens": 10})
+    assert late.usage.completion_tokens >= 10 and late.choices[0].text.startswith(text[:len(word)])
+
+
+def test_continue_final_message_and_continuous_usage(server, client, model):
+    msgs = [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "The fruit is"}]
+    r = client.chat.completions.create(model=model, messages=msgs, max_tokens=4, temperature=0,
+                                       extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    rendered = post(server, "/tokenize", {"messages": msgs, "add_generation_prompt": False}).json()
+    assert r.usage.prompt_tokens < rendered["count"]  # the open message is not closed by the template
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=5, temperature=0, stream=True, extra_body={
+                                                "ignore_eos": True,
+                                                "stream_options": {"include_usage": True,
+                                                                   "continuous_usage_stats": True}})
+    chunks = list(stream)
+    with_choices = [c for c in chunks if c.choices]
+    assert with_choices and all(c.usage is not None for c in with_choices)
+    counts = [c.usage.completion_tokens for c in with_choices]
+    assert counts == sorted(counts) and counts[-1] == 5 and chunks[-1].usage.completion_tokens == 5
+
+
 def test_logit_bias_and_curl_style_body(server, tokenizer):
     # curl -d sends application/x-www-form-urlencoded; a JSON body is still accepted
     forced = tokenizer.encode(" banana")[0]

@@ -145,3 +145,32 @@ def test_error_before_response_is_http_500(setup):
     flaky.arm()
     ok = _post(app, "/v1/completions", {"prompt": "hi", "max_tokens": 6, "ignore_eos": True})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 6
+
+
+def test_failed_step_fails_only_its_requests_and_queued_ones_run(setup):
+    """A request whose step raises fails alone; one still queued behind it (max_num_seqs = 1) is
+    untouched and completes; the KV invariants hold afterwards."""
+    engine, aengine, flaky, _ = setup
+    flaky.arm()
+    real_run = engine.runner.run
+
+    def poisoned(scheduled):
+        if any(s.seq.request_id == "poison" for s in scheduled):
+            raise RuntimeError("poisoned batch")
+        return real_run(scheduled)
+
+    engine.runner.run = poisoned
+    engine.scheduler.max_num_seqs = 1
+    try:
+        async def run():
+            return await asyncio.gather(_collect(aengine, engine, "poison", max_tokens=8),
+                                        _collect(aengine, engine, "queued", max_tokens=8), return_exceptions=True)
+        bad, good = asyncio.run(run())
+    finally:
+        engine.runner.run = real_run
+        engine.scheduler.max_num_seqs = 128
+    assert isinstance(bad, EngineError) and "poisoned batch" in str(bad)
+    assert not isinstance(good, BaseException), good
+    assert good[-1].finished and len(good[-1].outputs[0].token_ids) == 8
+    snap = asyncio.run(aengine.snapshot())
+    assert snap.invariant_violations == 0 and snap.tiers[0].blocks_in_use == 0

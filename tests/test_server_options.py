@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from server_fixture import ServerProcess, assert_error
+from server_fixture import ServerProcess, assert_error, m
 
 KEY = "sk-test-1234"
 LONG_PROMPT = ("The quick brown fox jumps over the lazy dog while the farmer watches from the porch and "
@@ -111,3 +111,48 @@ def test_sigterm_finishes_in_flight_and_exits_0(queued):
     assert time.monotonic() - t0 < 60
     with pytest.raises(httpx.ConnectError):
         httpx.get(queued.url + "/health", timeout=5)
+
+
+def test_sigterm_after_shutdown_timeout_fails_the_rest_cleanly():
+    """With a short --shutdown-timeout, what cannot finish in time gets a JSON 503 (non-streaming)
+    or an SSE error event then [DONE] (streaming); new requests meanwhile get 503; exit code 0."""
+    s = ServerProcess("--shutdown-timeout", "1", "--max-num-seqs", "1")
+    try:
+        body = {"prompt": LONG_PROMPT, "max_tokens": 4000, "ignore_eos": True}
+        got: dict[str, object] = {}
+        started = threading.Event()
+
+        def stream():
+            lines = []
+            with httpx.stream("POST", s.base_url + "/completions", json=dict(body, stream=True), timeout=120) as r:
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(line)
+                        started.set()
+            got["stream"] = lines
+
+        def plain():
+            got["plain"] = httpx.post(s.base_url + "/completions", json=body, timeout=120)
+
+        threads = [threading.Thread(target=stream), threading.Thread(target=plain)]
+        threads[0].start()
+        assert started.wait(60)
+        threads[1].start()
+        deadline = time.monotonic() + 60  # the second request waits in the queue (max_num_seqs 1)
+        while m(s.metrics(), "nanoserve:num_requests_waiting") < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        s.proc.send_signal(__import__("signal").SIGTERM)
+        for t in threads:
+            t.join(120)
+        code = s.proc.wait(120)
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+    assert code == 0, s.logs()
+    lines = got["stream"]
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    err = __import__("json").loads(lines[-2][6:])
+    assert set(err) == {"error"} and "shutting down" in err["error"]["message"]
+    plain = got["plain"]
+    assert plain.status_code == 503, plain.text
+    assert_error(plain, 503)

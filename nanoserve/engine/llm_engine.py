@@ -262,7 +262,7 @@ class LLMEngine:
         if lp is not None:
             seq.output_logprobs.append(lp)
         p = seq.params
-        stop_str = req.detoks[seq.index].step(seq.token_ids)
+        stop_str = req.detoks[seq.index].step(seq.token_ids, check_stop=seq.num_output_tokens >= p.min_tokens)
         if stop_str is not None:
             seq.stop_reason = stop_str
             self._finish(seq, "stop")

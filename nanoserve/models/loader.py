@@ -199,8 +199,9 @@ def _gguf_weights(path: Path, cfg) -> Iterator[tuple[str, torch.Tensor]]:
         if t.name.startswith("blk."):
             _, idx, kind, suffix = t.name.split(".")
             name = f"model.layers.{idx}.{_GGUF_NAMES[kind]}.{suffix}"
-            # llama.cpp stores Q and K permuted for its interleaved rope; undo it for rotate-half.
-            if kind in ("attn_q", "attn_k"):
+            # llama.cpp's converter permutes Q and K of *llama* models for its interleaved rope;
+            # undo it for rotate-half. Qwen2 uses NeoX rope and is stored unpermuted.
+            if kind in ("attn_q", "attn_k") and cfg.model_type == "llama":
                 n = heads if kind == "attn_q" else kv_heads
                 w = w.reshape(n, w.shape[0] // n // 2, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
         else:

@@ -107,6 +107,13 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
+def _usage_flags(body) -> tuple[bool, bool]:
+    """(usage chunk at the end, usage in every chunk): vLLM's stream_options semantics."""
+    opts = body.stream_options
+    include = bool(opts and opts.include_usage)
+    return include, include and bool(opts.continuous_usage_stats)
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -317,12 +324,11 @@ class Server:
         sent_text: dict[int, int] = {}
         sent_tok: dict[int, int] = {}
         done: set[int] = set()
-        finals: list[RequestOutput | None] = [None] * len(reqs)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        finals: list[RequestOutput | None] = [None] * len(reqs)  # the latest output of each prompt
+        include_usage, continuous = _usage_flags(body)
         try:
             async for pi, out in fan:
-                if out.finished:
-                    finals[pi] = out
+                finals[pi] = out
                 choices = []
                 for c in out.outputs:
                     idx = pi * n + c.index
@@ -347,8 +353,11 @@ class Server:
                     if c.finish_reason is not None:
                         done.add(idx)
                 if choices:
-                    yield _sse({"id": cid, "object": "text_completion", "created": created,
-                                "model": self.model_name, "choices": choices})
+                    chunk = {"id": cid, "object": "text_completion", "created": created,
+                             "model": self.model_name, "choices": choices}
+                    if continuous:
+                        chunk["usage"] = self.usage([f for f in finals if f is not None])
+                    yield _sse(chunk)
             if include_usage:
                 yield _sse({"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
                             "choices": [], "usage": self.usage([f for f in finals if f is not None])})
@@ -366,7 +375,8 @@ class Server:
         body.check_stream_options()
         messages = [m.as_template_dict(i) for i, m in enumerate(body.messages)]
         try:
-            prompt = await asyncio.to_thread(render_chat, self.llm, messages, body.add_generation_prompt)
+            prompt = await asyncio.to_thread(render_chat, self.llm, messages, body.add_generation_prompt,
+                                             body.continue_final_message)
         except InvalidRequest as e:
             raise APIError.from_invalid(e)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -395,15 +405,17 @@ class Server:
         sent_tok: dict[int, int] = {}
         done: set[int] = set()
         final: RequestOutput | None = None
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        include_usage, continuous = _usage_flags(body)
 
         def chunk(choices: list) -> str:
-            return _sse({"id": cid, "object": "chat.completion.chunk", "created": created,
-                         "model": self.model_name, "system_fingerprint": None, "choices": choices})
+            obj = {"id": cid, "object": "chat.completion.chunk", "created": created,
+                   "model": self.model_name, "system_fingerprint": None, "choices": choices}
+            if continuous and final is not None:
+                obj["usage"] = self.usage([final])
+            return _sse(obj)
         try:
             async for _, out in fan:
-                if out.finished:
-                    final = out
+                final = out
                 choices = []
                 for c in out.outputs:
                     i = c.index

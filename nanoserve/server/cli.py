@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 
 
 log = logging.getLogger("nanoserve.server")
@@ -67,10 +68,38 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
                         "(/health, /metrics and /version stay open); default: $NANOSERVE_API_KEY, or no key")
     h.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM/SIGINT: seconds to let in-flight requests finish before aborting them")
+                   help="on SIGTERM/SIGINT: new requests get 503 and in-flight ones may finish for this many "
+                        "seconds; what is still running then gets a 503 error (JSON, or an SSE error event)")
+    h.add_argument("--max-request-bytes", type=int, default=16 << 20,
+                   help="largest request body accepted; larger ones get HTTP 413")
     h.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="log level of the server and the engine")
     return p
+
+
+def _draining_server_class():
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """On the first SIGTERM/SIGINT: refuse new requests (503), let in-flight ones run for
+        `timeout` seconds, then fail the rest with a clean 503 so every client gets an answer."""
+
+        def __init__(self, config, server, aengine, timeout: float) -> None:
+            super().__init__(config)
+            self.api, self.aengine, self.timeout = server, aengine, timeout
+            self.deadline: threading.Timer | None = None
+
+        def handle_exit(self, sig, frame) -> None:
+            if self.deadline is None:
+                log.info("shutting down: draining in-flight requests for up to %.0fs", self.timeout)
+                self.api.draining = True
+                self.deadline = threading.Timer(self.timeout, self.aengine.fail_all, [
+                    f"the server is shutting down (--shutdown-timeout {self.timeout:g}s passed)"])
+                self.deadline.daemon = True
+                self.deadline.start()
+            super().handle_exit(sig, frame)
+
+    return DrainingServer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     from nanoserve.engine.llm_engine import LLMEngine
     from nanoserve.server.app import create_app
     from nanoserve.server.metrics import ServerMetrics
+    DrainingServer = _draining_server_class()
 
     try:
         config = EngineConfig(
@@ -105,10 +135,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name = args.served_model_name or engine.model_name
     aengine = AsyncEngine(engine, ServerMetrics(name))
-    app = create_app(aengine, name, args.api_key, args.max_queue)
+    app = create_app(aengine, name, args.api_key, args.max_queue, args.max_request_bytes)
 
-    uv = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                       timeout_graceful_shutdown=args.shutdown_timeout))
+    # uvicorn's own grace period is a little longer than ours, so that requests we fail at the
+    # deadline still get to send their 503 / SSE error before connections are closed
+    uv = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                       timeout_graceful_shutdown=args.shutdown_timeout + 5),
+                        app.state.server, aengine, args.shutdown_timeout)
     # uvicorn re-raises the signal it caught once it has shut down gracefully; with the default
     # handler that would kill the process (exit 143). A no-op handler makes a SIGTERM exit 0.
     signal.signal(signal.SIGTERM, lambda *_: None)

@@ -97,6 +97,9 @@ class _SamplingFields(_Base):
         for tid in self.stop_token_ids or []:
             if not 0 <= tid < vocab_size:
                 raise APIError(f"stop_token_ids: token id {tid} is out of vocabulary", param="stop_token_ids")
+        if self.top_k is not None and self.top_k > vocab_size:
+            raise APIError(f"top_k must be at most the vocabulary size {vocab_size} (or -1 / 0 for off), "
+                           f"got {self.top_k}", param="top_k")
         if self.n > 16:
             raise APIError(f"n must be <= 16, got {self.n}", param="n")
         if max_tokens is not None and max_tokens < 1:
