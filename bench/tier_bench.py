@@ -2,9 +2,12 @@
 
 D documents of L tokens; request i asks `doc[i % D] + question_i`; R rounds, round-robin, so a
 device tier holding a quarter of the documents (LRU) never has the next one. Configs, side by side
-in one run: prefix caching off, device only, device + host. Reports per round TTFT (mean/p50/p90),
-time, throughput and the fraction of prompt tokens served by each tier; then the no-reuse workload
-(unique prompts) with the host tier on vs off.
+in one run: prefix caching off, device only, device + host, and the control "device-big": device
+only with a KV budget of device + host (what the same memory buys without a tier). Reports per
+round TTFT (mean/p50/p90), time, prompt and output throughput separately (prompt tok/s counts
+cached prompt tokens too: it is not work done) and the fraction of prompt tokens served by each
+tier; offline, also other requests' decode rate in steps while a host load is in flight vs not;
+then the no-reuse workload (unique prompts) with the host tier on vs off.
 
     python bench/tier_bench.py                       # offline engine
     python bench/tier_bench.py --target server       # the same through the HTTP server (streaming)
@@ -48,11 +51,13 @@ def summarize(name: str, rnd: int, done: list[Done], elapsed: float) -> dict:
     prompt = sum(d.prompt_tokens for d in done)
     row = {"config": name, "round": rnd, "ttft_mean_ms": statistics.mean(ttft),
            "ttft_p50_ms": statistics.median(ttft), "ttft_p90_ms": ttft[int(0.9 * (len(ttft) - 1))],
-           "time_s": elapsed, "tok_s": (prompt + sum(d.output_tokens for d in done)) / elapsed,
+           "time_s": elapsed, "prompt_tok_s": prompt / elapsed,
+           "output_tok_s": sum(d.output_tokens for d in done) / elapsed,
            "device_hit": sum(d.device_cached for d in done) / prompt,
            "host_hit": sum(d.host_cached for d in done) / prompt}
     print(f"{name:14s} round {rnd}: TTFT mean {row['ttft_mean_ms']:8.1f} ms  p50 {row['ttft_p50_ms']:8.1f}  "
-          f"p90 {row['ttft_p90_ms']:8.1f}  time {elapsed:6.2f}s  {row['tok_s']:7.1f} tok/s  "
+          f"p90 {row['ttft_p90_ms']:8.1f}  time {elapsed:6.2f}s  prompt {row['prompt_tok_s']:7.1f} tok/s  "
+          f"output {row['output_tok_s']:6.1f} tok/s  "
           f"hits: device {row['device_hit']:.0%} host {row['host_hit']:.0%}", flush=True)
     return row
 
@@ -66,6 +71,8 @@ class OfflineTarget:
         self.args = args
         self.eng = LLMEngine(EngineConfig(model=args.model, **cfg))
         self.params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+        # others' decode steps, split by whether a host load was in flight: [steps, decode tokens, seconds]
+        self.decode = {"loading": [0, 0, 0.0], "idle": [0, 0, 0.0]}
 
     def round(self, rnd: int, prompts) -> list[Done]:
         eng, pending, done = self.eng, list(enumerate(prompts)), []
@@ -73,7 +80,15 @@ class OfflineTarget:
             while pending and len(eng.requests) < self.args.concurrency:  # closed loop
                 i, p = pending.pop(0)
                 eng.add(eng.make_request(f"{rnd}-{i}", p, self.params))
-            for out in eng.step():
+            t0 = time.perf_counter()
+            decoding = sum(1 for s in eng.scheduler.running if s.prompt_done)
+            outs = eng.step()
+            if decoding:
+                row = self.decode["loading" if eng.scheduler.loading else "idle"]
+                row[0] += 1
+                row[1] += decoding
+                row[2] += time.perf_counter() - t0
+            for out in outs:
                 if out.finished:
                     done.append(Done(len(out.prompt_token_ids), len(out.outputs[0].token_ids),
                                      out.metrics["first_token"] - out.metrics["arrival"],
@@ -85,7 +100,12 @@ class OfflineTarget:
         for r in self.eng.kv.reports():
             if r.tier == "host":
                 print(f"  host tier: {r.bytes_in / 2**20:.0f} MiB in ({r.seconds_in:.2f}s), "
-                      f"{r.bytes_out / 2**20:.0f} MiB out ({r.seconds_out:.2f}s)")
+                      f"{r.bytes_out / 2**20:.0f} MiB out ({r.seconds_out:.2f}s), "
+                      f"{self.eng.kv.num_transfer_waits} allocations waited for a copy")
+                for k, (steps, toks, secs) in self.decode.items():
+                    if steps:
+                        print(f"  others' decode, host load {'in flight' if k == 'loading' else 'none':9s}: "
+                              f"{steps} steps, {steps / secs:6.1f} steps/s, {toks / secs:7.1f} decode tok/s")
 
 
 # ---- HTTP server -----------------------------------------------------------------------------
@@ -170,7 +190,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--noreuse-rounds", type=int, default=5)
     ap.add_argument("--concurrency", type=int, default=2)
-    ap.add_argument("--configs", default="off,device,host,noreuse")
+    ap.add_argument("--configs", default="off,device,host,device-big,noreuse")
     args = ap.parse_args()
     from nanoserve.engine.llm_engine import LLMEngine  # noqa: F401  (fail early if not installed)
     # device: a quarter of the documents plus room for the running requests; host: all of them
@@ -180,7 +200,8 @@ def main() -> None:
     host_gb = 1.5 * args.docs * req_tokens * bytes_per_token / GiB
     base = dict(kv_cache_gb=round(device_gb, 4), max_num_seqs=args.concurrency)
     configs = {"off": dict(base, enable_prefix_caching=False), "device": base,
-               "host": dict(base, host_cache_gb=round(host_gb, 4))}
+               "host": dict(base, host_cache_gb=round(host_gb, 4)),
+               "device-big": dict(base, kv_cache_gb=round(device_gb + host_gb, 4))}
     print(f"workload: {args.docs} docs x {args.doc_len} tokens, {args.rounds} rounds, concurrency "
           f"{args.concurrency}; device KV {device_gb:.3f} GiB (~{args.docs // 4} docs), host {host_gb:.3f} GiB; "
           f"target {args.target}", flush=True)
@@ -196,13 +217,14 @@ def main() -> None:
             print(f"  {k:14s} TTFT mean {statistics.mean(r['ttft_mean_ms'] for r in rows):8.1f} ms  "
                   f"hits device {statistics.mean(r['device_hit'] for r in rows):.0%} "
                   f"host {statistics.mean(r['host_hit'] for r in rows):.0%}  "
-                  f"throughput {statistics.median(r['tok_s'] for r in rows):.1f} tok/s")
+                  f"prompt {statistics.median(r['prompt_tok_s'] for r in rows):.1f} tok/s  "
+                  f"output {statistics.median(r['output_tok_s'] for r in rows):.1f} tok/s")
     if "device" in later and "host" in later and later["host"]:
         ratio = statistics.mean(r["ttft_mean_ms"] for r in later["device"]) / statistics.mean(
             r["ttft_mean_ms"] for r in later["host"])
         print(f"  TTFT mean device-only / device+host: {ratio:.1f}x")
     if "noreuse-off" in results:
-        ratios = [h["tok_s"] / o["tok_s"] for h, o in zip(results["noreuse-host"], results["noreuse-off"])]
+        ratios = [o["time_s"] / h["time_s"] for h, o in zip(results["noreuse-host"], results["noreuse-off"])]
         print(f"  no reuse: throughput host on / off = {statistics.median(ratios):.3f} (median of per-round "
               f"ratios {', '.join(f'{r:.3f}' for r in ratios)})")
     print(json.dumps(results))

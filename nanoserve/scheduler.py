@@ -2,13 +2,18 @@
 the next prefill chunk) within a token budget, then admits waiting sequences FCFS. When blocks
 run out, the most recently admitted sequence is preempted: its blocks go back to the cache and it
 waits again at the head of the queue, so resuming it is a prefix hit rather than a full recompute.
+
+A sequence whose prefix is (partly) on host is admitted into `loading`: it holds its blocks while
+the copy runs and joins the running batch in the first step after the copy completes; meanwhile
+every other sequence keeps being scheduled (no convoy behind a load). If the copy failed, it goes
+back to the head of the queue and recomputes.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
-from nanoserve.kvcache.manager import KVCacheManager
+from nanoserve.kvcache.manager import KVCacheManager, LoadState
 from nanoserve.sequence import Sequence, SeqStatus
 
 
@@ -35,15 +40,38 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.loading: list[Sequence] = []
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
+
+    def _promote_loaded(self) -> None:
+        self.kv.poll_transfers()
+        still: list[Sequence] = []
+        for seq in self.loading:
+            state = self.kv.load_state(seq)
+            if state is LoadState.LOADING:
+                still.append(seq)
+            elif state is LoadState.READY:
+                seq.status = SeqStatus.RUNNING
+                self.running.append(seq)
+            else:  # its prefix could not be loaded: recompute it
+                self.kv.free(seq)
+                seq.status = SeqStatus.WAITING
+                self.waiting.appendleft(seq)
+        self.loading = still
+
+    def wait_for_loads(self, timeout: float) -> None:
+        """Nothing could be scheduled: block (up to `timeout`) on the oldest copy instead of spinning."""
+        if self.loading:
+            self.kv.wait_for_transfer(timeout)
 
     def schedule(self) -> SchedulerOutput:
+        self._promote_loaded()
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         i = 0
@@ -63,7 +91,7 @@ class Scheduler:
         if out.num_preempted:
             return out  # memory is tight: admit nobody until the running set drains
         skipped: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.parent is not None and not (seq.parent.prompt_done or seq.parent.is_finished):
                 skipped.append(self.waiting.popleft())  # n > 1: wait for the shared prompt's KV
@@ -71,6 +99,10 @@ class Scheduler:
             if not self.kv.admit(seq, budget):
                 break
             self.waiting.popleft()
+            if self.kv.load_state(seq) is not LoadState.READY:
+                seq.status = SeqStatus.LOADING  # holds its blocks, takes no budget this step
+                self.loading.append(seq)
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
@@ -90,7 +122,20 @@ class Scheduler:
         """Remove a sequence wherever it is and release its blocks (finished, aborted or failed)."""
         if seq in self.running:
             self.running.remove(seq)
+        elif seq in self.loading:
+            self.loading.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.kv.free(seq)
         seq.status = SeqStatus.FINISHED
+
+    def check_invariants(self) -> None:
+        """KV accounting, and every block reference held by exactly one table entry."""
+        self.kv.check_invariants()
+        holders = self.running + self.loading
+        in_tables = sum(len(s.block_table) for s in holders)
+        refs = sum(self.kv.pool.ref_count)
+        assert refs == in_tables, f"ref counts {refs} != blocks held by running/loading sequences {in_tables}"
+        assert all(not s.block_table for s in self.waiting), "waiting sequence holds blocks"
+        assert all(self.kv.load_state(s) is LoadState.READY for s in self.running), "running before its load"
+        assert all(s.status is SeqStatus.LOADING for s in self.loading)

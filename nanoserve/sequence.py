@@ -20,6 +20,7 @@ from nanoserve.sampling_params import SamplingParams
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
+    LOADING = "loading"  # admitted, holding its blocks, waiting for its prefix to arrive from host
     RUNNING = "running"
     FINISHED = "finished"
 

@@ -1,7 +1,8 @@
 """Start the real `nanoserve` server as a subprocess on 127.0.0.1 and talk to it over HTTP.
 
 Used by tests/test_server_*.py through module-scoped fixtures: one server per module, because
-loading the model costs ~10-20 s on this machine."""
+loading the model costs ~10-20 s on this machine. Every server is checked, when it exits, to leave
+no process behind (the engine-core process must die with it)."""
 from __future__ import annotations
 
 import os
@@ -36,6 +37,7 @@ class ServerProcess:
         full_env.setdefault("OMP_NUM_THREADS", "2")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=full_env)
         self._wait_healthy(startup_timeout)
+        self.children = child_pids(self.proc.pid)  # the engine-core process, unless --no-engine-process
 
     def _wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -75,7 +77,7 @@ class ServerProcess:
         return out
 
     def terminate(self, timeout: float = 90.0) -> int:
-        """SIGTERM and wait; returns the exit code."""
+        """SIGTERM and wait; returns the exit code. Fails if a child process outlives the server."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -83,12 +85,49 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.assert_no_orphans()
         return self.proc.returncode
+
+    def assert_no_orphans(self, timeout: float = 15.0) -> None:
+        left = wait_gone(getattr(self, "children", []), timeout)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+        assert not left, f"processes {left} outlived the server:\n{self.logs()}"
 
     def stop(self) -> None:
         self.terminate()
         self.log.close()
         os.unlink(self.log.name)
+
+
+def child_pids(pid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(d))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def running(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie (an orphan's zombie may never be reaped here)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    """The pids still running after up to `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while (left := [p for p in pids if running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
 
 
 def m(metrics: dict, name: str, **labels) -> float:

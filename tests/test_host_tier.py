@@ -3,13 +3,14 @@ per-tier accounting, host LRU, in-flight pinning, and one shared copy-in for con
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.kvcache import host_tier
 from nanoserve.kvcache.host_tier import HostTier
+from nanoserve.kvcache.transfer import ThreadCopier
 from tests.conftest import hf_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -42,23 +43,44 @@ def test_host_lru_evicts_least_recently_used():
     assert tier.pool.num_evictions == 1
 
 
-def test_host_block_not_handed_out_while_copy_in_flight(monkeypatch):
+class GatedCopy:
+    """A block copy that runs only once the test opens the gate (loads only, unless `all`): a copy
+    slowed for as long as the test wants, with no sleeps and no timing assumptions."""
+
+    def __init__(self, device_cache: torch.Tensor, all_copies: bool = False) -> None:
+        self.device_ptr = device_cache.untyped_storage().data_ptr()
+        self.all_copies = all_copies
+        self.gate = threading.Event()
+        self.started = threading.Event()
+        self.fail: type[BaseException] | None = None
+
+    def __call__(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        if self.all_copies or dst.untyped_storage().data_ptr() == self.device_ptr:
+            self.started.set()
+            assert self.gate.wait(60), "gate never opened"
+            if self.fail is not None:
+                raise self.fail("injected copy failure")
+        dst.copy_(src)
+
+
+def test_host_block_not_handed_out_while_copy_in_flight():
     device = torch.randn(8, 1, 2, 1, 2, 2)
-    tier = HostTier(3, device)
+    gated = GatedCopy(device)
+    tier = HostTier(3, device, ThreadCopier(gated))
     tier.save([(0, 1, (1,)), (1, 2, (2,)), (2, 3, (3,))])  # host full of cached blocks
     src = [tier.lookup(1, (1,)), tier.lookup(2, (2,))]
+    copy = tier.begin_load(src, [5, 6])
+    assert gated.started.wait(60) and not copy.handle.done()
     handed_out: list[int] = []
-    real_copy = host_tier.copy_blocks
-
-    def copy_while_others_allocate(s, s_ids, d, d_ids, stream):
-        # mid-copy, someone needs host blocks: only the block not being copied may be reused
-        while tier.pool.num_available():
-            handed_out.append(tier.pool.allocate())
-        real_copy(s, s_ids, d, d_ids, stream)
-
-    monkeypatch.setattr(host_tier, "copy_blocks", copy_while_others_allocate)
-    tier.load(src, [5, 6])
-    assert handed_out and not set(handed_out) & set(src)
+    while tier.pool.num_available():  # mid-copy, someone needs host blocks
+        handed_out.append(tier.pool.allocate())
+    assert handed_out and not set(handed_out) & set(src)  # only the block not being copied
+    assert tier.pool.stats().in_flight == 2
+    gated.gate.set()
+    assert copy.handle.wait(60) and tier.end_load(copy)
+    assert torch.equal(device[5], device[0]) and torch.equal(device[6], device[1])
+    tier.pool.check_invariants()
+    assert tier.pool.stats().in_flight == 0
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +180,7 @@ def test_embedded_model_identical_from_host(embedded_dir):
 
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
-from nanoserve.kvcache.manager import KVCacheManager  # noqa: E402
+from nanoserve.kvcache.manager import KVCacheManager, LoadState  # noqa: E402
 from nanoserve.sequence import Sequence  # noqa: E402
 
 
@@ -180,6 +202,8 @@ def test_manager_with_host_tier_keeps_kv_content_and_accounting(prompts, host_bl
         kv.offload_cold_blocks()
         seq = Sequence(i, str(i), 0, prompt, SamplingParams(), 4, frozenset())
         assert kv.admit(seq, len(prompt))
+        while kv.load_state(seq) is LoadState.LOADING:  # host hits are readable once copied
+            kv.wait_for_transfer()
         for j in range(seq.num_computed_tokens // bs):  # reused blocks hold this prefix's KV
             assert device[seq.block_table[j]].eq(_pattern(tuple(prompt[j * bs:(j + 1) * bs]))).all()
         for j in range(seq.num_computed_tokens // bs, len(prompt) // bs):  # "compute" the rest
@@ -202,8 +226,10 @@ def test_manager_property_setup_reaches_the_host_tier():
     got = []
     for i, prompt in enumerate([[0, 0, 0, 0, 1], [1] * 11, [0, 0, 0, 0, 2]]):
         kv.offload_cold_blocks()
+        kv.drain_transfers()  # saves publish on host only once complete
         seq = Sequence(i, str(i), 0, prompt, SamplingParams(), 4, frozenset())
         assert kv.admit(seq, len(prompt))
+        kv.drain_transfers()
         got.append(seq.num_host_cached_tokens)
         seq.num_computed_tokens = len(prompt)
         kv.publish_computed(seq)

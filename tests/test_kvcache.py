@@ -173,3 +173,53 @@ def test_engine_invariants_random_workload_with_aborts(tiny_llm):
         eng.check_invariants()
     assert eng.kv.stats().in_use == 0
     assert eng.scheduler.num_preemptions > 0  # the budget was tight enough to exercise preemption
+
+
+pin_ops = st.lists(st.tuples(st.sampled_from(["alloc", "release", "publish", "pin", "unpin", "lookup"]),
+                             st.integers(0, 10**6)), max_size=200)
+
+
+@given(pin_ops)
+@settings(max_examples=200, deadline=None)
+def test_block_pool_pins_keep_blocks_from_reuse(script):
+    """Copies pin blocks: a pinned block is never handed out by `allocate`, keeps its content key,
+    and the accounting (in use + cached + free + in flight) holds throughout."""
+    pool = BlockPool(6)
+    held: list[int] = []
+    pinned: list[int] = []
+    for op, x in script:
+        if op == "alloc" and pool.num_available():
+            b = pool.allocate()
+            assert not pool.pins[b] and pool.ref_count[b] == 1
+            held.append(b)
+        elif op == "release" and held:
+            pool.release(held.pop(x % len(held)))
+        elif op == "publish" and held:
+            b = held[x % len(held)]
+            pool.publish(b, chain_hash(None, (x % 5,)), BlockKey(None, (x % 5,)))
+        elif op == "pin":
+            cands = [b for b in set(held) | set(pool.lru)]
+            if cands:
+                b = sorted(cands)[x % len(cands)]
+                pool.pin(b)
+                pinned.append(b)
+        elif op == "unpin" and pinned:
+            pool.unpin(pinned.pop(x % len(pinned)))
+        elif op == "lookup":
+            b = pool.lookup(chain_hash(None, (x % 5,)), BlockKey(None, (x % 5,)))
+            if b is not None:
+                pool.acquire(b)
+                held.append(b)
+        pool.check_invariants()
+        st_ = pool.stats()
+        assert st_.in_use == len(set(held))
+        assert st_.in_use + st_.cached_free + st_.free + st_.in_flight == pool.num_blocks
+        assert st_.in_flight == len({b for b in pinned if b not in held})
+        # what allocate could hand out never includes a pinned block
+        assert not {b for b in pool.lru if not pool.pins[b]} & set(pinned) and not set(pool.free) & set(pinned)
+    for b in held:
+        pool.release(b)
+    for b in pinned:
+        pool.unpin(b)
+    pool.check_invariants()
+    assert pool.stats().in_use == 0 and pool.stats().in_flight == 0

@@ -14,13 +14,15 @@ import torch
 
 from nanoserve.config import EngineConfig
 from nanoserve.detokenizer import Detokenizer
-from nanoserve.kvcache.host_tier import HostTier
+from nanoserve.engine.frontend import check_prompt, model_info
+from nanoserve.kvcache.host_tier import HostTier, host_memory_available
 from nanoserve.kvcache.manager import KVCacheManager
 from nanoserve.layers.sampler import Sampler
 from nanoserve.models.llama import LlamaModel
 from nanoserve.models.loader import iter_weights, load_config, load_tokenizer, materialize, resolve_model
 from nanoserve.outputs import CompletionOutput, RequestOutput
-from nanoserve.runner import KVLayout, ModelRunner
+from nanoserve.layers.flash_attention import resolve_attention
+from nanoserve.runner import KVLayout, ModelRunner, RunnerOptions, probe_graph_memory
 from nanoserve.sampling_params import InvalidRequest, SamplingParams
 from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence
@@ -61,13 +63,20 @@ class LLMEngine:
         self.dtype = config.resolved_dtype(self.device)
         torch.manual_seed(config.seed)
         self.model = LlamaModel(self.hf_config, self.dtype, self.device)
-        self.model.load_weights(iter_weights(self.source))
+        if config.load_format == "dummy":  # benchmarks: random weights made on the device, nothing read
+            self.model.init_dummy(config.seed)
+        else:
+            self.model.load_weights(iter_weights(self.source))
         self.model.finalize()
-        block_size = config.block_size or (256 if self.device.type == "cuda" else 16)
+        backend, flash, block_size = resolve_attention(config.attention_backend, self.device, self.dtype,
+                                                       config.block_size, config.flash_module)
         self.layout = KVLayout(self.model.num_layers, block_size, self.model.num_kv_heads,
-                               self.model.head_dim, self.dtype)
+                               self.model.head_dim, self.dtype, backend)
+        runner_opts = RunnerOptions(flash, config.max_num_seqs, config.max_num_batched_tokens,
+                                    cuda_graphs=not config.enforce_eager)
+        self._graph_bytes = probe_graph_memory(self.model, self.layout, self.device, runner_opts)
         num_blocks = self._num_device_blocks()
-        self.runner = ModelRunner(self.model, self.layout, num_blocks, self.device)
+        self.runner = ModelRunner(self.model, self.layout, num_blocks, self.device, runner_opts)
         host = self._host_tier()
         watermark = config.host_offload_watermark or (
             -(-config.max_num_batched_tokens // block_size) + config.max_num_seqs)
@@ -101,7 +110,8 @@ class LLMEngine:
             budget = cfg.kv_cache_gb * GiB
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - (1 - cfg.gpu_memory_utilization) * total - GiB  # 1 GiB for activations
+            # 1 GiB for activations; decode CUDA graphs measured by a probe capture
+            budget = free - (1 - cfg.gpu_memory_utilization) * total - GiB - self._graph_bytes
         else:
             budget = min(4 * GiB, 0.2 * _available_memory())
         blocks = int(budget // per_block)
@@ -162,42 +172,14 @@ class LLMEngine:
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                      add_special_tokens: bool = True) -> Request:
         """Validate and tokenize; raises InvalidRequest naming the bad field."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequest("prompt must not be empty", param="prompt")
-            if len(prompt) > self.max_model_len * self.max_token_chars:  # refused without tokenizing it
-                raise InvalidRequest(
-                    f"This model's maximum context length is {self.max_model_len} tokens, and a prompt of "
-                    f"{len(prompt)} characters has more tokens than that.", param="prompt",
-                    code="context_length_exceeded")
-            text, ids = prompt, self.tokenize(prompt, add_special_tokens)
-        else:
-            text, ids = None, list(prompt)
-        if not ids:
-            raise InvalidRequest("prompt must contain at least one token", param="prompt")
-        vocab = self.model.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequest(f"token id {bad[0]!r} is out of vocabulary (valid: 0..{vocab - 1})",
-                                 param="prompt")
-        n, limit = len(ids), self.max_model_len
-        max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
-        if params.min_tokens > max(max_tokens, 0):
-            raise InvalidRequest(f"min_tokens {params.min_tokens} exceeds the tokens left for the completion "
-                                 f"({max_tokens})", param="min_tokens")
-        if n + max(max_tokens, 1) > limit:
-            raise InvalidRequest(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} for the completion). "
-                "Please reduce the length of the prompt or max_tokens.",
-                param="prompt" if n >= limit else "max_tokens", code="context_length_exceeded")
+        text, ids, max_tokens = check_prompt(model_info(self), self.tokenize, prompt, params, add_special_tokens)
         seqs = []
         for i in range(params.n):
             gen = (torch.Generator(device=self.device).manual_seed((params.seed + i) & 0xFFFF_FFFF_FFFF_FFFF)
                    if params.seed is not None else None)
             seqs.append(Sequence(next(self._seq_ids), request_id, i, ids, params, max_tokens,
                                  self.eos_token_ids, generator=gen, parent=seqs[0] if seqs else None))
-        detoks = [Detokenizer(self.tokenizer, n, params.stop, params.include_stop_str_in_output)
+        detoks = [Detokenizer(self.tokenizer, len(ids), params.stop, params.include_stop_str_in_output)
                   for _ in seqs]
         return Request(request_id, text, ids, params, seqs, detoks)
 
@@ -232,6 +214,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         self.step_request_ids = {s.seq.request_id for s in sched.scheduled}
         if not sched.scheduled:
+            self.scheduler.wait_for_loads(timeout=0.05)  # only prefixes in flight: block, don't spin
             return []
         self.stats.steps += 1
         logits, samplers, prompt_rows = self.runner.run(sched.scheduled)
@@ -300,19 +283,9 @@ class LLMEngine:
                              metrics={"arrival": req.arrival_time, "first_token": min(times, default=0.0)})
 
     def check_invariants(self) -> None:
-        self.kv.check_invariants()
-        in_tables = sum(len(s.block_table) for s in self.scheduler.running)
-        refs = sum(self.kv.pool.ref_count)
-        assert refs == in_tables, f"ref counts {refs} != blocks held by running sequences {in_tables}"
-        assert all(not s.block_table for s in self.scheduler.waiting), "waiting sequence holds blocks"
+        self.scheduler.check_invariants()
 
 
 def _available_memory() -> int:
-    try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 * GiB
+    return host_memory_available()  # MemAvailable capped by the container's cgroup limit
 

@@ -8,8 +8,12 @@ client (the key is a per-process random salt). A lookup also compares the stored
 
 Every block is in exactly one state:
   in use      ref_count > 0
-  cached-free ref_count == 0, hash published, in `lru` (findable until it is reused)
+  in flight   ref_count == 0 but pinned by a tier copy that reads or writes it: not reusable until
+              the copy completes. A published one stays in `lru` at its place (and findable), but
+              `allocate` passes over it; an unpublished one is in `held`.
+  cached-free ref_count == 0, hash published, unpinned, in `lru` (findable until it is reused)
   free        ref_count == 0, no hash, in `free`
+Sequences hold references; copies hold pins. A block can be both referenced and pinned.
 """
 from __future__ import annotations
 
@@ -41,6 +45,7 @@ class PoolStats:
     in_use: int
     cached_free: int
     free: int
+    in_flight: int = 0  # unreferenced, but pinned by a copy
 
 
 class BlockPool:
@@ -52,10 +57,13 @@ class BlockPool:
         self.index: dict[BlockHash, int] = {}
         self.lru: OrderedDict[int, None] = OrderedDict()  # oldest first
         self.free: deque[int] = deque(range(num_blocks))
+        self.pins = [0] * num_blocks
+        self.held: set[int] = set()  # unreferenced, pinned, not in the LRU
+        self.pinned_in_lru = 0
         self.num_evictions = 0
 
     def num_available(self) -> int:
-        return len(self.free) + len(self.lru)
+        return len(self.free) + len(self.lru) - self.pinned_in_lru
 
     def lookup(self, h: BlockHash, key: BlockKey) -> int | None:
         """The cached block published under digest `h` with exactly this parent and tokens."""
@@ -66,19 +74,25 @@ class BlockPool:
 
     def acquire(self, block: int) -> None:
         if self.ref_count[block] == 0:
-            self.lru.pop(block, None)
+            if block in self.lru:
+                del self.lru[block]
+                self.pinned_in_lru -= self.pins[block] > 0
+            else:
+                self.held.discard(block)
         self.ref_count[block] += 1
 
     def allocate(self) -> int:
-        """A block with ref count 1: a never-cached one first, else the least recently used cached one."""
+        """A block with ref count 1: a never-cached one first, else the least recently used cached
+        one that no copy is using."""
         if self.free:
             block = self.free.popleft()
-        elif self.lru:
-            block, _ = self.lru.popitem(last=False)
+        else:
+            block = next((b for b in self.lru if not self.pins[b]), None)  # pinned ones: oldest, few
+            if block is None:
+                raise RuntimeError("BlockPool exhausted: the caller must check num_available() first")
+            del self.lru[block]
             self._unpublish(block)
             self.num_evictions += 1
-        else:
-            raise RuntimeError("BlockPool exhausted: the caller must check num_available() first")
         self.ref_count[block] = 1
         return block
 
@@ -86,10 +100,49 @@ class BlockPool:
         assert self.ref_count[block] > 0, f"double free of block {block}"
         self.ref_count[block] -= 1
         if self.ref_count[block] == 0:
-            if self.block_hash[block] is None:
-                self.free.append(block)
+            self._park(block)
+
+    def _park(self, block: int) -> None:
+        """An unreferenced block goes where its state says."""
+        if self.block_hash[block] is not None:
+            self.lru[block] = None
+            self.pinned_in_lru += self.pins[block] > 0
+        elif self.pins[block]:
+            self.held.add(block)
+        else:
+            self.free.append(block)
+
+    def pin(self, block: int) -> None:
+        """Hold a block for a copy: it cannot be reused (evicted or allocated) until unpinned."""
+        if self.ref_count[block] == 0 and not self.pins[block]:
+            assert block in self.lru, f"pinning block {block}, which is free (nothing to copy)"
+            self.pinned_in_lru += 1
+        self.pins[block] += 1
+
+    def unpin(self, block: int) -> None:
+        """End a copy's hold; an unreferenced cached block keeps its LRU place."""
+        assert self.pins[block] > 0, f"unpin of unpinned block {block}"
+        self.pins[block] -= 1
+        if self.ref_count[block] == 0 and not self.pins[block]:
+            if block in self.lru:
+                self.pinned_in_lru -= 1
             else:
-                self.lru[block] = None
+                self.held.remove(block)
+                self._park(block)
+
+    def touch(self, block: int) -> None:
+        """Mark a cached-free block most recently used."""
+        if block in self.lru:
+            self.lru.move_to_end(block)
+
+    def allocate_pinned(self) -> int:
+        """A block for a copy to write: pinned, unreferenced, unpublished (the caller publishes it
+        once the copy is complete)."""
+        block = self.allocate()
+        self.ref_count[block] = 0
+        self.pins[block] = 1
+        self.held.add(block)
+        return block
 
     def publish(self, block: int, h: BlockHash, key: BlockKey) -> bool:
         """Make a written, full block findable. False if an equal block is already indexed
@@ -99,7 +152,20 @@ class BlockPool:
         self.index[h] = block
         self.block_hash[block] = h
         self.block_key[block] = key
+        if self.ref_count[block] == 0:  # an unreferenced copy destination: into the LRU, as newest
+            self.held.discard(block)
+            self._park(block)
         return True
+
+    def unpublish(self, block: int) -> None:
+        """Stop a block being findable (its content is not trusted)."""
+        if block in self.lru:
+            del self.lru[block]
+            self.pinned_in_lru -= self.pins[block] > 0
+            self._unpublish(block)
+            self._park(block)
+        else:
+            self._unpublish(block)
 
     def _unpublish(self, block: int) -> None:
         h = self.block_hash[block]
@@ -109,24 +175,31 @@ class BlockPool:
         self.block_key[block] = None
 
     def reset_cache(self) -> None:
-        """Forget every cached-free block (e.g. when prefix caching is turned off)."""
-        while self.lru:
-            block, _ = self.lru.popitem(last=False)
+        """Forget every cached-free block (e.g. when prefix caching is turned off); blocks a copy
+        is using are left alone."""
+        for block in [b for b in self.lru if not self.pins[b]]:
+            del self.lru[block]
             self._unpublish(block)
             self.free.append(block)
 
     def stats(self) -> PoolStats:
         in_use = sum(1 for r in self.ref_count if r > 0)
-        return PoolStats(self.num_blocks, in_use, len(self.lru), len(self.free))
+        in_flight = len(self.held) + self.pinned_in_lru
+        return PoolStats(self.num_blocks, in_use, len(self.lru) - self.pinned_in_lru, len(self.free), in_flight)
 
     def check_invariants(self) -> None:
         in_use = [b for b, r in enumerate(self.ref_count) if r > 0]
         assert all(r >= 0 for r in self.ref_count), "negative ref count"
-        assert len(in_use) + len(self.lru) + len(self.free) == self.num_blocks, (
+        assert all(p >= 0 for p in self.pins), "negative pin count"
+        assert len(in_use) + len(self.lru) + len(self.free) + len(self.held) == self.num_blocks, (
             f"block accounting: {len(in_use)} in use + {len(self.lru)} cached-free + "
-            f"{len(self.free)} free != {self.num_blocks}")
-        assert not set(in_use) & (set(self.lru) | set(self.free)), "in-use block on a free list"
+            f"{len(self.free)} free + {len(self.held)} held != {self.num_blocks}")
+        assert not set(in_use) & (set(self.lru) | set(self.free) | self.held), "in-use block on a free list"
         assert not set(self.lru) & set(self.free), "block both cached-free and free"
+        assert not self.held & (set(self.lru) | set(self.free)), "held block on a free list"
+        assert all(self.pins[b] > 0 and self.block_hash[b] is None for b in self.held), "bad held block"
+        assert self.pinned_in_lru == sum(1 for b in self.lru if self.pins[b]), "pinned LRU count"
+        assert not any(self.pins[b] for b in self.free), "pinned block on the free list"
         assert all(self.block_hash[b] is not None for b in self.lru), "unhashed block in the LRU"
         assert all(self.block_hash[b] is None for b in self.free), "hashed block on the free list"
         for h, b in self.index.items():

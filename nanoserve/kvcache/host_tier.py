@@ -1,19 +1,29 @@
 """Host tier: a second KV block pool in host memory (pinned on CUDA), with its own hash index and
-LRU, and the copies between it and the device cache.
+LRU, and the asynchronous copies between it and the device cache.
 
-Blocks arrive here from the device LRU tail *before* their device block is needed (the manager's
-cleaner), and go back on a prefix hit. While a copy reads or writes a host block, that block holds
-a reference, so the pool cannot hand it out; on CPU (and, for now, on CUDA: the copy stream is
-synchronised before returning) a copy is complete when the call returns.
+A copy is begun, runs on the copier (a CUDA copy stream or a worker thread), and is ended by the
+caller once its handle is done. While it runs, every host block it reads or writes is pinned (the
+pool cannot evict or hand it out), and a saved block is published to the host index only when
+its copy has completed. The device side of the same rules (pinning the source of a save, holding
+a load's destination until it is complete) belongs to the KV cache manager.
 """
 from __future__ import annotations
 
+import logging
+import os
 import time
-from dataclasses import dataclass
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from nanoserve.kvcache.block_pool import BlockHash, BlockKey, BlockPool
+from nanoserve.kvcache.transfer import Copier, Transfer, make_copier
+
+log = logging.getLogger("nanoserve")
+GiB = 1 << 30
 
 
 @dataclass
@@ -24,36 +34,93 @@ class TransferStats:
     bytes_out: int = 0
     seconds_in: float = 0.0
     seconds_out: float = 0.0
+    failed: int = 0         # copies that raised: nothing they touched was published
 
 
-def copy_blocks(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_ids: list[int],
-                stream: torch.cuda.Stream | None) -> None:
-    """Copy whole blocks (all layers, K and V: one contiguous slab each) from src to dst."""
-    if stream is None:
-        for s, d in zip(src_ids, dst_ids):
-            dst[d].copy_(src[s])  # each block is contiguous: one memcpy, no temporary
-        return
-    # CUDA: order after the compute that wrote the source, batch into one gather + one transfer,
-    # and wait for the copy stream so nothing reads the destination early.
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        s_idx = torch.tensor(src_ids, device=src.device)
-        d_idx = torch.tensor(dst_ids, device=dst.device)
-        dst.index_copy_(0, d_idx, src.index_select(0, s_idx).to(dst.device, non_blocking=True))
-    stream.synchronize()
+@dataclass(eq=False)
+class HostCopy:
+    """One in-flight batch of block copies and the blocks it holds."""
+    handle: Transfer
+    host_ids: list[int]
+    dev_ids: list[int]
+    keys: list[tuple[BlockHash, BlockKey]] = field(default_factory=list)  # saves: what to publish
 
 
+# ---- host memory ------------------------------------------------------------------------------
+def host_memory_available(proc: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> int:
+    """Bytes this process may still take: MemAvailable, capped by the container's cgroup limit
+    (v2 `memory.max`, v1 `memory/memory.limit_in_bytes`) minus what the cgroup already uses."""
+    avail = 8 * GiB
+    try:
+        for line in open(proc):
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    root = Path(cgroup)
+    for limit_f, usage_f in (("memory.max", "memory.current"),
+                             ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            limit = (root / limit_f).read_text().strip()
+            usage = int((root / usage_f).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 1 << 60:  # "max" / a huge v1 number mean unlimited
+            avail = min(avail, max(0, int(limit) - usage))
+        break
+    return avail
+
+
+def alloc_host_cache(shape: tuple[int, ...], dtype: torch.dtype, pin: bool,
+                     chunk_bytes: int = GiB) -> torch.Tensor:
+    """Host KV pool. Pinned with cudaHostRegister on a plain allocation, not `pin_memory=True`
+    (the caching host allocator rounds up to a power of two: 48 GiB would pin 64). Pages are
+    touched in parallel first, at start-up, so no copy page-faults inside the serving loop."""
+    t0 = time.perf_counter()
+    cache = torch.empty(shape, dtype=dtype)
+    flat = cache.view(-1).view(torch.uint8)
+    block_bytes = flat.numel() // max(1, shape[0])
+    # chunks are whole blocks, so no block copy straddles two registrations
+    step = max(1, chunk_bytes // max(1, block_bytes)) * block_bytes
+    chunks = [(o, min(o + step, flat.numel())) for o in range(0, flat.numel(), step)]
+    workers = min(len(chunks), os.cpu_count() or 1) or 1
+    with ThreadPoolExecutor(workers) as ex:  # fill_ releases the GIL
+        list(ex.map(lambda c: flat[c[0]:c[1]].zero_(), chunks))
+    if pin:
+        cudart = torch.cuda.cudart()
+        base = flat.data_ptr()
+        registered = []
+        try:
+            for lo, hi in chunks:
+                torch.cuda.check_error(cudart.cudaHostRegister(base + lo, hi - lo, 0))
+                registered.append(base + lo)
+        except Exception:
+            for p in registered:
+                cudart.cudaHostUnregister(p)
+            raise
+        weakref.finalize(cache, _unregister, registered)
+    gib = flat.numel() / GiB
+    dt = time.perf_counter() - t0
+    log.info("host KV pool: %.2f GiB %s in %.1fs (%.2f s/GiB)", gib, "pinned" if pin else "allocated",
+             dt, dt / max(gib, 1e-9))
+    return cache
+
+
+def _unregister(ptrs: list[int]) -> None:
+    cudart = torch.cuda.cudart()
+    for p in ptrs:
+        cudart.cudaHostUnregister(p)
+
+
+# ---- the tier ------------------------------------------------------------------------------------
 class HostTier:
-    def __init__(self, num_blocks: int, device_cache: torch.Tensor) -> None:
+    def __init__(self, num_blocks: int, device_cache: torch.Tensor, copier: Copier | None = None) -> None:
         self.pool = BlockPool(num_blocks)
-        on_cuda = device_cache.device.type == "cuda"
         self.device_cache = device_cache
-        # zeros, not empty: touch every page now, at start-up, rather than page-faulting inside
-        # the serving loop on each block's first copy
-        self.cache = torch.zeros((num_blocks, *device_cache.shape[1:]), dtype=device_cache.dtype,
-                                 pin_memory=on_cuda)
+        self.cache = alloc_host_cache((num_blocks, *device_cache.shape[1:]), device_cache.dtype,
+                                      pin=device_cache.device.type == "cuda")
         self.block_bytes = device_cache[0].numel() * device_cache.element_size()
-        self.stream = torch.cuda.Stream(device_cache.device) if on_cuda else None
+        self.copier = copier or make_copier(device_cache.device)
         self.transfers = TransferStats()
 
     @property
@@ -63,36 +130,88 @@ class HostTier:
     def lookup(self, h: BlockHash, key: BlockKey) -> int | None:
         return self.pool.lookup(h, key)
 
-    def save(self, blocks: list[tuple[int, BlockHash, BlockKey]]) -> int:
-        """Copy device blocks (with their hashes) to host. Host LRU blocks are evicted to make
-        room. Returns how many were saved."""
-        dev_ids, host_ids, meta = [], [], []
-        for dev_block, h, key in blocks:
-            if self.pool.num_available() == 0:
-                break
-            host_ids.append(self.pool.allocate())
-            dev_ids.append(dev_block)
-            meta.append((h, key))
-        if not dev_ids:
-            return 0
-        t0 = time.perf_counter()
-        copy_blocks(self.device_cache, dev_ids, self.cache, host_ids, self.stream)
-        self.transfers.seconds_in += time.perf_counter() - t0
-        self.transfers.blocks_in += len(dev_ids)
-        self.transfers.bytes_in += len(dev_ids) * self.block_bytes
-        for hb, (h, key) in zip(host_ids, meta):
-            self.pool.publish(hb, h, key)  # only now: the copy is complete
-            self.pool.release(hb)
-        return len(dev_ids)
+    def begin_save(self, dev_ids: list[int], keys: list[tuple[BlockHash, BlockKey]]) -> HostCopy | None:
+        """Start copying device blocks to host, as many as the host pool has reusable blocks for
+        (its LRU is evicted to make room). The caller keeps the device blocks unchanged until the
+        copy ends. None if nothing could be started."""
+        host_ids: list[int] = []
+        try:
+            while len(host_ids) < len(dev_ids) and self.pool.num_available():
+                host_ids.append(self.pool.allocate_pinned())
+            if not host_ids:
+                return None
+            n = len(host_ids)
+            handle = self.copier.submit("save", self.device_cache, dev_ids[:n], self.cache, host_ids)
+        except BaseException:
+            for hb in host_ids:
+                self.pool.unpin(hb)
+            raise
+        return HostCopy(handle, host_ids, list(dev_ids[:n]), list(keys[:n]))
 
-    def load(self, host_ids: list[int], dev_ids: list[int]) -> None:
-        """Copy host blocks into (freshly allocated) device blocks; refreshes their host LRU position."""
-        for hb in host_ids:
-            self.pool.acquire(hb)  # pinned for the copy: cannot be evicted or reused meanwhile
-        t0 = time.perf_counter()
-        copy_blocks(self.cache, host_ids, self.device_cache, dev_ids, self.stream)
-        self.transfers.seconds_out += time.perf_counter() - t0
-        self.transfers.blocks_out += len(host_ids)
-        self.transfers.bytes_out += len(host_ids) * self.block_bytes
-        for hb in host_ids:
-            self.pool.release(hb)
+    def end_save(self, copy: HostCopy) -> bool:
+        """Publish a completed save (if it succeeded) and release its host blocks."""
+        ok = copy.handle.error is None
+        for hb, (h, key) in zip(copy.host_ids, copy.keys):
+            if ok:
+                self.pool.publish(hb, h, key)
+            self.pool.unpin(hb)  # unpublished (failed or duplicate): back to the free list
+        t = self.transfers
+        if ok:
+            t.blocks_in += len(copy.host_ids)
+            t.bytes_in += len(copy.host_ids) * self.block_bytes
+            t.seconds_in += copy.handle.seconds
+        else:
+            t.failed += 1
+            log.error("KV save to host failed; %d blocks dropped", len(copy.host_ids), exc_info=copy.handle.error)
+        return ok
+
+    def begin_load(self, host_ids: list[int], dev_ids: list[int]) -> HostCopy:
+        """Start copying host blocks into device blocks the caller holds and keeps unread until
+        the copy ends. The host blocks are pinned meanwhile."""
+        pinned: list[int] = []
+        try:
+            for hb in host_ids:
+                self.pool.pin(hb)
+                pinned.append(hb)
+            handle = self.copier.submit("load", self.cache, host_ids, self.device_cache, dev_ids)
+        except BaseException:
+            for hb in pinned:
+                self.pool.unpin(hb)
+            raise
+        return HostCopy(handle, list(host_ids), list(dev_ids))
+
+    def end_load(self, copy: HostCopy) -> bool:
+        """Release a completed load's host blocks (most recently used now). A failed load also
+        unpublishes them, so the prefix is recomputed rather than retried forever."""
+        ok = copy.handle.error is None
+        for hb in copy.host_ids:
+            if not ok:
+                self.pool.unpublish(hb)
+            self.pool.unpin(hb)
+            self.pool.touch(hb)  # a hit: most recently used
+        t = self.transfers
+        if ok:
+            t.blocks_out += len(copy.host_ids)
+            t.bytes_out += len(copy.host_ids) * self.block_bytes
+            t.seconds_out += copy.handle.seconds
+        else:
+            t.failed += 1
+            log.error("KV load from host failed; %d blocks will be recomputed", len(copy.host_ids),
+                      exc_info=copy.handle.error)
+        return ok
+
+    # blocking forms: for tests and benchmarks, never the serving loop
+    def save(self, blocks: list[tuple[int, BlockHash, BlockKey]]) -> int:
+        copy = self.begin_save([b for b, _, _ in blocks], [(h, k) for _, h, k in blocks])
+        if copy is None:
+            return 0
+        copy.handle.wait()
+        return len(copy.host_ids) if self.end_save(copy) else 0
+
+    def load(self, host_ids: list[int], dev_ids: list[int]) -> bool:
+        copy = self.begin_load(host_ids, dev_ids)
+        copy.handle.wait()
+        ok = self.end_load(copy)
+        if ok:
+            copy.handle.order_compute_after()
+        return ok

@@ -105,6 +105,16 @@ class LlamaModel(nn.Module):
         if len(loaded) != expected:
             raise ValueError(f"checkpoint is incomplete: loaded {len(loaded)} of {expected} tensors")
 
+    def init_dummy(self, seed: int) -> None:
+        """Random weights generated where they live (an 8B model needs no 16 GB file): norms 1,
+        everything else N(0, 0.02), for speed measurements only."""
+        gen = torch.Generator(device=self.embed.device).manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("norm"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0, 0.02, generator=gen)
+
     def finalize(self) -> None:
         """After loading: wrap the projection weights in (CPU-prepacked) linear layers."""
         for layer in self.layers:

@@ -19,7 +19,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import nanoserve
 from nanoserve.chat import render_chat
-from nanoserve.engine.async_engine import AsyncEngine, EngineDead, EngineError
+from nanoserve.engine.async_engine import AsyncEngine, EngineDead
+from nanoserve.engine.client import EngineClient
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import InvalidRequest
 from nanoserve.sequence import TokenLogprob
@@ -28,6 +29,8 @@ from nanoserve.server.protocol import (MAX_LOGPROBS, APIError, ChatCompletionReq
                                        DetokenizeRequest, TokenizeRequest, new_id, now, parse)
 
 log = logging.getLogger("nanoserve.server")
+
+Engine = AsyncEngine | EngineClient  # in-process thread, or the engine-core process: one interface
 
 JSON_TYPES = ("application/json", "application/x-www-form-urlencoded")  # the latter: `curl -d` default
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
@@ -71,7 +74,7 @@ class _Fanin:
     """Runs one engine request per prompt and merges their outputs as (prompt_index, output).
     close() cancels whatever is still running, which aborts it in the engine."""
 
-    def __init__(self, engine: AsyncEngine, reqs: list) -> None:
+    def __init__(self, engine: Engine, reqs: list) -> None:
         self.engine = engine
         self.q: asyncio.Queue = asyncio.Queue()
         self.left = len(reqs)
@@ -129,11 +132,11 @@ def _engine_error(e: Exception) -> APIError:
 
 
 class Server:
-    def __init__(self, engine: AsyncEngine, served_model_name: str | None = None,
+    def __init__(self, engine: Engine, served_model_name: str | None = None,
                  api_key: str | None = None, max_queue: int | None = None,
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
         self.engine = engine
-        self.llm = engine.engine
+        self.llm = engine.frontend  # tokenizer, config and model metadata; never the weights
         self.tok = self.llm.tokenizer
         self.model_name = served_model_name or self.llm.model_name
         self.model_aliases = {self.model_name, self.llm.model_name}
@@ -144,7 +147,7 @@ class Server:
         self.metrics: ServerMetrics = engine.observer  # type: ignore[assignment]
         self.created = now()
         self._token_str: dict[int, str] = {}
-        self.vocab_size = self.llm.model.vocab_size
+        self.vocab_size = self.llm.vocab_size
 
     # ---- helpers ------------------------------------------------------------------------------
     def check_auth(self, request: Request) -> None:
@@ -494,7 +497,7 @@ class Server:
         return Response(self.metrics.render(snap), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-def create_app(engine: AsyncEngine, served_model_name: str | None = None, api_key: str | None = None,
+def create_app(engine: Engine, served_model_name: str | None = None, api_key: str | None = None,
                max_queue: int | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     srv = Server(engine, served_model_name, api_key, max_queue, max_request_bytes)
 

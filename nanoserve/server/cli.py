@@ -33,6 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight and activation dtype; auto = bf16 on CUDA and on CPUs with fast bf16, else fp32")
     m.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where to run the model; auto = cuda if torch sees a GPU, else cpu")
+    m.add_argument("--attention-backend", default="auto", choices=["auto", "flash", "torch"],
+                   help="flash = flash-attn 2.8 paged kernels (fp16/bf16, block size a multiple of 256); "
+                        "torch = portable backend; auto = flash when flash_attn imports and the device is CUDA")
+    m.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
     m.add_argument("--max-model-len", type=int, default=None,
                    help="context length (prompt + completion) in tokens; default: the model's own, "
                         "capped by the KV cache capacity")
@@ -41,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int, default=0, help="global seed (per-request seeds override it)")
     kv = p.add_argument_group("KV cache")
     kv.add_argument("--block-size", type=int, default=0,
-                    help="tokens per KV block; 0 = backend default (16 on CPU, 256 on CUDA)")
+                    help="tokens per KV block; 0 = backend default (16 on CPU, 256 on CUDA); the flash "
+                         "backend needs a multiple of 256")
     g = kv.add_mutually_exclusive_group()
     g.add_argument("--kv-cache-gb", type=float, default=None,
                    help="device KV cache budget in GiB (default: from free memory)")
@@ -58,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=int, default=128, help="most sequences in one batch")
     s.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget of one engine step (prefill chunks + decodes)")
+    s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine core (schedule -> forward -> sample) in its own process, talking to "
+                        "this API process over zmq; --no-engine-process runs it in a thread of this process")
+    s.add_argument("--cpu-threads", type=int, default=None, metavar="N",
+                   help="engine compute threads on CPU; default: all cores but one when there are >= 2. With "
+                        "--engine-process the API process is pinned to one core and the engine to the others "
+                        "(unless N asks for every core: then they share them)")
     s.add_argument("--max-queue", type=int, default=None,
                    help="most requests allowed to wait for a batch slot; beyond it new requests get "
                         "HTTP 503 with Retry-After (default: unbounded)")
@@ -115,10 +128,20 @@ def main(argv: list[str] | None = None) -> int:
 
     from nanoserve.config import EngineConfig
     from nanoserve.engine.async_engine import AsyncEngine
+    from nanoserve.engine.client import EngineClient, EngineStartError
     from nanoserve.engine.llm_engine import LLMEngine
+    from nanoserve.engine.placement import apply_api_placement, apply_engine_placement, plan_placement
     from nanoserve.server.app import create_app
     from nanoserve.server.metrics import ServerMetrics
     DrainingServer = _draining_server_class()
+
+    serving: list = []  # the uvicorn server once it exists
+
+    def stop_serving(reason: str) -> None:
+        # the engine process died: its requests have been failed already; stop serving (exit 1)
+        # so that a supervisor restarts the whole server
+        for server in serving:
+            server.should_exit = True
 
     try:
         config = EngineConfig(
@@ -128,13 +151,26 @@ def main(argv: list[str] | None = None) -> int:
             host_offload_watermark=args.host_offload_watermark,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-            chat_template=args.chat_template, seed=args.seed)
-        engine = LLMEngine(config)
-    except (ValueError, FileNotFoundError, OSError) as e:
+            chat_template=args.chat_template, seed=args.seed,
+            attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
+        placement = plan_placement(config.resolved_device().type, args.cpu_threads, args.engine_process)
+        log.info("CPU placement: %s", placement.describe())
+        if args.engine_process:
+            aengine = EngineClient(config, placement=placement, log_level=args.log_level,
+                                   on_dead=stop_serving)
+            aengine.start()
+            apply_api_placement(placement)
+            model_name = aengine.frontend.model_name
+        else:
+            apply_engine_placement(placement)
+            engine = LLMEngine(config)
+            aengine = AsyncEngine(engine)
+            model_name = engine.model_name
+    except (ValueError, FileNotFoundError, OSError, EngineStartError) as e:
         log.error("cannot start: %s", e)
         return 2
-    name = args.served_model_name or engine.model_name
-    aengine = AsyncEngine(engine, ServerMetrics(name))
+    name = args.served_model_name or model_name
+    aengine.observer = ServerMetrics(name)
     app = create_app(aengine, name, args.api_key, args.max_queue, args.max_request_bytes)
 
     # uvicorn's own grace period is a little longer than ours, so that requests we fail at the
@@ -145,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     # uvicorn re-raises the signal it caught once it has shut down gracefully; with the default
     # handler that would kill the process (exit 143). A no-op handler makes a SIGTERM exit 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
+    serving.append(uv)
+    if getattr(aengine, "exit_reason", None):  # it died before `serving` held the server
+        uv.should_exit = True
     log.info("serving %s on http://%s:%d (api key %s, max queue %s)", name, args.host, args.port,
              "required" if args.api_key else "off", args.max_queue if args.max_queue is not None else "unbounded")
     try:
@@ -155,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
         aengine.stop()
     if not uv.started:
         log.error("the HTTP server did not start (is port %d free?)", args.port)
+        return 1
+    if getattr(aengine, "exit_reason", None):
+        log.error("exiting because %s", aengine.exit_reason)
         return 1
     log.info("stopped")
     return 0

@@ -1,8 +1,9 @@
 """Prometheus metrics, all under the `nanoserve:` prefix.
 
-Gauges and counters are read from an engine snapshot taken on the engine thread at scrape time
-(so they are consistent with each other); latency histograms are observed on the engine thread
-as outputs are produced."""
+Gauges and counters are read from an engine snapshot taken by the engine loop at scrape time
+(so they are consistent with each other); latency histograms are observed as outputs are produced
+(on the engine thread in-process; with the engine-core process, its observations travel with its
+outputs and are observed here, in the API process)."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -17,6 +18,8 @@ TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 
                 10.0, 20.0, 40.0, 80.0, 160.0)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                1.0, 2.5, 5.0, 10.0, 20.0)
+# fine geometric buckets (x1.25 from 0.5 ms to ~40 s): bench/decode_step.py reads medians from them
+STEP_BUCKETS = tuple(round(0.0005 * 1.25 ** i, 6) for i in range(51))
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0)
 
@@ -95,9 +98,14 @@ class ServerMetrics(MetricsObserver):
                              lbl, registry=self.registry, buckets=ITL_BUCKETS)
         self.e2e = Histogram(P + "e2e_request_latency_seconds", "Server arrival to last output of a request.",
                              lbl, registry=self.registry, buckets=E2E_BUCKETS)
+        self.step = Histogram(P + "engine_step_seconds", "Duration of one engine step (schedule, forward, "
+                              "sample, detokenize), by kind: decode = one token per running sequence, "
+                              "mixed = prompt work may have run in it.", ["model_name", "kind"],
+                              registry=self.registry, buckets=STEP_BUCKETS)
         self._ttft, self._itl, self._e2e = (h.labels(model_name) for h in (self.ttft, self.itl, self.e2e))
+        self._step = {k: self.step.labels(model_name, k) for k in ("decode", "mixed")}
 
-    # engine-thread hooks
+    # engine-loop hooks
     def on_first_token(self, ttft: float) -> None:
         self._ttft.observe(ttft)
 
@@ -106,6 +114,9 @@ class ServerMetrics(MetricsObserver):
 
     def on_finished(self, e2e: float, out: RequestOutput) -> None:
         self._e2e.observe(e2e)
+
+    def on_step(self, kind: str, seconds: float) -> None:
+        self._step[kind].observe(seconds)
 
     def render(self, snapshot: EngineSnapshot) -> bytes:
         self.collector.snapshot = snapshot

@@ -1,0 +1,55 @@
+"""CPU placement: which cores the API process and the engine get, and how many compute threads.
+
+On CPU the engine's torch threads and the API process (HTTP, JSON, tokenization, SSE) would otherwise
+fight over the same cores, and a decode step stalls whenever the API side runs. With the engine in
+its own process the API keeps one core and the engine gets the others (when there are >= 2)."""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+log = logging.getLogger("nanoserve.placement")
+
+
+@dataclass(frozen=True)
+class CpuPlacement:
+    engine_threads: int | None = None           # torch compute threads; None = torch's default
+    engine_cpus: tuple[int, ...] | None = None  # affinity of the engine process; None = unchanged
+    api_cpus: tuple[int, ...] | None = None     # affinity of the API process; None = unchanged
+
+    def describe(self) -> str:
+        where = (f"API process on cpus {list(self.api_cpus)}, engine process on cpus {list(self.engine_cpus)}"
+                 if self.engine_cpus is not None else "no CPU affinity set")
+        threads = self.engine_threads if self.engine_threads is not None else "torch default"
+        return f"{where}; engine compute threads: {threads}"
+
+
+def plan_placement(device: str, cpu_threads: int | None, engine_process: bool,
+                   cpus: list[int] | None = None) -> CpuPlacement:
+    """`cpu_threads` None = all cores but one when there are >= 2 (on CPU; elsewhere torch decides).
+    Affinity is split only with the engine in its own process (threads of one process cannot be
+    kept apart from torch's compute pool by a per-process setting), and only when the engine's
+    threads fit the cores left after the API's one: asking for every core means sharing them."""
+    if cpu_threads is not None and cpu_threads < 1:
+        raise ValueError(f"--cpu-threads must be >= 1, got {cpu_threads}")
+    if device != "cpu":
+        return CpuPlacement(cpu_threads)
+    cpus = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
+    threads = cpu_threads or max(1, len(cpus) - 1)
+    if engine_process and len(cpus) >= 2 and threads < len(cpus):
+        return CpuPlacement(threads, tuple(cpus[1:]), (cpus[0],))
+    return CpuPlacement(threads)
+
+
+def apply_engine_placement(p: CpuPlacement) -> None:
+    import torch
+    if p.engine_cpus is not None:
+        os.sched_setaffinity(0, p.engine_cpus)
+    if p.engine_threads is not None:
+        torch.set_num_threads(p.engine_threads)
+
+
+def apply_api_placement(p: CpuPlacement) -> None:
+    if p.api_cpus is not None:
+        os.sched_setaffinity(0, p.api_cpus)
