@@ -78,6 +78,12 @@ def _worker(jobs: queue.SimpleQueue) -> None:
         handle._event.set()
 
 
+def _stop_worker(jobs: queue.SimpleQueue, worker: threading.Thread) -> None:
+    jobs.put(None)
+    if worker is not threading.current_thread():
+        worker.join(timeout=10)
+
+
 class ThreadCopier(Copier):
     """`block_copy` is injectable so tests can slow or fail copies without sleeps in this code."""
 
@@ -89,8 +95,11 @@ class ThreadCopier(Copier):
         jobs = self._lanes.get(lane)
         if jobs is None:
             jobs = self._lanes[lane] = queue.SimpleQueue()
-            threading.Thread(target=_worker, args=(jobs,), daemon=True, name=f"nanoserve-kv-{lane}").start()
-            weakref.finalize(self, jobs.put, None)  # the thread ends with its copier
+            worker = threading.Thread(target=_worker, args=(jobs,), daemon=True, name=f"nanoserve-kv-{lane}")
+            worker.start()
+            # the thread ends with its copier, and is joined at interpreter exit: a daemon thread
+            # killed inside a torch copy aborts the process ("terminate called ...")
+            weakref.finalize(self, _stop_worker, jobs, worker)
         handle = ThreadTransfer()
         jobs.put((handle, self.block_copy, src, list(src_ids), dst, list(dst_ids)))
         return handle
