@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import httpx
@@ -145,3 +146,24 @@ def assert_error(resp: httpx.Response, status: int, param: str | None = "?") -> 
     if param != "?":
         assert err["param"] == param, err
     return err
+
+
+def stream_in_background(url: str, body: dict, got: dict, started: threading.Event) -> threading.Thread:
+    """POST a streaming request from a thread; its SSE lines land in got["stream"], `started` is set
+    at the first one."""
+    def run():
+        lines = []
+        with httpx.stream("POST", url, json=dict(body, stream=True), timeout=120) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                    started.set()
+        got["stream"] = lines
+    return threading.Thread(target=run)
+
+
+def post_in_background(url: str, body: dict, got: dict) -> threading.Thread:
+    """POST a non-streaming request from a thread; its response lands in got["plain"]."""
+    def run():
+        got["plain"] = httpx.post(url, json=body, timeout=120)
+    return threading.Thread(target=run)

@@ -26,7 +26,7 @@ from nanoserve.engine.placement import plan_placement
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.metrics import ServerMetrics
-from server_fixture import ServerProcess, m, running, wait_gone
+from server_fixture import ServerProcess, m, running, wait_gone, post_in_background, stream_in_background
 
 PROMPTS = ["hello world", "The quick brown fox jumps over", "a b c d e f g"]
 
@@ -213,19 +213,8 @@ def test_server_engine_killed_mid_request_gives_5xx_and_exits_nonzero(tiny):
         started = threading.Event()
         body = {"prompt": "hello", "max_tokens": 450, "ignore_eos": True}
 
-        def stream():
-            lines = []
-            with httpx.stream("POST", s.base_url + "/completions", json=dict(body, stream=True), timeout=120) as r:
-                for line in r.iter_lines():
-                    if line:
-                        lines.append(line)
-                        started.set()
-            got["stream"] = lines
-
-        def plain():
-            got["plain"] = httpx.post(s.base_url + "/completions", json=body, timeout=120)
-
-        threads = [threading.Thread(target=stream), threading.Thread(target=plain)]
+        url = s.base_url + "/completions"
+        threads = [stream_in_background(url, body, got, started), post_in_background(url, body, got)]
         for t in threads:
             t.start()
         assert started.wait(60)

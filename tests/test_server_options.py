@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from server_fixture import ServerProcess, assert_error, m
+from server_fixture import ServerProcess, assert_error, m, post_in_background, stream_in_background
 
 KEY = "sk-test-1234"
 LONG_PROMPT = ("The quick brown fox jumps over the lazy dog while the farmer watches from the porch and "
@@ -122,19 +122,8 @@ def test_sigterm_after_shutdown_timeout_fails_the_rest_cleanly():
         got: dict[str, object] = {}
         started = threading.Event()
 
-        def stream():
-            lines = []
-            with httpx.stream("POST", s.base_url + "/completions", json=dict(body, stream=True), timeout=120) as r:
-                for line in r.iter_lines():
-                    if line:
-                        lines.append(line)
-                        started.set()
-            got["stream"] = lines
-
-        def plain():
-            got["plain"] = httpx.post(s.base_url + "/completions", json=body, timeout=120)
-
-        threads = [threading.Thread(target=stream), threading.Thread(target=plain)]
+        url = s.base_url + "/completions"
+        threads = [stream_in_background(url, body, got, started), post_in_background(url, body, got)]
         threads[0].start()
         assert started.wait(60)
         threads[1].start()
