@@ -11,6 +11,12 @@ then the no-reuse workload (unique prompts) with the host tier on vs off.
 
     python bench/tier_bench.py                       # offline engine
     python bench/tier_bench.py --target server       # the same through the HTTP server (streaming)
+    python bench/tier_bench.py --target server --configs device,host,vllm --docs 16 --doc-len 1536 \
+        --rounds 2 --concurrency 4 --output-len 16       # long-document QA, vLLM-CPU at equal device KV
+
+The "vllm" config (server target only) is vLLM-CPU's server with the device tier's token budget
+(`--num-gpu-blocks-override`, its CPU blocks being 128 tokens; the device budget is rounded to 128
+tokens for every config) and its own prefix cache, in the dtype nanoserve's `--dtype auto` picks.
 """
 from __future__ import annotations
 
@@ -69,7 +75,7 @@ class OfflineTarget:
         from nanoserve.engine.llm_engine import LLMEngine
         from nanoserve.sampling_params import SamplingParams
         self.args = args
-        self.eng = LLMEngine(EngineConfig(model=args.model, **cfg))
+        self.eng = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, **cfg))
         self.params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
         # others' decode steps, split by whether a host load was in flight: [steps, decode tokens, seconds]
         self.decode = {"loading": [0, 0, 0.0], "idle": [0, 0, 0.0]}
@@ -123,7 +129,13 @@ class ServerTarget:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         from tests.server_fixture import ServerProcess
         self.args = args
-        self.server = ServerProcess(*cli_flags(cfg), *(["--model", args.model] if args.model else []))
+        if "vllm_blocks" in cfg:
+            from export_hf import export_embedded_hf
+            from vllm_peer import VllmServer
+            self.server = VllmServer(export_embedded_hf(), args.dtype, port=8100, num_blocks=cfg["vllm_blocks"])
+        else:
+            self.server = ServerProcess(*cli_flags(cfg), "--dtype", args.dtype,
+                                        *(["--model", args.model] if args.model else []))
         import httpx
         self.model = httpx.get(self.server.base_url + "/models").json()["data"][0]["id"]
 
@@ -143,8 +155,9 @@ class ServerTarget:
                     ttft = time.perf_counter() - t0
                 usage = chunk.get("usage") or usage
         det = usage.get("prompt_tokens_details") or {}
-        return Done(usage["prompt_tokens"], usage["completion_tokens"], ttft or 0.0,
-                    det.get("device_cached_tokens", 0), det.get("host_cached_tokens", 0))
+        device = det.get("device_cached_tokens", det.get("cached_tokens") or 0)  # vLLM: only cached_tokens
+        return Done(usage["prompt_tokens"], usage["completion_tokens"], ttft or 0.0, device,
+                    det.get("host_cached_tokens", 0))
 
     def round(self, rnd: int, prompts) -> list[Done]:
         import httpx
@@ -191,21 +204,28 @@ def main() -> None:
     ap.add_argument("--noreuse-rounds", type=int, default=5)
     ap.add_argument("--concurrency", type=int, default=2)
     ap.add_argument("--configs", default="off,device,host,device-big,noreuse")
+    ap.add_argument("--json", default=None, metavar="FILE", help="also write the raw rows here")
     args = ap.parse_args()
-    from nanoserve.engine.llm_engine import LLMEngine  # noqa: F401  (fail early if not installed)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from vllm_peer import auto_dtype, cpu_name
+    args.dtype = auto_dtype()
+    wanted = args.configs.split(",")
+    if "vllm" in wanted and args.target != "server":
+        ap.error("the vllm config needs --target server")
     # device: a quarter of the documents plus room for the running requests; host: all of them
-    bytes_per_token = 30 * 2 * 3 * 64 * 2  # embedded model, bf16
+    bytes_per_token = 30 * 2 * 3 * 64 * (2 if args.dtype == "bfloat16" else 4)  # embedded model: K+V, 30 layers
     req_tokens = args.doc_len + args.question_len + args.output_len
-    device_gb = (args.docs * args.doc_len / 4 + args.concurrency * req_tokens) * bytes_per_token / GiB
+    device_tokens = -(-int(args.docs * args.doc_len / 4 + args.concurrency * req_tokens) // 128) * 128
+    device_gb = (device_tokens + 8) * bytes_per_token / GiB  # + half a block: float rounding never loses one
     host_gb = 1.5 * args.docs * req_tokens * bytes_per_token / GiB
-    base = dict(kv_cache_gb=round(device_gb, 4), max_num_seqs=args.concurrency)
+    base = dict(kv_cache_gb=round(device_gb, 6), max_num_seqs=args.concurrency)
     configs = {"off": dict(base, enable_prefix_caching=False), "device": base,
                "host": dict(base, host_cache_gb=round(host_gb, 4)),
-               "device-big": dict(base, kv_cache_gb=round(device_gb + host_gb, 4))}
+               "device-big": dict(base, kv_cache_gb=round(device_gb + host_gb, 4)),
+               "vllm": {"vllm_blocks": device_tokens // 128}}
     print(f"workload: {args.docs} docs x {args.doc_len} tokens, {args.rounds} rounds, concurrency "
-          f"{args.concurrency}; device KV {device_gb:.3f} GiB (~{args.docs // 4} docs), host {host_gb:.3f} GiB; "
-          f"target {args.target}", flush=True)
-    wanted = args.configs.split(",")
+          f"{args.concurrency}; device KV {device_tokens} tokens = {device_gb:.3f} GiB (~{args.docs // 4} docs), "
+          f"host {host_gb:.3f} GiB; target {args.target}; dtype {args.dtype}; {cpu_name()}", flush=True)
     results = run_side_by_side(args, {k: v for k, v in configs.items() if k in wanted}, workload(args, reuse=True))
     if "noreuse" in wanted:
         unique = workload(argparse.Namespace(**{**vars(args), "rounds": args.noreuse_rounds}), reuse=False, seed=1)
@@ -219,14 +239,18 @@ def main() -> None:
                   f"host {statistics.mean(r['host_hit'] for r in rows):.0%}  "
                   f"prompt {statistics.median(r['prompt_tok_s'] for r in rows):.1f} tok/s  "
                   f"output {statistics.median(r['output_tok_s'] for r in rows):.1f} tok/s")
-    if "device" in later and "host" in later and later["host"]:
-        ratio = statistics.mean(r["ttft_mean_ms"] for r in later["device"]) / statistics.mean(
-            r["ttft_mean_ms"] for r in later["host"])
-        print(f"  TTFT mean device-only / device+host: {ratio:.1f}x")
+    for other in ("device", "vllm"):
+        if other in later and "host" in later and later["host"]:
+            ratio = statistics.mean(r["ttft_mean_ms"] for r in later[other]) / statistics.mean(
+                r["ttft_mean_ms"] for r in later["host"])
+            print(f"  TTFT mean {other} / nanoserve device+host: {ratio:.1f}x")
     if "noreuse-off" in results:
         ratios = [o["time_s"] / h["time_s"] for h, o in zip(results["noreuse-host"], results["noreuse-off"])]
         print(f"  no reuse: throughput host on / off = {statistics.median(ratios):.3f} (median of per-round "
               f"ratios {', '.join(f'{r:.3f}' for r in ratios)})")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"cpu": cpu_name(), "dtype": args.dtype, "args": vars(args),
+                                               "rows": results}, indent=1))
     print(json.dumps(results))
 
 

@@ -84,6 +84,44 @@ def test_outputs_match_the_in_process_engine(client, tiny):
     assert streams[2][-1].outputs[0].finish_reason == "stop"  # the stop string case really stopped
 
 
+def test_stop_string_found_by_the_api_finishes_the_sequence_in_the_engine(client, tiny):
+    """The engine process never detokenizes; the API process finds the stop string and tells the
+    engine, which stops generating within a step or two (not at max_tokens) and frees the blocks.
+    With n=2 only the choice that matched is stopped."""
+    ref = LLM(str(tiny), dtype="float32", num_kv_blocks=64, block_size=16).generate(
+        ["hello world"], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].outputs[0]
+    t = ref.text
+    stop = next(t[k:k + 2] for k in range(len(t) // 3, len(t) - 1)
+                if not any(ch.isspace() for ch in t[k:k + 2]) and t.index(t[k:k + 2]) > len(t) // 4)
+
+    async def run():
+        before = await client.snapshot()
+        outs = await _collect(client, "stop-api", "hello world",
+                              SamplingParams(temperature=0, max_tokens=400, ignore_eos=True, stop=[stop]))
+        for _ in range(200):
+            snap = await client.snapshot()
+            if snap.num_running == 0 and snap.tiers[0].blocks_in_use == 0:
+                break
+            await asyncio.sleep(0.05)
+        return before, outs[-1].outputs[0], snap
+    before, got, snap = asyncio.run(run())
+    assert (got.finish_reason, got.stop_reason) == ("stop", stop)
+    assert got.text == ref.text[:ref.text.index(stop)]
+    assert got.token_ids == ref.token_ids[:len(got.token_ids)]
+    assert snap.tiers[0].blocks_in_use == 0 and snap.num_running == 0
+    assert snap.finished.get("stop", 0) == before.finished.get("stop", 0) + 1
+    assert snap.generation_tokens - before.generation_tokens <= len(got.token_ids) + 3
+
+    async def two():
+        return await _collect(client, "stop-n2", "hello world",
+                              SamplingParams(temperature=0.9, seed=3, n=2, max_tokens=60, ignore_eos=True,
+                                             stop=["e"]))
+    final = asyncio.run(two())[-1]
+    for c in final.outputs:
+        assert (c.finish_reason == "stop") == ("e" not in c.text and c.stop_reason == "e")
+        assert c.finish_reason == "stop" or len(c.token_ids) == 60
+
+
 def test_leaving_early_aborts_and_frees_blocks(client):
     async def run():
         req = client.frontend.make_request("early", "a b c d e f g h i j k l m n o p q r s",

@@ -131,7 +131,14 @@ def test_n_shares_prompt_and_logprobs(llm):
 
 
 def test_chat_uses_template(llm):
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(temperature=0, max_tokens=12))[0]
-    assert "Paris" in out.outputs[0].text
-    assert "<|im_start|>" in llm.tokenizer.decode(out.prompt_token_ids)
+    """chat() = the model's own template (rendered by transformers), tokenized without a second BOS,
+    then generate(). What the 135M model answers depends on the CPU's bf16 kernels (on an AMX Xeon
+    its first two candidates tie in bf16), so the words are not asserted; test_correctness compares
+    tokens with HF transformers."""
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    out = llm.chat(msgs, params)[0]
+    rendered = llm.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert rendered.endswith("<|im_start|>assistant\n") and "What is the capital of France?" in rendered
+    assert out.prompt_token_ids == llm.tokenizer.encode(rendered, add_special_tokens=False)
+    assert out.finished and len(out.outputs[0].token_ids) >= 1 and out.outputs[0].text.strip()

@@ -71,7 +71,7 @@ class MetricsObserver:
 
     def on_first_token(self, ttft: float) -> None: ...
     def on_inter_token(self, itl: float) -> None: ...
-    def on_finished(self, e2e: float, out: RequestOutput) -> None: ...
+    def on_finished(self, e2e: float, out: RequestOutput | None) -> None: ...
     def on_step(self, kind: str, seconds: float) -> None: ...
 
 
@@ -88,7 +88,7 @@ def step_kind(engine: LLMEngine) -> str:
 
 
 class EngineLoop:
-    """The engine side of serving: apply commands (add / abort / fail_all / snapshot / stop), step,
+    """The engine side of serving: apply commands (add / abort / finish / fail_all / snapshot / stop), step,
     deliver outputs. An exception inside step() fails only the requests that were in that step; the
     KV invariants are checked after it and whenever the engine goes idle. Subclasses say where
     commands come from (`_next`) and where outputs and errors go (`_emit`, `_reply_snapshot`,
@@ -196,6 +196,16 @@ class EngineLoop:
                     out = None
                 if out is not None and track is not None:
                     self._finished(track, out, time.monotonic())
+                    self._emit(track, out)
+                self._count()
+            elif kind == "finish":
+                _, rid, indices, stop_reason = item
+                out = self.engine.finish(rid, indices, stop_reason)
+                track = self._tracks.get(rid)
+                if out is not None and track is not None:
+                    if out.finished:
+                        del self._tracks[rid]
+                        self._finished(track, out, time.monotonic())
                     self._emit(track, out)
                 self._count()
             elif kind == "fail_all":

@@ -2,8 +2,9 @@
 (generate / abort / fail_all / snapshot / alive / num_waiting / num_running / start / stop), so the
 HTTP layer does not care where the engine runs.
 
-One thread receives the engine's batches and fans them out to per-request asyncio queues (the
-event loop never blocks on zmq); sends are serialized by a lock because the DrainingServer's timer
+One thread receives the engine's batches, turns their token ids into text and matches stop strings
+(output_processor.py: the engine process never detokenizes), and fans the outputs out to
+per-request asyncio queues (the event loop never blocks on zmq); sends are serialized by a lock because the DrainingServer's timer
 and shutdown call in from other threads. The same thread watches the engine process: if it exits
 without being asked to, every request in flight fails with EngineError (HTTP 500 / an SSE error
 event), `alive` turns False (/health 503, new requests 503) and `on_dead` is called (the CLI then
@@ -32,6 +33,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine import wire
 from nanoserve.engine.async_engine import EngineDead, EngineError, EngineSnapshot, MetricsObserver, stream_outputs
 from nanoserve.engine.frontend import Frontend, ModelInfo, PromptRequest
+from nanoserve.engine.output_processor import OutputProcessor
 from nanoserve.engine.placement import CpuPlacement
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import InvalidRequest
@@ -49,7 +51,7 @@ class EngineStartError(RuntimeError):
 class _Stream:
     loop: asyncio.AbstractEventLoop
     q: asyncio.Queue
-    builder: wire.OutputBuilder
+    processor: OutputProcessor
 
 
 class EngineClient:
@@ -174,11 +176,11 @@ class EngineClient:
         client gone) aborts the request. Raises EngineError if the engine failed it."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        builder = wire.OutputBuilder(req.prompt, req.prompt_token_ids, req.params.logprobs is not None)
+        processor = OutputProcessor(self.frontend.tokenizer, req.prompt, req.prompt_token_ids, req.params)
         with self._lock:  # either the receiver will see this request end, or we refuse it here
             if not self.alive:
                 raise EngineDead("the engine is not running")
-            self._streams[req.request_id] = _Stream(loop, q, builder)
+            self._streams[req.request_id] = _Stream(loop, q, processor)
             self._adds_sent += 1
             self._send(["add", req.request_id, req.prompt_token_ids, wire.params_to_wire(req.params),
                         req.arrival_time])
@@ -251,18 +253,28 @@ class EngineClient:
         if msg[0] != "batch":
             return
         _, outputs, errors, records, snapshots, adds_seen, running, waiting = msg
-        finals: dict[str, RequestOutput] = {}
         with self._lock:
             self._adds_seen, self._num_running, self._num_waiting = adds_seen, running, waiting
-            for d in outputs:
-                st = self._streams.get(d[0])
-                if st is None:  # aborted here already
-                    continue
-                out = st.builder.apply(d)
-                if out.finished:
-                    del self._streams[d[0]]
-                    finals[d[0]] = out
-                st.loop.call_soon_threadsafe(st.q.put_nowait, out)
+            work = [(self._streams.get(d[0]), d) for d in outputs]
+        # Detokenizing runs outside the lock, so generate() and abort() on the event loop never wait
+        # for it; only this thread touches a stream's processor.
+        done: list[str] = []
+        stops: list[list] = []
+        for st, d in work:
+            if st is None:  # aborted here already, or finished by a stop string
+                continue
+            out, stopped = st.processor.apply(d)
+            if not d[1]:  # the engine still runs the stopped choices: free their KV now
+                stops += [["finish", d[0], [i], out.outputs[i].stop_reason] for i in stopped]
+            if out.finished:
+                done.append(d[0])
+            st.loop.call_soon_threadsafe(st.q.put_nowait, out)
+        with self._lock:
+            for rid in done:
+                self._streams.pop(rid, None)
+            if not self._dead:
+                for m in stops:
+                    self._send(m)
             for rid, kind, message, param, code in errors:
                 st = self._streams.pop(rid, None)
                 if st is not None:
@@ -274,9 +286,9 @@ class EngineClient:
                 waiter = self._snap_waiters.pop(token, None)
                 if waiter is not None:
                     waiter[0].call_soon_threadsafe(_set_result, waiter[1], self._snapshot)
-        self._replay(records, finals)
+        self._replay(records)
 
-    def _replay(self, records: list, finals: dict[str, RequestOutput]) -> None:
+    def _replay(self, records: list) -> None:
         obs = self.observer
         try:
             for r in records:
@@ -286,8 +298,8 @@ class EngineClient:
                     obs.on_inter_token(r[1])
                 elif r[0] == "step":
                     obs.on_step(r[1], r[2])
-                elif r[0] == "e2e" and r[1] in finals:
-                    obs.on_finished(r[2], finals[r[1]])
+                elif r[0] == "e2e":  # the engine's own end of the request, whoever finished it
+                    obs.on_finished(r[2], None)
         except Exception:
             log.exception("metrics observer failed")
 

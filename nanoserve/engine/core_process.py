@@ -45,7 +45,7 @@ class RecordingObserver(MetricsObserver):
     def on_inter_token(self, itl: float) -> None:
         self.records.append(["itl", itl])
 
-    def on_finished(self, e2e: float, out: RequestOutput) -> None:
+    def on_finished(self, e2e: float, out: RequestOutput | None) -> None:
         self.records.append(["e2e", out.request_id, e2e])
 
     def on_step(self, kind: str, seconds: float) -> None:
@@ -164,7 +164,7 @@ def main(argv: list[str]) -> int:
     out.connect(spec["output"])
     try:
         t0 = time.monotonic()
-        engine = LLMEngine(EngineConfig(**spec["config"]))
+        engine = LLMEngine(EngineConfig(**spec["config"]), detokenize=False)  # text is the API's job
     except Exception as e:
         log.error("cannot start the engine: %s", e, exc_info=not isinstance(e, (ValueError, OSError)))
         out.send(wire.pack(["failed", f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)]))

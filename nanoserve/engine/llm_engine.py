@@ -39,7 +39,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence]
-    detoks: list[Detokenizer]
+    detoks: list[Detokenizer]          # empty when the engine does not detokenize (engine-core process)
     arrival_time: float = field(default_factory=time.monotonic)
 
 
@@ -53,8 +53,11 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, detokenize: bool = True) -> None:
+        """`detokenize=False` (the engine-core process): outputs carry token ids only, with no text,
+        and stop strings are left to whoever detokenizes (engine/output_processor.py)."""
         self.config = config
+        self.detokenize = detokenize
         t0 = time.monotonic()
         self.source = materialize(resolve_model(config.model))
         self.hf_config = load_config(self.source)
@@ -180,7 +183,7 @@ class LLMEngine:
             seqs.append(Sequence(next(self._seq_ids), request_id, i, ids, params, max_tokens,
                                  self.eos_token_ids, generator=gen, parent=seqs[0] if seqs else None))
         detoks = [Detokenizer(self.tokenizer, len(ids), params.stop, params.include_stop_str_in_output)
-                  for _ in seqs]
+                  for _ in seqs] if self.detokenize else []
         return Request(request_id, text, ids, params, seqs, detoks)
 
     def add(self, req: Request) -> None:
@@ -201,6 +204,17 @@ class LLMEngine:
         for seq in req.seqs:
             if not seq.is_finished:
                 self._finish(seq, "abort")
+        return self._output(req)
+
+    def finish(self, request_id: str, indices: list[int], stop_reason: str) -> RequestOutput | None:
+        """Finish these choices with reason "stop" (their stop string was found by the API process)."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            if seq.index in indices and not seq.is_finished:
+                seq.stop_reason = stop_reason
+                self._finish(seq, "stop")
         return self._output(req)
 
     def has_unfinished(self) -> bool:
@@ -245,7 +259,8 @@ class LLMEngine:
         if lp is not None:
             seq.output_logprobs.append(lp)
         p = seq.params
-        stop_str = req.detoks[seq.index].step(seq.token_ids, check_stop=seq.num_output_tokens >= p.min_tokens)
+        stop_str = req.detoks[seq.index].step(seq.token_ids, check_stop=seq.num_output_tokens >= p.min_tokens) \
+            if req.detoks else None
         if stop_str is not None:
             seq.stop_reason = stop_str
             self._finish(seq, "stop")
@@ -265,13 +280,16 @@ class LLMEngine:
     def _output(self, req: Request) -> RequestOutput:
         finished = all(s.is_finished for s in req.seqs)
         outs = []
-        for seq, det in zip(req.seqs, req.detoks):
-            if seq.is_finished and not isinstance(seq.stop_reason, str):
-                det.flush(seq.token_ids)
+        for seq in req.seqs:
+            text = stream_text = ""
+            if req.detoks:
+                det = req.detoks[seq.index]
+                if seq.is_finished and not isinstance(seq.stop_reason, str):
+                    det.flush(seq.token_ids)
+                text, stream_text = det.text, det.stream_text(seq.is_finished)
             outs.append(CompletionOutput(
-                seq.index, det.text, seq.output_token_ids, seq.finish_reason, seq.stop_reason,
-                seq.output_logprobs if seq.params.logprobs is not None else None,
-                det.stream_text(seq.is_finished)))
+                seq.index, text, seq.output_token_ids, seq.finish_reason, seq.stop_reason,
+                seq.output_logprobs if seq.params.logprobs is not None else None, stream_text))
         if finished:
             del self.requests[req.request_id]
         first = req.seqs[0]

@@ -112,7 +112,7 @@ class ServerMetrics(MetricsObserver):
     def on_inter_token(self, itl: float) -> None:
         self._itl.observe(itl)
 
-    def on_finished(self, e2e: float, out: RequestOutput) -> None:
+    def on_finished(self, e2e: float, out: RequestOutput | None) -> None:
         self._e2e.observe(e2e)
 
     def on_step(self, kind: str, seconds: float) -> None:

@@ -1,0 +1,89 @@
+"""HTTP serving, nanoserve vs vLLM-CPU, side by side in one run (entry point: bench/serve_vs_vllm.sh).
+
+Both servers are up at once on 127.0.0.1 with the same model (the embedded SmolLM2, exported to an
+HF folder for vLLM), the same dtype (the one nanoserve's `--dtype auto` picks on this CPU) and the
+same 1 GiB KV budget. One unmeasured warm-up run each, then --runs rounds of bench/serve_bench.py,
+the order alternating (A B, B A, ...) so machine drift hits both alike. Every round has fresh
+prompts (seed = round; both servers get the same ones in a round, and no round can hit a prefix an
+earlier one cached). Reports the median of each metric over the rounds, the ratio of medians, and
+writes all raw summaries as JSON.
+
+    python bench/serve_vs_vllm.py --runs 3 --json bench/results/serve_vs_vllm.json
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+METRICS = [("output tok/s", lambda s: s["output_throughput"]), ("mean TTFT ms", lambda s: s["ttft_ms"]["mean"]),
+           ("mean TPOT ms", lambda s: s["tpot_ms"]["mean"]), ("median TPOT ms", lambda s: s["tpot_ms"]["median"]),
+           ("mean E2EL ms", lambda s: s["e2el_ms"]["mean"])]
+
+
+def bench_args(args, base_url: str, seed: int) -> argparse.Namespace:
+    return argparse.Namespace(base_url=base_url, model=None, api_key=None, num_prompts=args.num_prompts,
+                              input_len=args.input_len, output_len=args.output_len, prefix_len=0,
+                              max_concurrency=args.max_concurrency, request_rate=float("inf"), seed=seed,
+                              timeout=600.0, warmup=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--max-concurrency", type=int, default=8)
+    ap.add_argument("--nanoserve-args", default="", help="extra nanoserve flags, e.g. '--cpu-threads 2'")
+    ap.add_argument("--json", default=str(HERE / "results" / "serve_vs_vllm.json"))
+    args = ap.parse_args()
+    import serve_bench
+    from export_hf import export_embedded_hf
+    from vllm_peer import VllmServer, auto_dtype, cpu_name
+    from tests.server_fixture import ServerProcess
+
+    dtype, hf = auto_dtype(), export_embedded_hf()
+    print(f"{cpu_name()}; dtype {dtype}; {args.num_prompts} requests x {args.input_len} in / {args.output_len} "
+          f"out, concurrency {args.max_concurrency}", flush=True)
+    ns = ServerProcess("--dtype", dtype, "--kv-cache-gb", "1", *args.nanoserve_args.split(), startup_timeout=600)
+    try:
+        vl = VllmServer(hf, dtype, port=8100, kv_cache_gb=1)
+    except BaseException:
+        ns.stop()
+        raise
+    servers = {"nanoserve": ns.base_url, "vllm": vl.base_url}
+    raw: dict[str, list[dict]] = {k: [] for k in servers}
+    try:
+        for name, url in servers.items():  # warm-up, not counted
+            asyncio.run(serve_bench.run(bench_args(args, url, seed=10_000)))
+        for r in range(args.runs):
+            for name in (list(servers) if r % 2 == 0 else list(servers)[::-1]):
+                s = asyncio.run(serve_bench.run(bench_args(args, servers[name], seed=r)))
+                if s["failed"]:
+                    raise RuntimeError(f"{name}: {s['failed']} requests failed: {s['first_error']}")
+                raw[name].append(s)
+                print(f"  round {r} {name:9s} " + "  ".join(f"{m} {f(s):.1f}" for m, f in METRICS), flush=True)
+    finally:
+        ns.stop()
+        vl.stop()
+    med = {name: {m: statistics.median(f(s) for s in runs) for m, f in METRICS} for name, runs in raw.items()}
+    print(f"\n| metric (median of {args.runs}) | nanoserve | vLLM-CPU | nanoserve / vLLM |\n|---|---|---|---|")
+    for m, _ in METRICS:
+        print(f"| {m} | {med['nanoserve'][m]:.1f} | {med['vllm'][m]:.1f} | {med['nanoserve'][m] / med['vllm'][m]:.2f}x |")
+    out = {"cpu": cpu_name(), "dtype": dtype, "workload": vars(args), "medians": med, "raw": raw}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(out, indent=1))
+    print(f"raw results: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
