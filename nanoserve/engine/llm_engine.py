@@ -17,6 +17,7 @@ from nanoserve.detokenizer import Detokenizer
 from nanoserve.engine.frontend import check_prompt, model_info
 from nanoserve.kvcache.host_tier import HostTier, host_memory_available
 from nanoserve.kvcache.manager import KVCacheManager
+from nanoserve.layers import cpu_kernels
 from nanoserve.layers.sampler import Sampler
 from nanoserve.models.llama import LlamaModel
 from nanoserve.models.loader import iter_weights, load_config, load_tokenizer, materialize, resolve_model
@@ -70,7 +71,7 @@ class LLMEngine:
             self.model.init_dummy(config.seed)
         else:
             self.model.load_weights(iter_weights(self.source))
-        self.model.finalize()
+        self.model.finalize(cpu_kernels.load() if self.device.type == "cpu" else None)
         backend, flash, block_size = resolve_attention(config.attention_backend, self.device, self.dtype,
                                                        config.block_size, config.flash_module)
         self.layout = KVLayout(self.model.num_layers, block_size, self.model.num_kv_heads,

@@ -58,9 +58,16 @@ class _Prefill:
 
 
 class TorchAttention(AttentionBackend):
-    """CPU (and any device) backend. Decodes: one gather per layer fetches K and V of every
-    decoding sequence together, then two bmm calls (for a single query, CPU SDPA is ~20x slower).
-    Prefill chunks: SDPA per sequence, on the chunk itself or on its gathered context."""
+    """CPU (and any device) backend. Decodes on CPU: the C++ kernel of layers/cpu_kernels.py reads
+    the blocks in place; without it (no compiler, another device, NANOSERVE_CPU_KERNELS=0) one
+    gather per layer fetches K and V of every decoding sequence together, then two bmm calls (for a
+    single query, CPU SDPA is no faster). Prefill chunks: SDPA per sequence, on the chunk itself or
+    on its gathered context."""
+
+    def __init__(self, kv_cache: torch.Tensor, num_heads: int, scale: float, kernels=None) -> None:
+        super().__init__(kv_cache, num_heads, scale)
+        # the kernel is built for head_dim 64 and 128 (the Llama family's)
+        self.kernels = kernels if kv_cache.device.type == "cpu" and kv_cache.shape[-1] in (64, 128) else None
 
     @staticmethod
     def block_shape(block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, int, int]:
@@ -77,23 +84,31 @@ class TorchAttention(AttentionBackend):
             for i, bt in enumerate(batch.block_tables[:nd]):
                 n = -(-batch.context_lens[i] // bs)
                 table[i, :n] = torch.tensor(bt[:n])
-            # Rows of the whole cache viewed as [N * layers * 2 * kh, bs * D] (a free view: the
-            # tensor is contiguous), ordered [k/v, seq, head, block]: one index_select per layer
-            # then yields K and V as [2, seq * head, tokens, D], ready for bmm.
-            n_layers = self.kv_cache.shape[1]
-            rows = table.unsqueeze(1) * (n_layers * 2 * kh) + torch.arange(kh).view(1, kh, 1)
-            rows = torch.stack((rows, rows + kh)).view(1, -1)
-            self.dec_rows = (rows + (torch.arange(n_layers) * 2 * kh).view(-1, 1)).to(dev)
-            ctx = torch.tensor(batch.context_lens[:nd], device=dev)
-            pos = torch.arange(max_blocks * bs, device=dev)
-            bias = torch.zeros(nd, max_blocks * bs, dtype=self.kv_cache.dtype, device=dev)
-            self.dec_bias = bias.masked_fill_(pos[None, :] >= ctx[:, None], float("-inf")).view(nd, 1, 1, -1)
+            if self.kernels is not None:
+                self.dec_table, self.dec_ctx = table, torch.tensor(batch.context_lens[:nd])
+            else:
+                self._prepare_gather(table, batch.context_lens[:nd])
         self.prefills: list[_Prefill] = []
         start = nd
         for qlen, ctx, bt in zip(batch.query_lens[nd:], batch.context_lens[nd:], batch.block_tables[nd:]):
             blocks = None if ctx == qlen else torch.tensor(bt[:-(-ctx // bs)], device=dev)
             self.prefills.append(_Prefill(start, start + qlen, ctx, blocks))
             start += qlen
+
+    def _prepare_gather(self, table: torch.Tensor, context_lens: list[int]) -> None:
+        # Rows of the whole cache viewed as [N * layers * 2 * kh, bs * D] (a free view: the
+        # tensor is contiguous), ordered [k/v, seq, head, block]: one index_select per layer
+        # then yields K and V as [2, seq * head, tokens, D], ready for bmm.
+        dev = self.kv_cache.device
+        _, n_layers, _, kh, bs, _ = self.kv_cache.shape
+        nd, max_blocks = table.shape
+        rows = table.unsqueeze(1) * (n_layers * 2 * kh) + torch.arange(kh).view(1, kh, 1)
+        rows = torch.stack((rows, rows + kh)).view(1, -1)
+        self.dec_rows = (rows + (torch.arange(n_layers) * 2 * kh).view(-1, 1)).to(dev)
+        ctx = torch.tensor(context_lens, device=dev)
+        pos = torch.arange(max_blocks * bs, device=dev)
+        bias = torch.zeros(nd, max_blocks * bs, dtype=self.kv_cache.dtype, device=dev)
+        self.dec_bias = bias.masked_fill_(pos[None, :] >= ctx[:, None], float("-inf")).view(nd, 1, 1, -1)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         k_cache, v_cache = self.kv_cache[:, layer, 0], self.kv_cache[:, layer, 1]  # [N, kh, bs, D]
@@ -131,6 +146,9 @@ class TorchAttention(AttentionBackend):
         return g.transpose(0, 1).reshape(kh, -1, d)[:, :p.context_len].unsqueeze(0)
 
     def _decode(self, q: torch.Tensor, layer: int) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.paged_decode_attention(q.contiguous(), self.kv_cache, layer, self.dec_table,
+                                                       self.dec_ctx, self.scale)
         nd, h, d = q.shape
         kh = self.kv_cache.shape[3]
         g = h // kh

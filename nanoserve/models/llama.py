@@ -115,8 +115,10 @@ class LlamaModel(nn.Module):
             else:
                 p.normal_(0, 0.02, generator=gen)
 
-    def finalize(self) -> None:
-        """After loading: wrap the projection weights in (CPU-prepacked) linear layers."""
+    def finalize(self, kernels=None) -> None:
+        """After loading: wrap the projection weights in (CPU-prepacked) linear layers; `kernels`
+        (layers/cpu_kernels.py, CPU only) fuses each residual add with the RMSNorm after it."""
+        self.kernels = kernels if self.embed.device.type == "cpu" else None
         for layer in self.layers:
             layer.qkv_lin = Linear(layer.qkv, layer.qkv_bias)
             layer.o_lin = Linear(layer.o)
@@ -130,19 +132,27 @@ class LlamaModel(nn.Module):
         x = F.embedding(input_ids, self.embed)
         h, d, hk = self.num_heads, self.head_dim, self.num_kv_heads
         k_end = self.q_size + self.kv_size
-        residual = x
+        residual, delta = x, None  # residual += delta happens inside the next norm
         cos, sin = self.rotary.cos_sin(positions)
         for i, layer in enumerate(self.layers):
-            x = F.rms_norm(residual, (self.hidden,), layer.input_norm, self.eps)
+            x = self._add_norm(delta, residual, layer.input_norm)
             qkv = layer.qkv_lin(x)
             qk = rotate(qkv[:, :k_end].view(-1, h + hk, d), cos, sin)
             q, k = qk[:, :h], qk[:, h:]
             v = qkv[:, k_end:].view(-1, hk, d)
             o = attn.forward(q, k, v, i)
-            residual = residual + layer.o_lin(o.view(-1, h * d))
-            x = F.rms_norm(residual, (self.hidden,), layer.post_norm, self.eps)
+            x = self._add_norm(layer.o_lin(o.view(-1, h * d)), residual, layer.post_norm)
             gu = layer.gate_up_lin(x)
             gate, up = gu.chunk(2, dim=-1)
-            residual = residual + layer.down_lin(F.silu(gate) * up)
+            delta = layer.down_lin(F.silu(gate) * up)
+        residual.add_(delta)
         x = F.rms_norm(residual[logits_indices], (self.hidden,), self.norm, self.eps)
         return self.lm_head_lin(x).float()
+
+    def _add_norm(self, delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """residual += delta (in place), then RMSNorm(residual) * weight."""
+        if self.kernels is not None:
+            return self.kernels.add_rms_norm(delta, residual, weight, self.eps)
+        if delta is not None:
+            residual.add_(delta)
+        return F.rms_norm(residual, (self.hidden,), weight, self.eps)

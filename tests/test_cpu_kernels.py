@@ -1,0 +1,104 @@
+"""The C++ CPU kernels (nanoserve/layers/cpu_kernels.py) against the torch path they replace:
+paged decode attention over random block tables (GQA ratios 1/3/4, head_dim 64/128, contexts on and
+off block boundaries, fp32 and bf16) and the fused residual-add + RMSNorm (bit-exact with HF's
+LlamaRMSNorm in bf16); then the embedded model (head_dim 64, so the kernels run) gives the same
+greedy tokens in fp32 with the kernels and without them."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from nanoserve.layers import cpu_kernels
+from nanoserve.layers.attention import AttentionBatch, TorchAttention
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = cpu_kernels.load()
+    if k is None and shutil.which("g++") and shutil.which("ninja"):
+        pytest.fail("a compiler and ninja are here, yet the CPU kernels did not build (see the log warning)")
+    if k is None:
+        pytest.skip("no C++ toolchain: the torch path runs (and is what every other test exercises)")
+    return k
+
+
+def _decode_case(dtype, h, kh, d, contexts, bs=16, layers=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-c // bs) for c in contexts) + 5
+    cache = torch.randn(num_blocks, layers, 2, kh, bs, d, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, at = [], 0
+    for c in contexts:
+        n = -(-c // bs)
+        tables.append(perm[at:at + n])
+        at += n
+    nd = len(contexts)
+    q = torch.randn(nd, h, d, generator=g).to(dtype)
+    k = torch.randn(nd, kh, d, generator=g).to(dtype)
+    v = torch.randn(nd, kh, d, generator=g).to(dtype)
+    pos = [c - 1 for c in contexts]  # each decode writes its token at the last position
+    blocks = torch.tensor([t[p // bs] for t, p in zip(tables, pos)])
+    offs = torch.tensor([p % bs for p in pos])
+    batch = AttentionBatch([1] * nd, list(contexts), tables, nd, blocks, offs)
+    return cache, batch, q, k, v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h,kh,d", [(9, 3, 64), (8, 8, 64), (8, 2, 128)])
+def test_paged_decode_attention_matches_the_torch_path(kernels, dtype, h, kh, d):
+    contexts = [1, 15, 16, 17, 33, 300, 64]
+    out = {}
+    for name, kern in (("torch", None), ("kernel", kernels)):
+        cache, batch, q, k, v = _decode_case(dtype, h, kh, d, contexts)
+        attn = TorchAttention(cache, h, d ** -0.5, kern)
+        assert (attn.kernels is None) == (kern is None)
+        attn.prepare(batch)
+        out[name] = [attn.forward(q, k, v, layer) for layer in range(cache.shape[1])]
+    # the torch path rounds scores and probabilities to the dtype; the kernel keeps them in fp32
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for a, b in zip(out["torch"], out["kernel"]):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(b.float(), a.float(), atol=tol, rtol=tol)
+
+
+def test_kernel_is_not_used_where_it_does_not_apply(kernels):
+    cache = torch.zeros(4, 1, 2, 2, 16, 16)  # head_dim 16: the kernel is built for 64 and 128
+    assert TorchAttention(cache, 4, 0.25, kernels).kernels is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_is_hf_llama_rmsnorm_after_the_residual_add(kernels, dtype):
+    g = torch.Generator().manual_seed(1)
+    x, res, w = (torch.randn(*s, generator=g).to(dtype) for s in ((7, 576), (7, 576), (576,)))
+
+    def hf(r):
+        hs = r.float()
+        return w * (hs * torch.rsqrt(hs.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+
+    r = res.clone()
+    out = kernels.add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(r, res + x)  # the residual is updated in place, rounded as the eager add
+    if dtype == torch.bfloat16:
+        assert torch.equal(out, hf(res + x))
+    else:
+        torch.testing.assert_close(out, hf(res + x), atol=1e-6, rtol=1e-6)
+    assert torch.equal(kernels.add_rms_norm(None, r, w, 1e-5), out)  # no delta: the norm alone
+    assert torch.equal(r, res + x)
+
+
+def test_embedded_model_same_tokens_with_and_without_kernels(kernels):
+    from nanoserve import LLM, SamplingParams
+    llm = LLM(None, dtype="float32", kv_cache_gb=0.25, enable_prefix_caching=False)
+    eng = llm.engine
+    assert eng.model.kernels is kernels and eng.runner.attn.kernels is kernels
+    prompts = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    with_k = llm.generate(prompts, params)
+    eng.model.kernels = eng.runner.attn.kernels = None
+    without = llm.generate(prompts, params)
+    for a, b in zip(with_k, without):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert abs(la.logprob - lb.logprob) < 1e-3
