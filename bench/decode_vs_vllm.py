@@ -44,23 +44,30 @@ def main() -> int:
                                             max_num_batched_tokens=max(2048, args.seqs * args.input_len),
                                             kv_cache_gb=1))
         steps: dict[str, list[float]] = {"nanoserve": [], "vllm": []}
+        prefill: dict[str, list[float]] = {"nanoserve": [], "vllm": []}  # the max_tokens=1 runs
         for r in range(args.runs):
             for name, target in [("nanoserve", ours), ("vllm", peer)][:: 1 if r % 2 == 0 else -1]:
                 seed = 100 * (r + 1) + (name == "vllm")
                 one = target.run(make_prompts(args.seqs, args.input_len, seed), 1)["elapsed_s"]
                 more = target.run(make_prompts(args.seqs, args.input_len, seed + 50), 1 + args.decode_steps)["elapsed_s"]
                 steps[name].append((more - one) / args.decode_steps * 1e3)
-                print(f"  run {r} {name:9s} decode step {steps[name][-1]:.2f} ms", flush=True)
+                prefill[name].append(one * 1e3)
+                print(f"  run {r} {name:9s} decode step {steps[name][-1]:.2f} ms; prefill + 1 token "
+                      f"{one * 1e3:.0f} ms", flush=True)
     finally:
         peer.__exit__()
     med = {k: statistics.median(v) for k, v in steps.items()}
+    pre = {k: statistics.median(v) for k, v in prefill.items()}
     print(f"\n{cpu_name()}; dtype {dtype}; {args.seqs} sequences, context {args.input_len}..{args.input_len + args.decode_steps}, "
           f"one compute thread")
     print(f"decode step (median of {args.runs}): nanoserve {med['nanoserve']:.2f} ms, vLLM-CPU {med['vllm']:.2f} ms, "
           f"vLLM / nanoserve = {med['vllm'] / med['nanoserve']:.2f}x")
+    print(f"prefill of {args.seqs} x {args.input_len} tokens + first token (median): nanoserve {pre['nanoserve']:.0f} ms, "
+          f"vLLM-CPU {pre['vllm']:.0f} ms")
     if args.json:
         Path(args.json).write_text(json.dumps({"cpu": cpu_name(), "dtype": dtype, "args": vars(args),
-                                               "steps_ms": steps, "medians_ms": med}, indent=1))
+                                               "steps_ms": steps, "medians_ms": med,
+                                               "prefill_ms": prefill, "prefill_medians_ms": pre}, indent=1))
     return 0
 
 

@@ -1,7 +1,7 @@
 """The C++ CPU kernels (nanoserve/layers/cpu_kernels.py) against the torch path they replace:
 paged decode attention over random block tables (GQA ratios 1/3/4, head_dim 64/128, contexts on and
-off block boundaries, fp32 and bf16) and the fused residual-add + RMSNorm (bit-exact with HF's
-LlamaRMSNorm in bf16); then the embedded model (head_dim 64, so the kernels run) gives the same
+off block boundaries, fp32 and bf16), the fused residual-add + RMSNorm (bit-exact with HF's
+LlamaRMSNorm in bf16), RoPE in place (bit-exact with rotate) and the KV slot write; then the embedded model (head_dim 64, so the kernels run) gives the same
 greedy tokens in fp32 with the kernels and without them."""
 from __future__ import annotations
 
@@ -86,6 +86,33 @@ def test_add_rms_norm_is_hf_llama_rmsnorm_after_the_residual_add(kernels, dtype)
         torch.testing.assert_close(out, hf(res + x), atol=1e-6, rtol=1e-6)
     assert torch.equal(kernels.add_rms_norm(None, r, w, 1e-5), out)  # no delta: the norm alone
     assert torch.equal(r, res + x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_in_place_is_bit_exact_with_rotate(kernels, dtype):
+    from nanoserve.layers.rotary import RotaryEmbedding, rotate
+    h, hk, d, n = 9, 3, 64, 11
+    rot = RotaryEmbedding(d, 512, 100000.0, None, dtype, torch.device("cpu"))
+    cos, sin = rot.cos_sin(torch.tensor([0, 1, 5, 17, 100, 200, 201, 202, 300, 400, 511]))
+    qkv = torch.randn(n, (h + 2 * hk) * d, generator=torch.Generator().manual_seed(2)).to(dtype)
+    want = rotate(qkv[:, :(h + hk) * d].view(n, h + hk, d), cos, sin)
+    got = qkv.clone()
+    kernels.rope_(got, h + hk, d, cos, sin)
+    assert torch.equal(got[:, :(h + hk) * d].view(n, h + hk, d), want)
+    assert torch.equal(got[:, (h + hk) * d:], qkv[:, (h + hk) * d:])  # V untouched
+
+
+def test_write_kv_fills_the_same_slots_as_index_put(kernels):
+    cache, batch, q, k, v = _decode_case(torch.bfloat16, 9, 3, 64, [5, 16, 17, 40])
+    qkv = torch.cat([t.reshape(len(t), -1) for t in (q, k, v)], dim=1)  # k, v as strided views, as in the model
+    kv_view, vv = qkv[:, 9 * 64:12 * 64].view(-1, 3, 64), qkv[:, 12 * 64:].view(-1, 3, 64)
+    want = cache.clone()
+    want[:, 1, 0][batch.slot_blocks, :, batch.slot_offsets] = k
+    want[:, 1, 1][batch.slot_blocks, :, batch.slot_offsets] = v
+    kernels.write_kv(kv_view, vv, cache, 1, batch.slot_blocks, batch.slot_offsets)
+    assert torch.equal(cache, want)
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.write_kv(kv_view, vv, cache, 1, batch.slot_blocks + cache.shape[0], batch.slot_offsets)
 
 
 def test_embedded_model_same_tokens_with_and_without_kernels(kernels):

@@ -113,9 +113,11 @@ class TorchAttention(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         k_cache, v_cache = self.kv_cache[:, layer, 0], self.kv_cache[:, layer, 1]  # [N, kh, bs, D]
         b = self.batch
-        # Indexed assignment writes in place (index_put_); `cache[idx].copy_()` would not.
-        k_cache[b.slot_blocks, :, b.slot_offsets] = k
-        v_cache[b.slot_blocks, :, b.slot_offsets] = v
+        if self.kernels is not None:
+            self.kernels.write_kv(k, v, self.kv_cache, layer, b.slot_blocks, b.slot_offsets)
+        else:  # indexed assignment writes in place (index_put_); `cache[idx].copy_()` would not
+            k_cache[b.slot_blocks, :, b.slot_offsets] = k
+            v_cache[b.slot_blocks, :, b.slot_offsets] = v
         out = torch.empty_like(q)
         nd = b.num_decodes
         if nd:

@@ -1,7 +1,9 @@
 """C++ CPU kernels, compiled on first use with torch.utils.cpp_extension (gcc + ninja) and cached
 on disk (TORCH_EXTENSIONS_DIR, keyed by this CPU's flags since the code is built for it).
 
-`paged_decode_attention` attends one query token per sequence over its KV blocks in place. The
+`paged_decode_attention` attends one query token per sequence over its KV blocks in place;
+`add_rms_norm`, `rope_` and `write_kv` each replace several small eager ops of a layer (a decode step
+of a small model is as much per-op overhead as math). The
 torch path must first gather every block into a contiguous tensor (an index_select that copies all
 of a layer's context, then two small bmm calls that each cost more in call overhead than in math);
 this kernel reads each K and V row once, in fp32, two passes (scores, softmax, weighted V). On the
@@ -230,9 +232,79 @@ torch::Tensor add_rms_norm(c10::optional<torch::Tensor> x, torch::Tensor residua
   return out;
 }
 
+// Rotate-half RoPE in place on the first `heads` heads of each row of qkv [T, width] (Q and K
+// heads, contiguous), with cos/sin [T, d/2]. Every product and sum is rounded to the dtype as the
+// eager `x1*cos - x2*sin` would be, so it is bit-exact with the torch path.
+template <typename T>
+static void rope_rows(T* x, int64_t width, const T* cos, const T* sin, int64_t tokens, int64_t heads, int64_t d) {
+  const int64_t half = d / 2;
+  at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cos + t * half;
+      const T* sn = sin + t * half;
+      for (int64_t j = 0; j < heads; ++j) {
+        T* p = x + t * width + j * d;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = p[i], x2 = p[i + half], ci = c[i], si = sn[i];
+          const float a = static_cast<T>(x1 * ci), b = static_cast<T>(x2 * si);
+          const float e = static_cast<T>(x2 * ci), f = static_cast<T>(x1 * si);
+          p[i] = static_cast<T>(a - b);
+          p[i + half] = static_cast<T>(e + f);
+        }
+      }
+    }
+  });
+}
+
+void rope_(torch::Tensor qkv, int64_t heads, int64_t d, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() && qkv.dim() == 2 &&
+              heads * d <= qkv.size(1) && cos.numel() == qkv.size(0) * (d / 2) && sin.numel() == cos.numel() &&
+              cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type());
+  switch (qkv.scalar_type()) {
+#define NS_CASE(K, T) case K: rope_rows<T>(qkv.data_ptr<T>(), qkv.size(1), cos.data_ptr<T>(), sin.data_ptr<T>(), \
+    qkv.size(0), heads, d); break;
+    NS_CASE(torch::kBFloat16, c10::BFloat16)
+    NS_CASE(torch::kHalf, c10::Half)
+    NS_CASE(torch::kFloat, float)
+#undef NS_CASE
+    default: TORCH_CHECK(false, "rope_: unsupported dtype");
+  }
+}
+
+// The step's new K and V rows [T, kh, d] (row stride free, heads contiguous) into their cache slots:
+// one call instead of two index_put.
+void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor cache, int64_t layer, torch::Tensor blocks,
+              torch::Tensor offsets) {
+  TORCH_CHECK(cache.is_contiguous() && cache.dim() == 6 && blocks.is_contiguous() && offsets.is_contiguous() &&
+              blocks.scalar_type() == torch::kLong && offsets.scalar_type() == torch::kLong);
+  const int64_t n = k.size(0), kh = cache.size(3), bs = cache.size(4), d = cache.size(5);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(1) == kh && k.size(2) == d && k.stride(2) == 1 && k.stride(1) == d &&
+              v.stride(2) == 1 && v.stride(1) == d && blocks.numel() == n && offsets.numel() == n &&
+              k.scalar_type() == cache.scalar_type() && v.scalar_type() == cache.scalar_type() &&
+              layer >= 0 && layer < cache.size(1));
+  const int64_t es = cache.element_size(), row = d * es;
+  const int64_t block_stride = cache.size(1) * 2 * kh * bs * d * es, layer_off = layer * 2 * kh * bs * d * es;
+  const int64_t v_off = kh * bs * d * es, num_blocks = cache.size(0);
+  char* base = static_cast<char*>(cache.data_ptr());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t* bl = blocks.data_ptr<int64_t>();
+  const int64_t* of = offsets.data_ptr<int64_t>();
+  for (int64_t t = 0; t < n; ++t) {
+    TORCH_CHECK(bl[t] >= 0 && bl[t] < num_blocks && of[t] >= 0 && of[t] < bs, "write_kv: slot out of range");
+    char* dst = base + bl[t] * block_stride + layer_off + of[t] * row;
+    for (int64_t hh = 0; hh < kh; ++hh) {
+      std::memcpy(dst + hh * bs * row, kp + (t * k.stride(0) + hh * d) * es, row);
+      std::memcpy(dst + v_off + hh * bs * row, vp + (t * v.stride(0) + hh * d) * es, row);
+    }
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention);
   m.def("add_rms_norm", &add_rms_norm);
+  m.def("rope_", &rope_);
+  m.def("write_kv", &write_kv);
 }
 """
 
@@ -248,7 +320,8 @@ def load():
             flags = next((line for line in f if line.startswith("flags")), "")
         key = hashlib.sha256((SOURCE + flags + torch.__version__).encode()).hexdigest()[:12]
         return load_inline(f"nanoserve_cpu_{key}", cpp_sources=SOURCE,
-                           extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fopenmp-simd"],
+                           extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fopenmp",
+                                         "-fopenmp-simd"],
                            extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # noqa: BLE001 - any build problem means: use the torch path
         log.warning("CPU kernels unavailable, using the torch path (%s: %s)", type(e).__name__,

@@ -14,6 +14,9 @@ from nanoserve.layers.linear import Linear
 from nanoserve.layers.rotary import RotaryEmbedding, rotate
 
 
+FUSED_MAX_ROWS = 32
+
+
 class LlamaModel(nn.Module):
     def __init__(self, cfg, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -137,8 +140,13 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.layers):
             x = self._add_norm(delta, residual, layer.input_norm)
             qkv = layer.qkv_lin(x)
-            qk = rotate(qkv[:, :k_end].view(-1, h + hk, d), cos, sin)
-            q, k = qk[:, :h], qk[:, h:]
+            if self._fused(qkv):  # in place, bit-exact with rotate()
+                self.kernels.rope_(qkv, h + hk, d, cos, sin)
+                q = qkv[:, :self.q_size].view(-1, h, d)
+                k = qkv[:, self.q_size:k_end].view(-1, hk, d)
+            else:
+                qk = rotate(qkv[:, :k_end].view(-1, h + hk, d), cos, sin)
+                q, k = qk[:, :h], qk[:, h:]
             v = qkv[:, k_end:].view(-1, hk, d)
             o = attn.forward(q, k, v, i)
             x = self._add_norm(layer.o_lin(o.view(-1, h * d)), residual, layer.post_norm)
@@ -149,9 +157,15 @@ class LlamaModel(nn.Module):
         x = F.rms_norm(residual[logits_indices], (self.hidden,), self.norm, self.eps)
         return self.lm_head_lin(x).float()
 
+    def _fused(self, x: torch.Tensor) -> bool:
+        """The fused C++ norm and RoPE convert bf16 element by element: they are meant for
+        decode-sized batches, where per-op overhead dominates; torch's vectorized ops keep the
+        large (prefill) ones."""
+        return self.kernels is not None and x.shape[0] <= FUSED_MAX_ROWS
+
     def _add_norm(self, delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """residual += delta (in place), then RMSNorm(residual) * weight."""
-        if self.kernels is not None:
+        if self._fused(residual):
             return self.kernels.add_rms_norm(delta, residual, weight, self.eps)
         if delta is not None:
             residual.add_(delta)
