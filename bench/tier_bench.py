@@ -119,6 +119,8 @@ def cli_flags(cfg: dict) -> list[str]:
     flags = ["--kv-cache-gb", str(cfg["kv_cache_gb"]), "--max-num-seqs", str(cfg["max_num_seqs"])]
     if cfg.get("host_cache_gb"):
         flags += ["--host-cache-gb", str(cfg["host_cache_gb"])]
+    if cfg.get("host_offload_watermark"):
+        flags += ["--host-offload-watermark", str(cfg["host_offload_watermark"])]
     if not cfg.get("enable_prefix_caching", True):
         flags.append("--no-prefix-caching")
     return flags
@@ -205,6 +207,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=2)
     ap.add_argument("--configs", default="off,device,host,device-big,noreuse")
     ap.add_argument("--json", default=None, metavar="FILE", help="also write the raw rows here")
+    ap.add_argument("--host-offload-watermark", type=int, default=0, help="blocks (0: nanoserve's default)")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from vllm_peer import auto_dtype, cpu_name
@@ -220,7 +223,7 @@ def main() -> None:
     host_gb = 1.5 * args.docs * req_tokens * bytes_per_token / GiB
     base = dict(kv_cache_gb=round(device_gb, 6), max_num_seqs=args.concurrency)
     configs = {"off": dict(base, enable_prefix_caching=False), "device": base,
-               "host": dict(base, host_cache_gb=round(host_gb, 4)),
+               "host": dict(base, host_cache_gb=round(host_gb, 4), host_offload_watermark=args.host_offload_watermark),
                "device-big": dict(base, kv_cache_gb=round(device_gb + host_gb, 4)),
                "vllm": {"vllm_blocks": device_tokens // 128}}
     print(f"workload: {args.docs} docs x {args.doc_len} tokens, {args.rounds} rounds, concurrency "
