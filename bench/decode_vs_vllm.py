@@ -55,7 +55,7 @@ def main() -> int:
                 print(f"  run {r} {name:9s} decode step {steps[name][-1]:.2f} ms; prefill + 1 token "
                       f"{one * 1e3:.0f} ms", flush=True)
     finally:
-        peer.__exit__()
+        peer.close()
     med = {k: statistics.median(v) for k, v in steps.items()}
     pre = {k: statistics.median(v) for k, v in prefill.items()}
     print(f"\n{cpu_name()}; dtype {dtype}; {args.seqs} sequences, context {args.input_len}..{args.input_len + args.decode_steps}, "

@@ -90,7 +90,7 @@ def main() -> None:
                     print(f"  run {r} {name:9s} {runs[name][-1]['elapsed_s']:.2f}s", flush=True)
     finally:
         if peer is not None:
-            peer.__exit__()
+            peer.close()
     result = {"cpu": cpu_name(), "dtype": args.dtype, "workload": vars(args),
               **{k: dict(summarize(v), runs=v) for k, v in runs.items() if v}}
     for name in ("nanoserve", "vllm"):

@@ -30,9 +30,9 @@ def auto_dtype() -> str:
 
 def cpu_name() -> str:
     with open("/proc/cpuinfo") as f:
-        name = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), "unknown CPU")
-    with open("/proc/cpuinfo") as f:
-        flags = set(next((l.split(":", 1)[1].split() for l in f if l.startswith("flags")), []))
+        fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in f if ":" in line)}
+    name = fields.get("model name", "unknown CPU")  # the last CPU's fields: all cores are alike here
+    flags = set(fields.get("flags", "").split())
     feats = [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags]
     return f"{name}, {os.cpu_count()} cores ({' '.join(feats)})"
 
@@ -68,6 +68,9 @@ class VllmOffline:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
         self.proc.stdin.close()
         try:
             self.proc.wait(60)

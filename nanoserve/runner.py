@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanoserve.layers import cpu_kernels
 from nanoserve.layers.attention import AttentionBackend, AttentionBatch, TorchAttention
 from nanoserve.layers.flash_attention import FlashAttention, Staged
 from nanoserve.models.llama import LlamaModel
@@ -89,7 +88,7 @@ class ModelRunner:
                 max_seqs=opts.max_num_seqs, max_blocks_per_seq=min(width, num_blocks), scratch_block=num_blocks)
         else:
             self.attn = TorchAttention(self.kv_cache, model.num_heads, model.scale,
-                                       cpu_kernels.load() if device.type == "cpu" else None)
+                                       model.kernels)
         self.buckets = sorted(opts.graph_buckets or decode_buckets(opts.max_num_seqs)) if flash else []
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.steps_graphed = self.steps_eager = self.steps_padded = 0

@@ -188,25 +188,16 @@ class EngineLoop:
                 self._count()
             elif kind == "abort":
                 rid = item[1]
-                track = self._tracks.pop(rid, None)
                 try:
-                    out = self.engine.abort(rid)
+                    self._send_now(rid, self.engine.abort(rid))
                 except Exception:
                     log.exception("abort of %s failed", rid)
-                    out = None
-                if out is not None and track is not None:
-                    self._finished(track, out, time.monotonic())
-                    self._emit(track, out)
+                finally:
+                    self._tracks.pop(rid, None)  # aborted is done, whatever the engine answered
                 self._count()
             elif kind == "finish":
                 _, rid, indices, stop_reason = item
-                out = self.engine.finish(rid, indices, stop_reason)
-                track = self._tracks.get(rid)
-                if out is not None and track is not None:
-                    if out.finished:
-                        del self._tracks[rid]
-                        self._finished(track, out, time.monotonic())
-                    self._emit(track, out)
+                self._send_now(rid, self.engine.finish(rid, indices, stop_reason))
                 self._count()
             elif kind == "fail_all":
                 err = EngineDead(item[1])
@@ -217,6 +208,16 @@ class EngineLoop:
                 self._count()
             elif kind == "snapshot":
                 self._reply_snapshot(item[1], self._take_snapshot())
+
+    def _send_now(self, rid: str, out: RequestOutput | None) -> None:
+        """Deliver an output a command produced outside a step (abort, finish)."""
+        track = self._tracks.get(rid)
+        if out is None or track is None:
+            return
+        if out.finished:
+            del self._tracks[rid]
+            self._finished(track, out, time.monotonic())
+        self._emit(track, out)
 
     def _observe(self, hook, *args) -> None:
         try:

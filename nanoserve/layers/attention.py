@@ -65,9 +65,10 @@ class TorchAttention(AttentionBackend):
     on its gathered context."""
 
     def __init__(self, kv_cache: torch.Tensor, num_heads: int, scale: float, kernels=None) -> None:
+        """`kernels`: layers/cpu_kernels.py's module (CPU caches only), or None for the torch path."""
         super().__init__(kv_cache, num_heads, scale)
         # the kernel is built for head_dim 64 and 128 (the Llama family's)
-        self.kernels = kernels if kv_cache.device.type == "cpu" and kv_cache.shape[-1] in (64, 128) else None
+        self.kernels = kernels if kv_cache.shape[-1] in (64, 128) else None
 
     @staticmethod
     def block_shape(block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, int, int]:

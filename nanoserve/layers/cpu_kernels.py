@@ -1,14 +1,14 @@
 """C++ CPU kernels, compiled on first use with torch.utils.cpp_extension (gcc + ninja) and cached
 on disk (TORCH_EXTENSIONS_DIR, keyed by this CPU's flags since the code is built for it).
 
-`paged_decode_attention` attends one query token per sequence over its KV blocks in place;
-`add_rms_norm`, `rope_` and `write_kv` each replace several small eager ops of a layer (a decode step
-of a small model is as much per-op overhead as math). The
+`paged_decode_attention` attends one query token per sequence over its KV blocks in place: the
 torch path must first gather every block into a contiguous tensor (an index_select that copies all
 of a layer's context, then two small bmm calls that each cost more in call overhead than in math);
 this kernel reads each K and V row once, in fp32, two passes (scores, softmax, weighted V). On the
-embedded model at 8 sequences x ~300 tokens it cuts a layer's decode attention from ~330 us to
-~40 us on one core (bench/decode_vs_vllm.py measures the whole step).
+embedded model at 8 sequences x ~300 tokens, one core, it alone took the decode step from ~57 to
+~49 ms. `add_rms_norm`, `rope_` and `write_kv` each replace several small eager ops of a layer (a
+decode step of a small model is as much per-op overhead as math); bench/decode_vs_vllm.py
+measures the whole step.
 
 Without a compiler, or with NANOSERVE_CPU_KERNELS=0, `load()` returns None and the torch path runs;
 tests compare the two."""

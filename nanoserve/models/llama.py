@@ -120,8 +120,9 @@ class LlamaModel(nn.Module):
 
     def finalize(self, kernels=None) -> None:
         """After loading: wrap the projection weights in (CPU-prepacked) linear layers; `kernels`
-        (layers/cpu_kernels.py, CPU only) fuses each residual add with the RMSNorm after it."""
-        self.kernels = kernels if self.embed.device.type == "cpu" else None
+        (layers/cpu_kernels.py, given for CPU models only) fuses each residual add with the RMSNorm
+        after it and applies RoPE in place; the attention backend takes it from here too."""
+        self.kernels = kernels
         for layer in self.layers:
             layer.qkv_lin = Linear(layer.qkv, layer.qkv_bias)
             layer.o_lin = Linear(layer.o)
