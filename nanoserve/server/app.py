@@ -13,7 +13,6 @@ from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -23,8 +22,8 @@ from nanoserve.engine.async_engine import AsyncEngine, EngineDead
 from nanoserve.engine.client import EngineClient
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import InvalidRequest
-from nanoserve.sequence import TokenLogprob
 from nanoserve.server.metrics import ServerMetrics
+from nanoserve.server.render import ChatRender, CompletionRender, Render, sse, stream_chunks
 from nanoserve.server.protocol import (MAX_LOGPROBS, APIError, ChatCompletionRequest, CompletionRequest,
                                        DetokenizeRequest, TokenizeRequest, new_id, now, parse)
 
@@ -115,10 +114,6 @@ def _usage_flags(body) -> tuple[bool, bool]:
     opts = body.stream_options
     include = bool(opts and opts.include_usage)
     return include, include and bool(opts.continuous_usage_stats)
-
-
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 def _engine_error(e: Exception) -> APIError:
@@ -215,15 +210,6 @@ class Server:
                 raise APIError.from_invalid(e)
         return reqs
 
-    def usage(self, finals: list[RequestOutput]) -> dict:
-        prompt = sum(len(o.prompt_token_ids) for o in finals)
-        completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {
-                    "cached_tokens": sum(o.num_cached_tokens for o in finals),
-                    "device_cached_tokens": sum(o.num_device_cached_tokens for o in finals),
-                    "host_cached_tokens": sum(o.num_host_cached_tokens for o in finals)}}
-
     async def run_to_end(self, request: Request, reqs: list) -> list[RequestOutput]:
         """Final outputs of every request; a client disconnect aborts them all (ClientGone)."""
         fan = _Fanin(self.engine, reqs)
@@ -246,37 +232,28 @@ class Server:
             disc.cancel()
             await fan.close()
 
-    # ---- logprobs -----------------------------------------------------------------------------
-    def completion_logprobs(self, lps: list[TokenLogprob], start_offset: int,
-                            prompt: RequestOutput | None = None) -> dict:
-        """OpenAI `logprobs` of a completion choice; with `prompt` (echo) the prompt tokens come first,
-        the first of them with null logprobs as nothing precedes it."""
-        tokens, token_lps, tops, offsets = [], [], [], []
-        off = start_offset
-        if prompt is not None:
-            tokens.append(self.token_str(prompt.prompt_token_ids[0]))
-            token_lps.append(None)
-            tops.append(None)
-            offsets.append(off)
-            off += len(tokens[0])
-            lps = [lp for lp in (prompt.prompt_logprobs or [])[1:] if lp is not None] + list(lps)
-        for lp in lps:
-            s = self.token_str(lp.token_id)
-            tokens.append(s)
-            token_lps.append(lp.logprob)
-            top = {self.token_str(t): l for t, l in lp.top}
-            top.setdefault(s, lp.logprob)
-            tops.append(top)
-            offsets.append(off)
-            off += len(s)
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+    async def respond(self, request: Request, reqs: list, render: Render, body):
+        """The whole response (or a 499 when the client left), or an SSE stream of chunks."""
+        if body.stream:
+            return StreamingResponse(self._stream(reqs, render, body), media_type="text/event-stream")
+        try:
+            finals = await self.run_to_end(request, reqs)
+        except ClientGone:
+            return Response(status_code=499)
+        except Exception as e:
+            raise _engine_error(e)
+        return render.response(finals)
 
-    def chat_logprobs(self, lps: list[TokenLogprob]) -> dict:
-        def entry(tid: int, l: float) -> dict:
-            s = self.token_str(tid)
-            return {"token": s, "logprob": l, "bytes": list(s.encode("utf-8"))}
-        return {"content": [dict(entry(lp.token_id, lp.logprob), top_logprobs=[entry(t, l) for t, l in lp.top])
-                            for lp in lps], "refusal": None}
+    async def _stream(self, reqs: list, render: Render, body):
+        fan = _Fanin(self.engine, reqs)
+        try:
+            async for chunk in stream_chunks(fan, len(reqs), render, *_usage_flags(body)):
+                yield chunk
+        except Exception as e:
+            yield sse(_engine_error(e).body())
+        finally:
+            await fan.close()
+        yield "data: [DONE]\n\n"
 
     # ---- /v1/completions ----------------------------------------------------------------------
     async def completions(self, request: Request):
@@ -297,78 +274,12 @@ class Server:
         cid = new_id("cmpl")
         reqs = await asyncio.to_thread(self.make_requests, cid, prompts, params)
         self.check_capacity(len(reqs))
-        created, n = now(), params.n
-        if body.stream:
-            return StreamingResponse(self._completion_stream(cid, created, body, reqs, n),
-                                     media_type="text/event-stream")
-        try:
-            finals = await self.run_to_end(request, reqs)
-        except ClientGone:
-            return Response(status_code=499)
-        except Exception as e:
-            raise _engine_error(e)
-        choices = []
-        for pi, out in enumerate(finals):
-            prompt_text = self._prompt_text(out) if body.echo else ""
-            for c in out.outputs:
-                lp = None
-                if body.logprobs is not None:
-                    lp = self.completion_logprobs(c.logprobs or [], 0, out if body.echo else None)
-                choices.append({"index": pi * n + c.index, "text": prompt_text + c.text, "logprobs": lp,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-        return {"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
-                "choices": choices, "usage": self.usage(finals), "system_fingerprint": None}
+        render = CompletionRender(cid, now(), self.model_name, params.n, body.logprobs is not None, self.token_str,
+                                  echo=bool(body.echo), prompt_text=self._prompt_text)
+        return await self.respond(request, reqs, render, body)
 
     def _prompt_text(self, out: RequestOutput) -> str:
         return out.prompt if out.prompt is not None else self.tok.decode(out.prompt_token_ids)
-
-    async def _completion_stream(self, cid: str, created: int, body: CompletionRequest, reqs: list, n: int):
-        fan = _Fanin(self.engine, reqs)
-        sent_text: dict[int, int] = {}
-        sent_tok: dict[int, int] = {}
-        done: set[int] = set()
-        finals: list[RequestOutput | None] = [None] * len(reqs)  # the latest output of each prompt
-        include_usage, continuous = _usage_flags(body)
-        try:
-            async for pi, out in fan:
-                finals[pi] = out
-                choices = []
-                for c in out.outputs:
-                    idx = pi * n + c.index
-                    if idx in done or (c.finish_reason is None and not c.token_ids):
-                        continue
-                    first = idx not in sent_text
-                    start = sent_text.setdefault(idx, 0)
-                    new = c.text if c.finish_reason is not None else c.stream_text
-                    delta = new[start:] if len(new) > start else ""
-                    prefix = self._prompt_text(out) if first and body.echo else ""
-                    if not delta and not prefix and c.finish_reason is None:
-                        continue
-                    lp = None
-                    if body.logprobs is not None:
-                        ntok = len(c.logprobs or [])
-                        lp = self.completion_logprobs((c.logprobs or [])[sent_tok.get(idx, 0):ntok], 0,
-                                                      out if prefix else None)
-                        sent_tok[idx] = ntok
-                    sent_text[idx] = max(start, len(new))
-                    choices.append({"index": idx, "text": prefix + delta, "logprobs": lp,
-                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-                    if c.finish_reason is not None:
-                        done.add(idx)
-                if choices:
-                    chunk = {"id": cid, "object": "text_completion", "created": created,
-                             "model": self.model_name, "choices": choices}
-                    if continuous:
-                        chunk["usage"] = self.usage([f for f in finals if f is not None])
-                    yield _sse(chunk)
-            if include_usage:
-                yield _sse({"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
-                            "choices": [], "usage": self.usage([f for f in finals if f is not None])})
-        except Exception as e:
-            yield _sse(_engine_error(e).body())
-        finally:
-            await fan.close()
-        yield "data: [DONE]\n\n"
 
     # ---- /v1/chat/completions -----------------------------------------------------------------
     async def chat(self, request: Request):
@@ -387,72 +298,8 @@ class Server:
         cid = new_id("chatcmpl")
         reqs = await asyncio.to_thread(self.make_requests, cid, [prompt], params, False)
         self.check_capacity(1)
-        created = now()
-        if body.stream:
-            return StreamingResponse(self._chat_stream(cid, created, body, reqs), media_type="text/event-stream")
-        try:
-            (out,) = await self.run_to_end(request, reqs)
-        except ClientGone:
-            return Response(status_code=499)
-        except Exception as e:
-            raise _engine_error(e)
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text, "refusal": None},
-                    "logprobs": self.chat_logprobs(c.logprobs or []) if body.logprobs else None,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
-        return {"id": cid, "object": "chat.completion", "created": created, "model": self.model_name,
-                "choices": choices, "usage": self.usage([out]), "system_fingerprint": None}
-
-    async def _chat_stream(self, cid: str, created: int, body: ChatCompletionRequest, reqs: list):
-        fan = _Fanin(self.engine, reqs)
-        sent_text: dict[int, int] = {}
-        sent_tok: dict[int, int] = {}
-        done: set[int] = set()
-        final: RequestOutput | None = None
-        include_usage, continuous = _usage_flags(body)
-
-        def chunk(choices: list) -> str:
-            obj = {"id": cid, "object": "chat.completion.chunk", "created": created,
-                   "model": self.model_name, "system_fingerprint": None, "choices": choices}
-            if continuous and final is not None:
-                obj["usage"] = self.usage([final])
-            return _sse(obj)
-        try:
-            async for _, out in fan:
-                final = out
-                choices = []
-                for c in out.outputs:
-                    i = c.index
-                    if i in done or (c.finish_reason is None and not c.token_ids):
-                        continue
-                    if i not in sent_text:  # the role chunk, sent when the first token is ready
-                        sent_text[i] = 0
-                        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                      "logprobs": None, "finish_reason": None}])
-                    new = c.text if c.finish_reason is not None else c.stream_text
-                    start = sent_text[i]
-                    delta = new[start:] if len(new) > start else ""
-                    if not delta and c.finish_reason is None:
-                        continue
-                    lp = None
-                    if body.logprobs:
-                        ntok = len(c.logprobs or [])
-                        lp = self.chat_logprobs((c.logprobs or [])[sent_tok.get(i, 0):ntok])
-                        sent_tok[i] = ntok
-                    sent_text[i] = max(start, len(new))
-                    choices.append({"index": i, "delta": {"content": delta} if delta else {}, "logprobs": lp,
-                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-                    if c.finish_reason is not None:
-                        done.add(i)
-                if choices:
-                    yield chunk(choices)
-            if include_usage and final is not None:
-                yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created,
-                            "model": self.model_name, "choices": [], "usage": self.usage([final])})
-        except Exception as e:
-            yield _sse(_engine_error(e).body())
-        finally:
-            await fan.close()
-        yield "data: [DONE]\n\n"
+        render = ChatRender(cid, now(), self.model_name, params.n, bool(body.logprobs), self.token_str)
+        return await self.respond(request, reqs, render, body)
 
     # ---- the rest -----------------------------------------------------------------------------
     def model_card(self) -> dict:
@@ -518,13 +365,6 @@ def create_app(engine: Engine, served_model_name: str | None = None, api_key: st
         if e.status >= 500:
             log.warning("%s %s -> %d: %s", request.method, request.url.path, e.status, e.message)
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, e: RequestValidationError):
-        errs = e.errors()
-        loc = [str(x) for x in (errs[0].get("loc", ()) if errs else ()) if x != "body"]
-        return JSONResponse(APIError(f"invalid request: {errs[0].get('msg') if errs else e}",
-                                     param=loc[0] if loc else None).body(), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
