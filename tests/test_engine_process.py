@@ -128,14 +128,20 @@ def test_stop_string_found_by_the_api_finishes_the_sequence_in_the_engine(client
     # but far before max_tokens
     assert snap.generation_tokens - before.generation_tokens <= len(got.token_ids) + 100
 
-    async def two():
-        return await _collect(client, "stop-n2", "hello world",
-                              SamplingParams(temperature=0.9, seed=3, n=2, max_tokens=60, ignore_eos=True,
-                                             stop=["e"]))
-    final = asyncio.run(two())[-1]
-    for c in final.outputs:
-        assert (c.finish_reason == "stop") == ("e" not in c.text and c.stop_reason == "e")
-        assert c.finish_reason == "stop" or len(c.token_ids) == 60
+    # n=2: a stop string that occurs in one choice's text only; that choice stops, the other runs on
+    n2 = dict(temperature=0.9, seed=3, n=2, max_tokens=60, ignore_eos=True)
+    free = asyncio.run(_collect(client, "n2-free", "hello world", SamplingParams(**n2)))[-1].outputs
+    texts = [c.text for c in free]
+    pick = next(((i, sub) for i in (0, 1) for k in range(1, len(texts[i]) - 1)
+                 if (sub := texts[i][k:k + 2]) not in texts[1 - i] and sub == sub.strip() and len(sub) == 2
+                 and texts[i].index(sub) > 0), None)
+    assert pick is not None, f"no stop string in one choice only: {texts!r}"
+    stopped, stop2 = pick
+    final = asyncio.run(_collect(client, "stop-n2", "hello world", SamplingParams(**n2, stop=[stop2])))[-1]
+    got_s, got_o = final.outputs[stopped], final.outputs[1 - stopped]
+    assert (got_s.finish_reason, got_s.stop_reason) == ("stop", stop2)
+    assert got_s.text == texts[stopped][:texts[stopped].index(stop2)]
+    assert (got_o.finish_reason, got_o.text) == ("length", texts[1 - stopped])
 
 
 def test_leaving_early_aborts_and_frees_blocks(client):

@@ -16,16 +16,20 @@ def test_short_name_resolves_from_local_store(tiny_model, tmp_path, monkeypatch)
     assert src.path == tmp_path / "tiny-llama" and src.gguf_file is None
 
 
-def test_embedded_default_and_gguf_path():
+def test_embedded_default_and_gguf_path(tmp_path, monkeypatch):
     default = resolve_model(None)
     assert default.gguf_file == EMBEDDED_GGUF
     by_path = resolve_model(str(default.path / default.gguf_file))
     assert (by_path.path, by_path.gguf_file) == (default.path, default.gguf_file)
-    by_name = resolve_model("smollm2-135m-instruct")  # the HF cache first, else the embedded GGUF
-    assert by_name.gguf_file == EMBEDDED_GGUF or (by_name.path / "config.json").exists()
+    # nothing in the HF cache: the short name must fall back to the embedded GGUF
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "empty-hf-cache"))
+    by_name = resolve_model("smollm2-135m-instruct")
+    assert (by_name.path, by_name.gguf_file) == (default.path, EMBEDDED_GGUF)
     folder = materialize(default).path
     assert (folder / "config.json").exists() and (folder / "model.safetensors").exists()
-    assert materialize(default).path == folder  # converted once, then reused
+    weights = folder / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    assert materialize(default).path == folder and weights.stat().st_mtime_ns == stamp  # converted once
 
 
 def _write_gguf(path, arch: str, tensors: dict, heads: int, kv_heads: int) -> None:
