@@ -1,37 +1,72 @@
-"""Engine configuration: one dataclass, validated once, passed down explicitly."""
+"""Engine and server configuration: dataclasses validated once (`__post_init__`), passed down
+explicitly. The command line is generated from their fields: help text, choices and flag spelling
+live in each field's metadata, so a setting is declared in exactly one place."""
 from __future__ import annotations
 
+import argparse
 import os
-from dataclasses import dataclass
+import typing
+from dataclasses import dataclass, field, fields
 
 import torch
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def opt(default, help: str, **cli) -> typing.Any:
+    """A field that is also a command-line flag. `cli` keys: choices, metavar, group, flag (spelling
+    other than --field-name; for a bool defaulting to True, a flag that turns it off), negatable
+    (--x/--no-x), mutex (name of a mutually exclusive set)."""
+    return field(default=default, metadata={"help": help, **cli})
 
 
 @dataclass
 class EngineConfig:
-    model: str | None = None          # None = embedded default (SmolLM2-135M-Instruct)
-    tokenizer: str | None = None      # defaults to the model's own
-    dtype: str = "auto"               # auto | float32 | bfloat16 | float16
-    device: str = "auto"              # auto | cpu | cuda
-    block_size: int = 0               # 0 = backend default
-    kv_cache_gb: float | None = None  # device KV budget; None = pick from free memory
-    gpu_memory_utilization: float = 0.9
-    num_kv_blocks: int | None = None  # exact device block count (tests); overrides kv_cache_gb
-    host_cache_gb: float = 0.0        # second tier; 0 = off
-    host_offload_watermark: int = 0   # device blocks kept reusable without KV loss; 0 = one step's worth
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # None = model's own, capped by KV capacity
-    enable_prefix_caching: bool = True
-    chat_template: str | None = None  # path to a Jinja file overriding the model's template
-    seed: int = 0
-    attention_backend: str = "auto"   # auto | flash | torch; auto = flash iff flash_attn imports and device is CUDA
-    flash_module: object | None = None  # Python API only: stand-in for the flash_attn module (tests: FlashReference)
-    enforce_eager: bool = False       # no CUDA graphs for decode steps
-    load_format: str = "auto"         # auto | dummy (random weights, as vLLM's --load-format dummy: benchmarks)
+    model: str | None = opt(None, "model to serve: a short name from the local registry (models/), an HF "
+                            "folder, a GGUF file, or a hub id; default: the embedded SmolLM2-135M-Instruct",
+                            group="model")
+    tokenizer: str | None = opt(None, "tokenizer to use instead of the model's own", group="model")
+    dtype: str = opt("auto", "weight and activation dtype; auto = bf16 on CUDA and on CPUs with fast bf16, "
+                     "else fp32 ($NANOSERVE_DTYPE overrides auto)", choices=DTYPES, group="model")
+    device: str = opt("auto", "where to run the model; auto = cuda if torch sees a GPU, else cpu",
+                      choices=("auto", "cpu", "cuda"), group="model")
+    attention_backend: str = opt("auto", "flash = flash-attn 2.8 paged kernels (fp16/bf16, block size a "
+                                 "multiple of 256); torch = portable backend; auto = flash when flash_attn "
+                                 "imports and the device is CUDA", choices=("auto", "flash", "torch"),
+                                 group="model")
+    enforce_eager: bool = opt(False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs",
+                              group="model")
+    max_model_len: int | None = opt(None, "context length (prompt + completion) in tokens; default: the "
+                                    "model's own, capped by the KV cache capacity", group="model")
+    chat_template: str | None = opt(None, "Jinja chat template file overriding the model's own",
+                                    metavar="FILE", group="model")
+    seed: int = opt(0, "global seed (per-request seeds override it)", group="model")
+    load_format: str = opt("auto", "auto = read the weights; dummy = random weights made on the device "
+                           "(benchmarks, as vLLM's --load-format dummy)", choices=("auto", "dummy"),
+                           group="model")
+    block_size: int = opt(0, "tokens per KV block; 0 = backend default (16 on CPU, 256 on CUDA); the flash "
+                          "backend needs a multiple of 256", group="KV cache")
+    kv_cache_gb: float | None = opt(None, "device KV cache budget in GiB (default: from free memory)",
+                                    group="KV cache", mutex="kv budget")
+    gpu_memory_utilization: float = opt(0.9, "CUDA: fraction of GPU memory the server may use (weights + "
+                                        "KV cache)", group="KV cache", mutex="kv budget")
+    num_kv_blocks: int | None = opt(None, "exact device KV block count (tests); overrides --kv-cache-gb",
+                                    group="KV cache")
+    host_cache_gb: float = opt(0.0, "second prefix-cache tier in host memory, in GiB; 0 = off",
+                               group="KV cache")
+    host_offload_watermark: int = opt(0, "device blocks kept reusable without losing cached KV (cold blocks "
+                                      "are copied to the host tier ahead of eviction to keep this many); "
+                                      "0 = one step's worth", metavar="BLOCKS", group="KV cache")
+    enable_prefix_caching: bool = opt(True, "disable prefix caching (every prompt is computed in full)",
+                                      flag="--no-prefix-caching", group="KV cache")
+    max_num_seqs: int = opt(128, "most sequences in one batch", group="scheduling")
+    max_num_batched_tokens: int = opt(2048, "token budget of one engine step (prefill chunks + decodes)",
+                                      group="scheduling")
+    # Python API only: a stand-in for the flash_attn module (tests: FlashReference)
+    flash_module: object | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
         if self.attention_backend not in ("auto", "flash", "torch"):
             raise ValueError(f"attention_backend must be auto|flash|torch, got {self.attention_backend!r}")
@@ -58,7 +93,7 @@ class EngineConfig:
         """An explicit dtype wins; `auto` honours $NANOSERVE_DTYPE (so a whole test suite or a
         deployment can force one), else picks by hardware."""
         dtype = self.dtype if self.dtype != "auto" else os.environ.get("NANOSERVE_DTYPE", "auto")
-        if dtype not in ("auto", "float32", "bfloat16", "float16"):
+        if dtype not in DTYPES:
             raise ValueError(f"$NANOSERVE_DTYPE must be auto|float32|bfloat16|float16, got {dtype!r}")
         if dtype != "auto":
             return getattr(torch, dtype)
@@ -74,3 +109,75 @@ def cpu_has_fast_bf16() -> bool:
     except OSError:
         return False
     return any(f in flags for f in (" avx512_bf16", " amx_bf16"))
+
+
+@dataclass
+class ServerConfig:
+    """The API process: HTTP, and where the engine core runs."""
+    host: str = opt("127.0.0.1", "address to listen on (0.0.0.0 for all interfaces)", group="HTTP")
+    port: int = opt(8000, "port to listen on", group="HTTP")
+    served_model_name: str | None = opt(None, "model name reported by /v1/models and accepted in requests "
+                                        "(default: the model's own name)", group="HTTP")
+    api_key: str | None = opt(None, "require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
+                              "(/health, /metrics and /version stay open); default: $NANOSERVE_API_KEY, or "
+                              "no key", group="HTTP")
+    max_queue: int | None = opt(None, "most requests allowed to wait for a batch slot; beyond it new requests "
+                                "get HTTP 503 with Retry-After (default: unbounded)", group="scheduling")
+    engine_process: bool = opt(True, "run the engine core (schedule -> forward -> sample) in its own process, "
+                               "talking to this API process over zmq; --no-engine-process runs it in a thread "
+                               "of this process", negatable=True, group="scheduling")
+    cpu_threads: int | None = opt(None, "engine compute threads on CPU; default: all cores but one when there "
+                                  "are >= 2. With --engine-process the API process is pinned to one core and "
+                                  "the engine to the others (unless N asks for every core: then they share "
+                                  "them)", metavar="N", group="scheduling")
+    shutdown_timeout: float = opt(30.0, "on SIGTERM/SIGINT: new requests get 503 and in-flight ones may "
+                                  "finish for this many seconds; what is still running then gets a 503 error "
+                                  "(JSON, or an SSE error event)", group="HTTP")
+    max_request_bytes: int = opt(16 << 20, "largest request body accepted; larger ones get HTTP 413",
+                                 group="HTTP")
+    log_level: str = opt("info", "log level of the server and the engine",
+                         choices=("debug", "info", "warning", "error"), group="HTTP")
+
+    def __post_init__(self) -> None:
+        if self.api_key is None:
+            self.api_key = os.environ.get("NANOSERVE_API_KEY") or None
+        if self.max_queue is not None and self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+
+
+def add_flags(parser: argparse.ArgumentParser, *classes: type) -> None:
+    """One flag per field of the config classes that carries help text, grouped as the fields say."""
+    groups: dict[str, typing.Any] = {}
+    for cls in classes:
+        _add_class_flags(parser, cls, groups)
+
+
+def _add_class_flags(parser: argparse.ArgumentParser, cls: type, groups: dict[str, typing.Any]) -> None:
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        meta = f.metadata
+        if "help" not in meta:
+            continue
+        title = meta.get("group", "options")
+        if title not in groups:
+            groups[title] = parser.add_argument_group(title)
+        group = groups[title]
+        if "mutex" in meta:
+            key = "mutex:" + meta["mutex"]
+            if key not in groups:
+                groups[key] = group.add_mutually_exclusive_group()
+            group = groups[key]
+        kw: dict[str, typing.Any] = {"dest": f.name, "help": meta["help"], "default": f.default}
+        typ = hints[f.name]
+        if typ is bool:
+            kw["action"] = (argparse.BooleanOptionalAction if meta.get("negatable")
+                            else "store_false" if f.default else "store_true")
+        else:
+            kw["type"] = next(t for t in typing.get_args(typ) or (typ,) if t is not type(None))
+            kw.update({k: meta[k] for k in ("choices", "metavar") if k in meta})
+        group.add_argument(meta.get("flag") or "--" + f.name.replace("_", "-"), **kw)
+
+
+def from_args(cls: type, args: argparse.Namespace):
+    """`cls` from the parsed flags (fields without a flag keep their defaults)."""
+    return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
