@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # torch 2.13.0 CPU is installed first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: serve test install install-test bench clean
+.PHONY: serve test test-fast install install-test bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -30,6 +30,10 @@ serve: install
 
 test: install-test
 	$(BIN)/python -m pytest -q
+
+# while developing: everything but the tests that start a server or an engine core
+test-fast: install-test
+	$(BIN)/python -m pytest -q -m "not server"
 
 bench: install
 	$(BIN)/python bench/offline_throughput.py

@@ -11,7 +11,7 @@ most 8 in flight, so decode steps run 8 sequences (fewer at the tail).
     and after the load): the mean is exact (sum / count), the median is read from the histogram's
     x1.25 buckets (linear inside a bucket, so within ~10%).
 "decode" steps are steps that could only be one token per running sequence (no prompt work
-pending: nanoserve.engine.async_engine.step_kind), the same rule offline and in the server.
+pending: nanoserve.engine.core.step_kind), the same rule offline and in the server.
 Both sides get the same compute threads (--cpu-threads, default: the server's default placement).
 All three are set up first, then loaded in turn (A B C A B C ...); medians over --repeats rounds
 (fresh prompts per run: a different seed, so no cross-run prefix hits)."""
@@ -83,7 +83,7 @@ class Offline:
         import torch
 
         from nanoserve import SamplingParams
-        from nanoserve.engine.async_engine import step_kind
+        from nanoserve.engine.core import step_kind
         eng = self.llm.engine
         params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
         for i, p in enumerate(serve_bench.make_prompts(args.num_prompts, args.input_len, 0, seed)):

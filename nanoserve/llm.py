@@ -7,7 +7,9 @@ from itertools import count
 from tqdm import tqdm
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.engine.llm_engine import LLMEngine, Request
+from nanoserve.engine.output_processor import OutputProcessor
+from nanoserve.engine.protocol import DeltaEncoder
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.chat import render_chat
@@ -42,7 +44,11 @@ class LLM:
         texts = [render_chat(self.engine, conv, add_generation_prompt) for conv in convs]
         return self.generate([{"prompt": t, "chat": True} for t in texts], params, use_tqdm)
 
-    def _run(self, reqs, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, reqs: list[Request], use_tqdm: bool) -> list[RequestOutput]:
+        """Step the engine until every request finished; outputs go through the same output processor
+        as the server's (text, stop strings), and a stop string found there finishes its choice."""
+        pending = {r.request_id: (DeltaEncoder(), OutputProcessor(self.tokenizer, r.prompt, r.prompt_token_ids,
+                                                                  r.params)) for r in reqs}
         for r in reqs:
             self.engine.add(r)
         done: dict[str, RequestOutput] = {}
@@ -50,9 +56,7 @@ class LLM:
         try:
             while len(done) < len(reqs):
                 for out in self.engine.step():
-                    if out.finished:
-                        done[out.request_id] = out
-                        bar.update(1)
+                    self._process(out, pending, done, bar)
         except BaseException:
             for r in reqs:  # leave the engine clean for the next call
                 if r.request_id not in done:
@@ -61,6 +65,18 @@ class LLM:
         finally:
             bar.close()
         return [done[r.request_id] for r in reqs]
+
+    def _process(self, out: RequestOutput, pending: dict, done: dict[str, RequestOutput], bar) -> None:
+        if out.request_id in done:
+            return
+        encoder, processor = pending[out.request_id]
+        res, stopped = processor.apply(encoder.delta(out))
+        for i in stopped:  # found here, not by the engine: tell it, so its blocks are freed
+            if (more := self.engine.finish(out.request_id, [i], res.outputs[i].stop_reason)) is not None:
+                res, _ = processor.apply(encoder.delta(more))
+        if res.finished:
+            done[out.request_id] = res
+            bar.update(1)
 
 
 def _as_list(prompts) -> list:

@@ -3,7 +3,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from nanoserve.sequence import TokenLogprob
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token_id, logprob), best first
 
 
 @dataclass
@@ -31,6 +37,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_device_cached_tokens: int = 0
     num_host_cached_tokens: int = 0
-    error: str | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # first entry None (nothing precedes it)
     metrics: dict[str, float] = field(default_factory=dict)  # arrival, first_token, finished (monotonic)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanoserve.outputs import TokenLogprob
 from nanoserve.sampling_params import SamplingParams
 
 
@@ -23,13 +24,6 @@ class SeqStatus(enum.Enum):
     LOADING = "loading"  # admitted, holding its blocks, waiting for its prefix to arrive from host
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # (token_id, logprob), best first
 
 
 @dataclass

@@ -22,6 +22,14 @@ TINY_CONFIGS = {
 }
 
 
+def pytest_collection_modifyitems(items) -> None:
+    """`server`: the test starts a real server or an engine core (seconds each); `make test-fast`
+    (pytest -m "not server") leaves them out while developing. CI runs everything."""
+    for item in items:
+        if any(hasattr(item.module, name) for name in ("ServerProcess", "EngineClient")):
+            item.add_marker(pytest.mark.server)
+
+
 @pytest.fixture(scope="session")
 def embedded_dir() -> Path:
     """The embedded model as an HF folder (converted from its GGUF once, then cached)."""

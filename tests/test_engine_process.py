@@ -1,4 +1,4 @@
-"""The engine core in its own process (EngineClient <-> core_process over zmq), on a tiny random
+"""The engine core in its own process (EngineClient <-> engine/core.py over zmq ipc://), on a tiny random
 Llama: outputs identical to the in-process engine (greedy, seeded sampling with n=2, logprobs, stop
 strings), aborts free blocks, fail_all, metrics across the boundary; an engine process killed mid-
 request fails its requests with a 5xx and stops the server with a non-zero code; no engine process
@@ -21,9 +21,9 @@ import pytest
 
 from conftest import make_tiny_model
 from nanoserve.config import EngineConfig
-from nanoserve.engine.async_engine import EngineDead, EngineError
 from nanoserve.engine.client import EngineClient
 from nanoserve.engine.placement import plan_placement
+from nanoserve.engine.protocol import EngineDead, EngineError
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.metrics import ServerMetrics
@@ -179,11 +179,11 @@ def test_fail_all_fails_in_flight_requests_with_engine_dead(client):
 def test_request_the_engine_refuses_gets_an_answer(client):
     """A request the API did not validate (here: out-of-vocabulary ids) is refused by the engine
     process with InvalidRequest, promptly, even when the engine is idle."""
-    from nanoserve.engine.frontend import PromptRequest
+    from nanoserve.engine.protocol import PromptRequest
     from nanoserve.sampling_params import InvalidRequest
 
     async def run():
-        bad = PromptRequest("bad", None, [client.frontend.vocab_size + 5], SamplingParams(max_tokens=2))
+        bad = PromptRequest("bad", None, [client.frontend.vocab_size + 5], SamplingParams(max_tokens=2), 2)
         with pytest.raises(InvalidRequest, match="out of vocabulary"):
             await asyncio.wait_for(_drain(client.generate(bad)), 30)
     asyncio.run(run())

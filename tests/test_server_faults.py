@@ -1,7 +1,9 @@
-"""AsyncEngine and the app under faults, in process, on a tiny random Llama (fast to load):
-an exception inside step() fails the affected requests with an error (HTTP 500 / an SSE error event
-followed by [DONE]) and the engine thread keeps serving; aborts free blocks; an idle engine thread
-does not spin. The fault is injected by wrapping the real LLMEngine.step."""
+"""The engine client and the app under faults, on a tiny random Llama (fast to load): an exception
+inside step() fails the affected requests with an error (HTTP 500 / an SSE error event followed by
+[DONE]) and the engine core keeps serving; aborts free blocks; an idle engine core does not spin.
+The core runs in a thread here (`in_process=True`: the same loop, zmq messages and output processing
+as in its own process, over inproc://), so the fault can be injected by wrapping the real
+LLMEngine.step."""
 from __future__ import annotations
 
 import asyncio
@@ -14,8 +16,9 @@ import pytest
 
 from conftest import make_tiny_model
 from nanoserve.config import EngineConfig
-from nanoserve.engine.async_engine import AsyncEngine, EngineError
+from nanoserve.engine.client import EngineClient
 from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.engine.protocol import EngineError
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.app import create_app
 from nanoserve.server.metrics import ServerMetrics
@@ -41,17 +44,23 @@ class Flaky:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, embedded_dir):
     path = make_tiny_model(tmp_path_factory.mktemp("tiny-server"), "llama-gqa-tied", embedded_dir)
-    engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=64, block_size=16))
-    flaky = Flaky(engine)
-    aengine = AsyncEngine(engine, ServerMetrics("tiny"))
-    app = create_app(aengine, "tiny")
+    made: list[LLMEngine] = []
+
+    def make_engine(config: EngineConfig) -> LLMEngine:
+        made.append(LLMEngine(config))
+        return made[-1]
+    aengine = EngineClient(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=64, block_size=16),
+                           ServerMetrics("tiny"), in_process=True, make_engine=make_engine)
     aengine.start()
+    engine = made[0]
+    flaky = Flaky(engine)
+    app = create_app(aengine, "tiny")
     yield engine, aengine, flaky, app
     aengine.stop()
 
 
 async def _collect(aengine, engine, rid, prompt="hello world", **kw):
-    req = engine.make_request(rid, prompt, SamplingParams(temperature=0, ignore_eos=True, **kw))
+    req = aengine.frontend.make_request(rid, prompt, SamplingParams(temperature=0, ignore_eos=True, **kw))
     outs = []
     async for out in aengine.generate(req):
         outs.append(out)
@@ -83,7 +92,7 @@ def test_leaving_early_aborts_and_frees_blocks(setup):
     flaky.arm()
 
     async def run():
-        req = engine.make_request("early", "a b c d e f g h i j k l m n o p q r s", SamplingParams(
+        req = aengine.frontend.make_request("early", "a b c d e f g h i j k l m n o p q r s", SamplingParams(
             max_tokens=40, ignore_eos=True))
         gen = aengine.generate(req)
         first = await gen.__anext__()
@@ -100,9 +109,9 @@ def test_leaving_early_aborts_and_frees_blocks(setup):
     engine.check_invariants()
 
 
-def test_idle_engine_thread_does_not_spin(setup):
+def test_idle_engine_core_does_not_spin(setup):
     _, aengine, _, _ = setup
-    tid = aengine._thread.native_id
+    tid = aengine._core_thread.native_id
 
     def cpu() -> float:
         with open(f"/proc/self/task/{tid}/stat") as f:

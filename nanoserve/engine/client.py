@@ -1,14 +1,14 @@
-"""EngineClient: the API process's handle on the engine-core process, with AsyncEngine's interface
-(generate / abort / fail_all / snapshot / alive / num_waiting / num_running / start / stop), so the
-HTTP layer does not care where the engine runs.
+"""EngineClient: the API side's one handle on the engine core (core.py), whether the core runs in its
+own process (`ipc://`, the default) or in a thread of this process (`inproc://`): same messages, same
+output processing, so the HTTP layer and the tests see one request path.
 
-One thread receives the engine's batches, turns their token ids into text and matches stop strings
-(output_processor.py: the engine process never detokenizes), and fans the outputs out to
-per-request asyncio queues (the event loop never blocks on zmq); sends are serialized by a lock because the DrainingServer's timer
-and shutdown call in from other threads. The same thread watches the engine process: if it exits
-without being asked to, every request in flight fails with EngineError (HTTP 500 / an SSE error
-event), `alive` turns False (/health 503, new requests 503) and `on_dead` is called (the CLI then
-shuts the server down with a non-zero exit code for a supervisor to restart it)."""
+One receiver thread takes the core's batches, turns token ids into text and matches stop strings
+(output_processor.py), observes the latency metrics as outputs arrive, and fans the outputs out to
+per-request asyncio queues (the event loop never blocks on zmq). Sends are serialized by a lock
+because the DrainingServer's timer and shutdown call in from other threads. The same thread watches
+the core: if it exits without being asked to, every request in flight fails with EngineError (HTTP
+500 / an SSE error event), `alive` turns False (/health 503, new requests 503) and `on_dead` is called
+(the CLI then stops the server with a non-zero exit code for a supervisor to restart it)."""
 from __future__ import annotations
 
 import asyncio
@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,21 +31,36 @@ from typing import Any
 import zmq
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine import wire
-from nanoserve.engine.async_engine import EngineDead, EngineError, EngineSnapshot, MetricsObserver, stream_outputs
-from nanoserve.engine.frontend import Frontend, ModelInfo, PromptRequest
 from nanoserve.engine.output_processor import OutputProcessor
-from nanoserve.engine.placement import CpuPlacement
+from nanoserve.engine.placement import CpuPlacement, apply_engine_placement
+from nanoserve.engine.protocol import (Abort, Add, Batch, EngineDead, EngineError, EngineSnapshot,
+                                       EngineStartError, FailAll, Finish, MetricsObserver, ModelInfo,
+                                       PromptRequest, Ready, SnapshotAsk, Stop, decode_from_engine, encode,
+                                       make_prompt_request)
 from nanoserve.outputs import RequestOutput
-from nanoserve.sampling_params import InvalidRequest
+from nanoserve.sampling_params import SamplingParams
 
 log = logging.getLogger("nanoserve.client")
 
-POLL_MS = 100  # how quickly a dead engine process is noticed
+POLL_MS = 100  # how quickly a dead engine core is noticed
 
 
-class EngineStartError(RuntimeError):
-    """The engine process could not load the model (the message says why)."""
+class Frontend:
+    """What the HTTP layer needs of the model: tokenizer, config and metadata, never the weights."""
+
+    def __init__(self, config: EngineConfig, tokenizer: Any, info: ModelInfo) -> None:
+        self.config, self.tokenizer, self.info = config, tokenizer, info
+        self.model_name = info.model_name
+        self.vocab_size = info.vocab_size
+        self.max_model_len = info.max_model_len
+        self.max_token_chars = info.max_token_chars
+
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+
+    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                     add_special_tokens: bool = True) -> PromptRequest:
+        return make_prompt_request(self.info, self.tokenize, request_id, prompt, params, add_special_tokens)
 
 
 @dataclass
@@ -52,23 +68,33 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     q: asyncio.Queue
     processor: OutputProcessor
+    arrival: float
+    last_token: float | None = None
+    num_tokens: int = 0
 
 
 class EngineClient:
     def __init__(self, config: EngineConfig, observer: MetricsObserver | None = None,
                  placement: CpuPlacement | None = None, log_level: str = "info",
-                 on_dead: Callable[[str], None] | None = None) -> None:
-        if config.flash_module is not None:
-            raise ValueError("flash_module (a Python object) cannot be sent to the engine process; "
-                             "run the engine in-process")
+                 on_dead: Callable[[str], None] | None = None, in_process: bool = False,
+                 make_engine: Callable[[EngineConfig], object] | None = None) -> None:
+        """`in_process`: the core runs in a thread of this process (`make_engine` builds its
+        LLMEngine there; tests wrap it), else in its own process."""
+        if not in_process and (config.flash_module is not None or make_engine is not None):
+            raise ValueError("flash_module and make_engine (Python objects) cannot be sent to the engine "
+                             "process; use in_process=True")
         self.config = config
         self.observer = observer or MetricsObserver()
         self.placement = placement or CpuPlacement()
         self.log_level = log_level
         self.on_dead = on_dead
+        self.in_process = in_process
+        self.make_engine = make_engine
         self.frontend: Frontend | None = None
         self.proc: subprocess.Popen | None = None
-        self.exit_reason: str | None = None         # set when the engine process died unasked
+        self.exit_reason: str | None = None         # set when the engine core died unasked
+        self._core_thread: threading.Thread | None = None
+        self._core_exit: int | None = None            # in-process core: its return code once it ended
         self._lock = threading.Lock()               # guards the input socket and the fields below
         self._streams: dict[str, _Stream] = {}
         self._snap_waiters: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
@@ -78,31 +104,32 @@ class EngineClient:
         self._snapshot = EngineSnapshot()
         self._stopping = False
         self._dead = False
-        self._closed = False                        # sockets closed, process reaped
+        self._closed = False                        # sockets closed, core ended
         self._thread: threading.Thread | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the engine process and wait until its model is loaded (the handshake brings the
-        model metadata; the tokenizer is then read here). Raises EngineStartError. Call it from a
-        thread that lives as long as the engine should: the engine is killed when it exits
-        (PR_SET_PDEATHSIG follows the thread that started it)."""
-        if self.proc is not None:
+        """Start the engine core and wait until its model is loaded (the handshake brings the model
+        metadata; the tokenizer is then read here). Raises EngineStartError. With a process, call it
+        from a thread that lives as long as the engine should: the process is killed when that
+        thread exits (PR_SET_PDEATHSIG follows the thread that started it)."""
+        if self._started():
             return
-        self._dir = tempfile.mkdtemp(prefix="nanoserve-ipc-")
         self._ctx = zmq.Context()
         self._in, self._out = self._ctx.socket(zmq.PUSH), self._ctx.socket(zmq.PULL)
         for s in (self._in, self._out):
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.SNDHWM, 0)
             s.setsockopt(zmq.RCVHWM, 0)
-        self._in.bind(f"ipc://{self._dir}/input")
-        self._out.bind(f"ipc://{self._dir}/output")
-        spec = {"config": dataclasses.asdict(self.config), "input": f"ipc://{self._dir}/input",
-                "output": f"ipc://{self._dir}/output", "parent_pid": os.getpid(), "log_level": self.log_level,
-                "placement": dataclasses.asdict(self.placement)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "nanoserve.engine.core_process", json.dumps(spec)])
-        log.info("engine process started (pid %d)", self.proc.pid)
+        if self.in_process:
+            self._dir = None
+            addrs = (f"inproc://engine-input-{id(self)}", f"inproc://engine-output-{id(self)}")
+        else:
+            self._dir = tempfile.mkdtemp(prefix="nanoserve-ipc-")
+            addrs = (f"ipc://{self._dir}/input", f"ipc://{self._dir}/output")
+        self._in.bind(addrs[0])
+        self._out.bind(addrs[1])
+        self._start_core(*addrs)
         try:
             info = self._handshake()
             from nanoserve.models.loader import ModelSource, load_tokenizer
@@ -114,35 +141,68 @@ class EngineClient:
         self._thread = threading.Thread(target=self._receive, name="nanoserve-engine-client", daemon=True)
         self._thread.start()
 
+    def _started(self) -> bool:
+        return self.proc is not None or self._core_thread is not None
+
+    def _start_core(self, input_addr: str, output_addr: str) -> None:
+        if self.in_process:
+            from nanoserve.engine.core import serve
+            apply_engine_placement(self.placement)
+
+            def run() -> None:
+                try:
+                    self._core_exit = serve(self.config, self._ctx, input_addr, output_addr, None, self.make_engine)
+                except BaseException:
+                    self._core_exit = 1
+                    raise
+
+            self._core_thread = threading.Thread(target=run, name="nanoserve-engine-core", daemon=True)
+            self._core_thread.start()
+            log.info("engine core started in a thread of this process")
+            return
+        spec = {"config": dataclasses.asdict(self.config), "input": input_addr, "output": output_addr,
+                "parent_pid": os.getpid(), "log_level": self.log_level,
+                "placement": dataclasses.asdict(self.placement)}
+        self.proc = subprocess.Popen([sys.executable, "-m", "nanoserve.engine.core", json.dumps(spec)])
+        log.info("engine process started (pid %d)", self.proc.pid)
+
+    def _core_exit_code(self) -> int | None:
+        if self.proc is not None:
+            return self.proc.poll()
+        if self._core_thread is not None and not self._core_thread.is_alive():
+            return self._core_exit if self._core_exit is not None else 1
+        return None
+
     def _handshake(self) -> ModelInfo:
         while True:
             if self._out.poll(POLL_MS):
-                msg = wire.unpack(self._out.recv())
-                if msg[0] == "ready":
-                    d = msg[1]
-                    return ModelInfo(**dict(d, eos_token_ids=tuple(d["eos_token_ids"])))
-                raise EngineStartError(msg[1])
-            if self.proc.poll() is not None:
-                raise EngineStartError(f"the engine process exited with code {self.proc.returncode} "
-                                       "while loading the model")
+                msg = decode_from_engine(self._out.recv())
+                if isinstance(msg, Ready):
+                    return msg.info
+                raise EngineStartError(msg.message)
+            if (code := self._core_exit_code()) is not None:
+                raise EngineStartError(f"the engine core exited with code {code} while loading the model")
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Abort everything still in flight and stop the engine process (idempotent)."""
-        if self.proc is None or self._closed:
+        """Abort everything still in flight and stop the engine core (idempotent)."""
+        if not self._started() or self._closed:
             return
         with self._lock:
             self._stopping = True
             if not self._dead:
-                self._send(["stop"])
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            log.warning("the engine process did not stop in %.0fs; killing it", timeout)
+                self._send(Stop())
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("the engine process did not stop in %.0fs; killing it", timeout)
+        else:
+            self._core_thread.join(timeout)
         self._kill()
 
     def _kill(self) -> None:
         self._closed = True
-        if self.proc.poll() is None:
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
         if self._thread is not None and self._thread is not threading.current_thread():
@@ -150,21 +210,26 @@ class EngineClient:
         with self._lock:  # no send can race the close
             self._in.close()
         self._out.close()
-        self._ctx.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._core_thread is not None:
+            self._core_thread.join(10)
+        if self._core_thread is None or not self._core_thread.is_alive():
+            self._ctx.term()  # (an in-process core that would not stop keeps the context: term() would hang)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
     @property
     def alive(self) -> bool:
-        return self.proc is not None and self.frontend is not None and not self._dead and not self._stopping
+        return self._started() and self.frontend is not None and not self._dead and not self._stopping
 
     @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
+    def pid(self) -> int:
+        """The engine core's process (this process when it runs in a thread)."""
+        return self.proc.pid if self.proc is not None else os.getpid()
 
     # ---- asyncio side ----------------------------------------------------------------------
     @property
     def num_waiting(self) -> int:
-        """Requests not yet running: sent but not yet seen by the engine, plus waiting in its scheduler."""
+        """Requests not yet running: sent but not yet seen by the core, plus waiting in its scheduler."""
         return max(0, self._adds_sent - self._adds_seen) + self._num_waiting
 
     @property
@@ -180,26 +245,35 @@ class EngineClient:
         with self._lock:  # either the receiver will see this request end, or we refuse it here
             if not self.alive:
                 raise EngineDead("the engine is not running")
-            self._streams[req.request_id] = _Stream(loop, q, processor)
+            self._streams[req.request_id] = _Stream(loop, q, processor, req.arrival_time)
             self._adds_sent += 1
-            self._send(["add", req.request_id, req.prompt_token_ids, wire.params_to_wire(req.params),
-                        req.arrival_time])
-        async for out in stream_outputs(q, lambda: self.abort(req.request_id)):
-            yield out
+            self._send(Add(req))
+        finished = False
+        try:
+            while not finished:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(req.request_id)
 
     def abort(self, request_id: str) -> None:
         with self._lock:
             if self._streams.pop(request_id, None) is not None and not self._dead:
-                self._send(["abort", request_id])
+                self._send(Abort(request_id))
 
     def fail_all(self, reason: str) -> None:
         """Abort every request in flight or queued; each gets EngineDead(reason) (shutdown timeout)."""
         with self._lock:
             if not self._dead:
-                self._send(["fail_all", reason])
+                self._send(FailAll(reason))
 
     async def snapshot(self, timeout: float = 5.0) -> EngineSnapshot:
-        """A fresh snapshot from the engine process (within one step); the last one if it is busy."""
+        """A fresh snapshot from the engine core (within one step); the last one if it is busy."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         with self._lock:
@@ -207,7 +281,7 @@ class EngineClient:
                 return self._snapshot
             token = next(self._tokens)
             self._snap_waiters[token] = (loop, fut)
-            self._send(["snapshot", token])
+            self._send(SnapshotAsk(token))
         try:
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
@@ -216,26 +290,26 @@ class EngineClient:
             with self._lock:
                 self._snap_waiters.pop(token, None)
 
-    def _send(self, msg: list) -> None:
+    def _send(self, msg) -> None:
         """Callers hold self._lock (zmq sockets are not thread-safe). Never blocks: a PUSH socket
         with no peer (the engine process just died) would block forever; what is not delivered
-        then is failed by the receiver thread when it sees the process gone."""
+        then is failed by the receiver thread when it sees the core gone."""
         if self._closed:
             return
         try:
-            self._in.send(wire.pack(msg), zmq.NOBLOCK)
+            self._in.send(encode(msg), zmq.NOBLOCK)
         except zmq.Again:
-            log.warning("the engine process is not reachable; %r not delivered", msg[0])
+            log.warning("the engine core is not reachable; %s not delivered", type(msg).__name__)
 
     # ---- receiver thread -------------------------------------------------------------------
     def _receive(self) -> None:
         while True:
             if self._out.poll(POLL_MS):
                 self._receive_pending()
-            code = self.proc.poll()
+            code = self._core_exit_code()
             if code is not None:
                 self._receive_pending()  # what it sent before exiting still counts
-                self._engine_exited(code)
+                self._core_exited(code)
                 return
 
     def _receive_pending(self) -> None:
@@ -245,29 +319,31 @@ class EngineClient:
             except zmq.Again:
                 return
             try:
-                self._handle(wire.unpack(data))
+                msg = decode_from_engine(data)
+                if isinstance(msg, Batch):
+                    self._handle(msg)
             except Exception:
-                log.exception("bad message from the engine process")
+                log.exception("bad message from the engine core")
 
-    def _handle(self, msg: list) -> None:
-        if msg[0] != "batch":
-            return
-        _, outputs, errors, records, snapshots, adds_seen, running, waiting = msg
+    def _handle(self, batch: Batch) -> None:
         with self._lock:
-            self._adds_seen, self._num_running, self._num_waiting = adds_seen, running, waiting
-            work = [(self._streams.get(d[0]), d) for d in outputs]
+            self._adds_seen, self._num_running, self._num_waiting = (batch.adds_seen, batch.num_running,
+                                                                     batch.num_waiting)
+            work = [(self._streams.get(d.request_id), d) for d in batch.outputs]
         # Detokenizing runs outside the lock, so generate() and abort() on the event loop never wait
         # for it; only this thread touches a stream's processor.
+        now = time.monotonic()
         done: list[str] = []
-        stops: list[list] = []
+        stops: list[Finish] = []
         for st, d in work:
             if st is None:  # aborted here already, or finished by a stop string
                 continue
             out, stopped = st.processor.apply(d)
-            if not d[1]:  # the engine still runs the stopped choices: free their KV now
-                stops += [["finish", d[0], [i], out.outputs[i].stop_reason] for i in stopped]
+            if not d.finished:  # the engine still runs the stopped choices: free their KV now
+                stops += [Finish(d.request_id, [i], out.outputs[i].stop_reason) for i in stopped]
+            self._observe(st, out, now)
             if out.finished:
-                done.append(d[0])
+                done.append(d.request_id)
             st.loop.call_soon_threadsafe(st.q.put_nowait, out)
         with self._lock:
             for rid in done:
@@ -275,41 +351,45 @@ class EngineClient:
             if not self._dead:
                 for m in stops:
                     self._send(m)
-            for rid, kind, message, param, code in errors:
-                st = self._streams.pop(rid, None)
+            for e in batch.errors:
+                st = self._streams.pop(e.request_id, None)
                 if st is not None:
-                    err = (EngineDead(message) if kind == "dead" else InvalidRequest(message, param, code)
-                           if kind == "invalid" else EngineError(message))
-                    st.loop.call_soon_threadsafe(st.q.put_nowait, err)
-            for token, snap in snapshots:
-                self._snapshot = wire.snapshot_from_wire(snap)
-                waiter = self._snap_waiters.pop(token, None)
+                    st.loop.call_soon_threadsafe(st.q.put_nowait, e.exception())
+            for reply in batch.snapshots:
+                self._snapshot = reply.snapshot
+                waiter = self._snap_waiters.pop(reply.token, None)
                 if waiter is not None:
                     waiter[0].call_soon_threadsafe(_set_result, waiter[1], self._snapshot)
-        self._replay(records)
-
-    def _replay(self, records: list) -> None:
-        obs = self.observer
         try:
-            for r in records:
-                if r[0] == "ttft":
-                    obs.on_first_token(r[1])
-                elif r[0] == "itl":
-                    obs.on_inter_token(r[1])
-                elif r[0] == "step":
-                    obs.on_step(r[1], r[2])
-                elif r[0] == "e2e":  # the engine's own end of the request, whoever finished it
-                    obs.on_finished(r[2], None)
+            for s in batch.steps:
+                self.observer.on_step(s.kind, s.seconds)
         except Exception:
             log.exception("metrics observer failed")
 
-    def _engine_exited(self, code: int) -> None:
+    def _observe(self, st: _Stream, out: RequestOutput, now: float) -> None:
+        """Latency metrics as the client sees them: from arrival at the API to outputs leaving it."""
+        obs = self.observer
+        try:
+            ntok = sum(len(c.token_ids) for c in out.outputs)
+            if ntok > st.num_tokens:
+                if st.last_token is None:
+                    obs.on_first_token(now - st.arrival)
+                else:
+                    obs.on_inter_token(now - st.last_token)
+                st.last_token, st.num_tokens = now, ntok
+            if out.finished:
+                obs.on_finished(now - st.arrival)
+        except Exception:
+            log.exception("metrics observer failed")
+
+    def _core_exited(self, code: int) -> None:
         with self._lock:
             self._dead = True
             if self._stopping:
                 err: Exception = EngineDead("the server is shutting down")
             else:
-                self.exit_reason = f"the engine process died unexpectedly (exit code {code})"
+                where = "engine process" if self.proc is not None else "engine core thread"
+                self.exit_reason = f"the {where} died unexpectedly (exit code {code})"
                 err = EngineError(f"{self.exit_reason}; this request was lost")
             streams, self._streams = self._streams, {}
             waiters, self._snap_waiters = self._snap_waiters, {}

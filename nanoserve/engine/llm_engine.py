@@ -1,8 +1,9 @@
-"""LLMEngine: schedule -> run model -> sample -> postprocess, one step at a time.
+"""LLMEngine: schedule -> run model -> sample -> postprocess, one step at a time, on token ids (text
+is the output processor's job, on the API side).
 
-Not thread-safe by itself: AsyncEngine (engine/async_engine.py) drives it from one thread.
-`make_request` only reads immutable state and may be called from any thread, so request
-validation errors reach the caller before anything is queued."""
+Not thread-safe by itself: the engine core (engine/core.py) or the offline LLM drives it from one
+thread. `make_request` only reads immutable state, so request validation errors reach the caller
+before anything is queued."""
 from __future__ import annotations
 
 import logging
@@ -13,8 +14,7 @@ from itertools import count
 import torch
 
 from nanoserve.config import EngineConfig
-from nanoserve.detokenizer import Detokenizer
-from nanoserve.engine.frontend import check_prompt, model_info
+from nanoserve.engine.protocol import ModelInfo, PromptRequest, check_prompt_request, make_prompt_request
 from nanoserve.kvcache.host_tier import HostTier, host_memory_available
 from nanoserve.kvcache.manager import KVCacheManager
 from nanoserve.layers import cpu_kernels
@@ -40,7 +40,6 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence]
-    detoks: list[Detokenizer]          # empty when the engine does not detokenize (engine-core process)
     arrival_time: float = field(default_factory=time.monotonic)
 
 
@@ -54,11 +53,8 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, detokenize: bool = True) -> None:
-        """`detokenize=False` (the engine-core process): outputs carry token ids only, with no text,
-        and stop strings are left to whoever detokenizes (engine/output_processor.py)."""
+    def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.detokenize = detokenize
         t0 = time.monotonic()
         self.source = materialize(resolve_model(config.model))
         self.hf_config = load_config(self.source)
@@ -94,9 +90,13 @@ class LLMEngine:
         self.max_token_chars = max((len(t or "") for t in self.tokenizer.convert_ids_to_tokens(
             list(range(len(self.tokenizer))))), default=1) or 1
         self.requests: dict[str, Request] = {}
+        # which requests a failure inside the current step concerns; None until scheduling has decided
+        self.step_request_ids: set[str] | None = None
         self.stats = EngineStats()
         self._seq_ids = count()
         self.model_name = self.source.name
+        self.info = ModelInfo(self.model_name, str(self.source.path), self.model.vocab_size, self.max_model_len,
+                              self.max_token_chars, tuple(sorted(self.eos_token_ids)))
         log.info("model %s loaded in %.1fs (%s, %s)", self.model_name, time.monotonic() - t0,
                  self.device, str(self.dtype).removeprefix("torch."))
         log.info("KV cache: device %d blocks x %d tokens = %d tokens, %.2f GiB; %s; max_model_len %d",
@@ -176,16 +176,21 @@ class LLMEngine:
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                      add_special_tokens: bool = True) -> Request:
         """Validate and tokenize; raises InvalidRequest naming the bad field."""
-        text, ids, max_tokens = check_prompt(model_info(self), self.tokenize, prompt, params, add_special_tokens)
+        return self.request_from(make_prompt_request(self.info, self.tokenize, request_id, prompt, params,
+                                                     add_special_tokens))
+
+    def request_from(self, preq: PromptRequest) -> Request:
+        """The engine's request (one sequence per choice) for a validated one (checked again here:
+        the engine trusts no sender)."""
+        check_prompt_request(self.info, preq)
+        params, ids = preq.params, preq.prompt_token_ids
         seqs = []
         for i in range(params.n):
             gen = (torch.Generator(device=self.device).manual_seed((params.seed + i) & 0xFFFF_FFFF_FFFF_FFFF)
                    if params.seed is not None else None)
-            seqs.append(Sequence(next(self._seq_ids), request_id, i, ids, params, max_tokens,
+            seqs.append(Sequence(next(self._seq_ids), preq.request_id, i, ids, params, preq.max_tokens,
                                  self.eos_token_ids, generator=gen, parent=seqs[0] if seqs else None))
-        detoks = [Detokenizer(self.tokenizer, len(ids), params.stop, params.include_stop_str_in_output)
-                  for _ in seqs] if self.detokenize else []
-        return Request(request_id, text, ids, params, seqs, detoks)
+        return Request(preq.request_id, preq.prompt, ids, params, seqs, preq.arrival_time)
 
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -208,7 +213,7 @@ class LLMEngine:
         return self._output(req)
 
     def finish(self, request_id: str, indices: list[int], stop_reason: str) -> RequestOutput | None:
-        """Finish these choices with reason "stop" (their stop string was found by the API process)."""
+        """Finish these choices with reason "stop" (the output processor found their stop string)."""
         req = self.requests.get(request_id)
         if req is None:
             return None
@@ -223,8 +228,7 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        # which requests a failure inside this step concerns; None until scheduling has decided
-        self.step_request_ids: set[str] | None = None
+        self.step_request_ids = None
         self.kv.offload_cold_blocks()
         sched = self.scheduler.schedule()
         self.step_request_ids = {s.seq.request_id for s in sched.scheduled}
@@ -260,12 +264,7 @@ class LLMEngine:
         if lp is not None:
             seq.output_logprobs.append(lp)
         p = seq.params
-        stop_str = req.detoks[seq.index].step(seq.token_ids, check_stop=seq.num_output_tokens >= p.min_tokens) \
-            if req.detoks else None
-        if stop_str is not None:
-            seq.stop_reason = stop_str
-            self._finish(seq, "stop")
-        elif tok in p.stop_token_ids:
+        if tok in p.stop_token_ids:
             seq.stop_reason = tok
             self._finish(seq, "stop")
         elif tok in seq.eos_token_ids and not p.ignore_eos:
@@ -280,17 +279,9 @@ class LLMEngine:
 
     def _output(self, req: Request) -> RequestOutput:
         finished = all(s.is_finished for s in req.seqs)
-        outs = []
-        for seq in req.seqs:
-            text = stream_text = ""
-            if req.detoks:
-                det = req.detoks[seq.index]
-                if seq.is_finished and not isinstance(seq.stop_reason, str):
-                    det.flush(seq.token_ids)
-                text, stream_text = det.text, det.stream_text(seq.is_finished)
-            outs.append(CompletionOutput(
-                seq.index, text, seq.output_token_ids, seq.finish_reason, seq.stop_reason,
-                seq.output_logprobs if seq.params.logprobs is not None else None, stream_text))
+        outs = [CompletionOutput(seq.index, "", seq.output_token_ids, seq.finish_reason, seq.stop_reason,
+                                 seq.output_logprobs if seq.params.logprobs is not None else None)
+                for seq in req.seqs]
         if finished:
             del self.requests[req.request_id]
         first = req.seqs[0]
@@ -303,6 +294,10 @@ class LLMEngine:
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
+
+    def close(self) -> None:
+        """Shutdown: end the KV copies in flight before the host pool is released."""
+        self.kv.drain_transfers()
 
 
 def _available_memory() -> int:

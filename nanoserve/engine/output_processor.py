@@ -1,6 +1,6 @@
-"""API-side output processing for the engine-core process, as vLLM V1's output processor does it:
-rebuild each request's cumulative RequestOutput from the engine's token-id deltas, detokenize, and
-match stop strings. The engine process never touches text.
+"""Output processing on the API side, as vLLM V1's output processor does it: rebuild each request's
+cumulative RequestOutput from the engine's token-id deltas, detokenize, and match stop strings. The
+engine never touches text; the server (through EngineClient) and the offline LLM both come here.
 
 A choice whose stop string matches is finished here at once; tokens the engine made after it (it
 learns of the stop one step later) are dropped, and the caller sends the engine "finish" for it so
@@ -11,10 +11,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from nanoserve.detokenizer import Detokenizer
-from nanoserve.engine.wire import lps_from_wire
-from nanoserve.outputs import CompletionOutput, RequestOutput
+from nanoserve.engine.protocol import OutputDelta
+from nanoserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.sequence import TokenLogprob
 
 PROMPT_CONTEXT = 5  # prompt tokens the detokenizer re-reads for word-boundary spaces (its prefix_offset)
 
@@ -44,31 +43,31 @@ class OutputProcessor:
             ch = self.choices[index] = _Choice(out, det, list(self.context))
         return ch
 
-    def apply(self, delta: list) -> tuple[RequestOutput, list[int]]:
-        """Apply one engine delta (wire.output_delta). Returns the cumulative output and the
-        choices whose stop string matched just now (the engine still runs them)."""
-        rid, _, cached, dev, host, prompt_lps, metrics, choices = delta
-        if prompt_lps is not None:
-            self.prompt_logprobs = lps_from_wire(prompt_lps)
+    def apply(self, delta: OutputDelta) -> tuple[RequestOutput, list[int]]:
+        """Apply one engine delta. Returns the cumulative output and the choices whose stop string
+        matched just now (the engine still runs them)."""
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         stopped = []
-        for index, ids, lps, finish, stop_reason in choices:
-            ch = self._choice(index)
+        for c in delta.choices:
+            ch = self._choice(c.index)
             if ch.done:
                 continue
-            new_lps = lps_from_wire(lps) if lps is not None and ch.out.logprobs is not None else None
-            if self._extend(ch, ids, new_lps):
-                stopped.append(index)
-            elif finish is not None:
+            new_lps = c.logprobs if ch.out.logprobs is not None else None
+            if self._extend(ch, c.token_ids, new_lps):
+                stopped.append(c.index)
+            elif c.finish_reason is not None:
                 ch.detok.flush(ch.ids)
-                ch.out.finish_reason, ch.out.stop_reason, ch.done = finish, stop_reason, True
+                ch.out.finish_reason, ch.out.stop_reason, ch.done = c.finish_reason, c.stop_reason, True
         finished = len(self.choices) == self.params.n and all(c.done for c in self.choices.values())
         # fresh objects per output: the consumer may keep an earlier one while we extend ours
         outs = [dataclasses.replace(c.out, text=c.detok.text, token_ids=list(c.out.token_ids),
                                     stream_text=c.detok.stream_text(c.done),
                                     logprobs=None if c.out.logprobs is None else list(c.out.logprobs))
                 for _, c in sorted(self.choices.items())]
-        return RequestOutput(rid, self.prompt, self.prompt_token_ids, outs, finished, cached, dev, host,
-                             prompt_logprobs=self.prompt_logprobs, metrics=metrics or {}), stopped
+        return RequestOutput(delta.request_id, self.prompt, self.prompt_token_ids, outs, finished,
+                             delta.num_cached_tokens, delta.num_device_cached_tokens, delta.num_host_cached_tokens,
+                             prompt_logprobs=self.prompt_logprobs, metrics=delta.metrics or {}), stopped
 
     def _extend(self, ch: _Choice, ids: list[int], lps: list[TokenLogprob | None] | None) -> bool:
         """Detokenize the new tokens one by one; True when a stop string matched (the rest dropped)."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from nanoserve.kvcache.block_pool import BlockHash, BlockKey, BlockPool, PoolStats, chain_hash
 from nanoserve.kvcache.host_tier import HostCopy, HostTier
+from nanoserve.kvcache.report import TierReport
 from nanoserve.sequence import Sequence
 
 
@@ -45,25 +46,6 @@ class _Load:
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
     hits: int = 0     # prompt tokens found
-
-
-@dataclass
-class TierReport:
-    """One KV tier's state and counters, for /metrics and logs."""
-    tier: str                 # "device" | "host"
-    blocks_total: int
-    blocks_in_use: int
-    blocks_cached: int        # free but still findable by the prefix cache
-    blocks_free: int
-    block_size: int
-    query_tokens: int         # prompt tokens looked up in this tier
-    hit_tokens: int           # prompt tokens served from this tier
-    evictions: int
-    blocks_in_flight: int = 0  # held only by copies still running
-    bytes_in: int = 0         # host tier: bytes copied device -> host
-    bytes_out: int = 0        # host tier: bytes copied host -> device
-    seconds_in: float = 0.0
-    seconds_out: float = 0.0
 
 
 class KVCacheManager:

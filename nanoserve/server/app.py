@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 from contextlib import aclosing, asynccontextmanager
 from typing import Any
@@ -18,51 +17,20 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import nanoserve
 from nanoserve.chat import render_chat
-from nanoserve.engine.async_engine import AsyncEngine, EngineDead
 from nanoserve.engine.client import EngineClient
+from nanoserve.engine.protocol import EngineDead
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import InvalidRequest
 from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.render import ChatRender, CompletionRender, Render, sse, stream_chunks
 from nanoserve.server.protocol import (MAX_LOGPROBS, APIError, ChatCompletionRequest, CompletionRequest,
-                                       DetokenizeRequest, TokenizeRequest, new_id, now, parse)
+                                       DetokenizeRequest, TokenizeRequest, new_id, now, parse, parse_json_body)
 
 log = logging.getLogger("nanoserve.server")
-
-Engine = AsyncEngine | EngineClient  # in-process thread, or the engine-core process: one interface
 
 JSON_TYPES = ("application/json", "application/x-www-form-urlencoded")  # the latter: `curl -d` default
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
 OFF_LOOP_BYTES = 64 << 10  # bodies larger than this are parsed on a worker thread
-
-
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _find_lone_surrogate(obj: Any) -> str | None:
-    """The top-level field holding a string that is not valid Unicode (a lone UTF-16 surrogate,
-    which JSON escapes can express), or None. One C-speed encode per field."""
-    for key, value in obj.items():
-        try:
-            json.dumps(value, ensure_ascii=False).encode("utf-8")
-            key.encode("utf-8")
-        except UnicodeEncodeError:
-            return key.encode("utf-8", "backslashreplace").decode()
-    return None
-
-
-def parse_json_body(raw: bytes) -> Any:
-    try:
-        obj = json.loads(raw, parse_constant=_reject_constant)
-    except RecursionError:
-        raise APIError("the request body is nested too deeply", 400, code="invalid_json")
-    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
-        raise APIError(f"the request body is not valid JSON: {e}", 400, code="invalid_json")
-    if isinstance(obj, dict) and (bad := _find_lone_surrogate(obj)) is not None:
-        raise APIError(f"'{bad}' contains a string that is not valid Unicode (a lone UTF-16 surrogate)",
-                       400, param=bad, code="invalid_unicode")
-    return obj
 
 
 class ClientGone(Exception):
@@ -73,7 +41,7 @@ class _Fanin:
     """Runs one engine request per prompt and merges their outputs as (prompt_index, output).
     close() cancels whatever is still running, which aborts it in the engine."""
 
-    def __init__(self, engine: Engine, reqs: list) -> None:
+    def __init__(self, engine: EngineClient, reqs: list) -> None:
         self.engine = engine
         self.q: asyncio.Queue = asyncio.Queue()
         self.left = len(reqs)
@@ -127,7 +95,7 @@ def _engine_error(e: Exception) -> APIError:
 
 
 class Server:
-    def __init__(self, engine: Engine, served_model_name: str | None = None,
+    def __init__(self, engine: EngineClient, served_model_name: str | None = None,
                  api_key: str | None = None, max_queue: int | None = None,
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
         self.engine = engine
@@ -343,8 +311,25 @@ class Server:
         snap = await self.engine.snapshot()
         return Response(self.metrics.render(snap), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    async def health(self) -> Response:
+        if not self.engine.alive:
+            return JSONResponse(APIError("the engine is not running", 503, "server_error").body(), status_code=503)
+        return Response(status_code=200)
 
-def create_app(engine: Engine, served_model_name: str | None = None, api_key: str | None = None,
+    async def version(self) -> dict:
+        return {"version": nanoserve.__version__}
+
+    async def models(self, request: Request) -> dict:
+        self.check_auth(request)
+        return {"object": "list", "data": [self.model_card()]}
+
+    async def model(self, model_id: str, request: Request) -> dict:
+        self.check_auth(request)
+        self.check_model(model_id)
+        return self.model_card()
+
+
+def create_app(engine: EngineClient, served_model_name: str | None = None, api_key: str | None = None,
                max_queue: int | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     srv = Server(engine, served_model_name, api_key, max_queue, max_request_bytes)
 
@@ -378,33 +363,10 @@ def create_app(engine: Engine, served_model_name: str | None = None, api_key: st
         return JSONResponse(APIError(f"internal error: {type(e).__name__}: {e}", 500, "server_error",
                                      code="internal_error").body(), status_code=500)
 
-    @app.get("/health")
-    async def health():
-        if not engine.alive:
-            return JSONResponse(APIError("the engine is not running", 503, "server_error").body(), status_code=503)
-        return Response(status_code=200)
-
-    @app.get("/version")
-    async def version():
-        return {"version": nanoserve.__version__}
-
-    @app.get("/metrics")
-    async def metrics():
-        return await srv.render_metrics()
-
-    @app.get("/v1/models")
-    async def models(request: Request):
-        srv.check_auth(request)
-        return {"object": "list", "data": [srv.model_card()]}
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str, request: Request):
-        srv.check_auth(request)
-        srv.check_model(model_id)
-        return srv.model_card()
-
-    app.add_api_route("/v1/completions", srv.completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", srv.chat, methods=["POST"])
-    app.add_api_route("/tokenize", srv.tokenize, methods=["POST"])
-    app.add_api_route("/detokenize", srv.detokenize, methods=["POST"])
+    for path, endpoint, method in (
+            ("/health", srv.health, "GET"), ("/version", srv.version, "GET"), ("/metrics", srv.render_metrics, "GET"),
+            ("/v1/models", srv.models, "GET"), ("/v1/models/{model_id:path}", srv.model, "GET"),
+            ("/v1/completions", srv.completions, "POST"), ("/v1/chat/completions", srv.chat, "POST"),
+            ("/tokenize", srv.tokenize, "POST"), ("/detokenize", srv.detokenize, "POST")):
+        app.add_api_route(path, endpoint, methods=[method])
     return app

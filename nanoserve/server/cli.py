@@ -58,6 +58,20 @@ def _draining_server_class():
     return DrainingServer
 
 
+def _start_engine(config: EngineConfig, opts: ServerConfig, on_dead):
+    """The engine core in its own process (the API process then keeps one core), or in a thread."""
+    from nanoserve.engine.client import EngineClient
+    from nanoserve.engine.placement import apply_api_placement, plan_placement
+    placement = plan_placement(config.resolved_device().type, opts.cpu_threads, opts.engine_process)
+    log.info("CPU placement: %s", placement.describe())
+    client = EngineClient(config, placement=placement, log_level=opts.log_level, on_dead=on_dead,
+                          in_process=not opts.engine_process)
+    client.start()
+    if opts.engine_process:
+        apply_api_placement(placement)
+    return client
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -70,53 +84,38 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
-    from nanoserve.engine.async_engine import AsyncEngine
-    from nanoserve.engine.client import EngineClient, EngineStartError
-    from nanoserve.engine.llm_engine import LLMEngine
-    from nanoserve.engine.placement import apply_api_placement, apply_engine_placement, plan_placement
+    from nanoserve.engine.protocol import EngineStartError
     from nanoserve.server.app import create_app
     from nanoserve.server.metrics import ServerMetrics
-    DrainingServer = _draining_server_class()
 
     serving: list = []  # the uvicorn server once it exists
 
     def stop_serving(reason: str) -> None:
-        # the engine process died: its requests have been failed already; stop serving (exit 1)
+        # the engine core died: its requests have been failed already; stop serving (exit 1)
         # so that a supervisor restarts the whole server
         for server in serving:
             server.should_exit = True
 
     try:
-        placement = plan_placement(config.resolved_device().type, opts.cpu_threads, opts.engine_process)
-        log.info("CPU placement: %s", placement.describe())
-        if opts.engine_process:
-            aengine = EngineClient(config, placement=placement, log_level=opts.log_level,
-                                   on_dead=stop_serving)
-            aengine.start()
-            apply_api_placement(placement)
-            model_name = aengine.frontend.model_name
-        else:
-            apply_engine_placement(placement)
-            engine = LLMEngine(config)
-            aengine = AsyncEngine(engine)
-            model_name = engine.model_name
+        aengine = _start_engine(config, opts, stop_serving)
     except (ValueError, FileNotFoundError, OSError, EngineStartError) as e:
         log.error("cannot start: %s", e)
         return 2
+    model_name = aengine.frontend.model_name
     name = opts.served_model_name or model_name
     aengine.observer = ServerMetrics(name)
     app = create_app(aengine, name, opts.api_key, opts.max_queue, opts.max_request_bytes)
 
     # uvicorn's own grace period is a little longer than ours, so that requests we fail at the
     # deadline still get to send their 503 / SSE error before connections are closed
-    uv = DrainingServer(uvicorn.Config(app, host=opts.host, port=opts.port, log_level=opts.log_level,
+    uv = _draining_server_class()(uvicorn.Config(app, host=opts.host, port=opts.port, log_level=opts.log_level,
                                        timeout_graceful_shutdown=opts.shutdown_timeout + 5),
                         app.state.server, aengine, opts.shutdown_timeout)
     # uvicorn re-raises the signal it caught once it has shut down gracefully; with the default
     # handler that would kill the process (exit 143). A no-op handler makes a SIGTERM exit 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
     serving.append(uv)
-    if getattr(aengine, "exit_reason", None):  # it died before `serving` held the server
+    if aengine.exit_reason:  # it died before `serving` held the server
         uv.should_exit = True
     log.info("serving %s on http://%s:%d (api key %s, max queue %s)", name, opts.host, opts.port,
              "required" if opts.api_key else "off", opts.max_queue if opts.max_queue is not None else "unbounded")
@@ -129,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     if not uv.started:
         log.error("the HTTP server did not start (is port %d free?)", opts.port)
         return 1
-    if getattr(aengine, "exit_reason", None):
+    if aengine.exit_reason:
         log.error("exiting because %s", aengine.exit_reason)
         return 1
     log.info("stopped")

@@ -1,16 +1,14 @@
 """Prometheus metrics, all under the `nanoserve:` prefix.
 
 Gauges and counters are read from an engine snapshot taken by the engine loop at scrape time
-(so they are consistent with each other); latency histograms are observed as outputs are produced
-(on the engine thread in-process; with the engine-core process, its observations travel with its
-outputs and are observed here, in the API process)."""
+(so they are consistent with each other); latency histograms are observed by the engine client as outputs
+reach the API side (step durations travel from the engine core with its outputs)."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from nanoserve.engine.async_engine import EngineSnapshot, MetricsObserver
-from nanoserve.outputs import RequestOutput
+from nanoserve.engine.protocol import EngineSnapshot, MetricsObserver
 
 P = "nanoserve:"
 
@@ -105,14 +103,14 @@ class ServerMetrics(MetricsObserver):
         self._ttft, self._itl, self._e2e = (h.labels(model_name) for h in (self.ttft, self.itl, self.e2e))
         self._step = {k: self.step.labels(model_name, k) for k in ("decode", "mixed")}
 
-    # engine-loop hooks
+    # observed by the engine client as outputs leave for the client
     def on_first_token(self, ttft: float) -> None:
         self._ttft.observe(ttft)
 
     def on_inter_token(self, itl: float) -> None:
         self._itl.observe(itl)
 
-    def on_finished(self, e2e: float, out: RequestOutput | None) -> None:
+    def on_finished(self, e2e: float) -> None:
         self._e2e.observe(e2e)
 
     def on_step(self, kind: str, seconds: float) -> None:

@@ -4,6 +4,7 @@ Unknown fields are accepted and ignored (`extra="ignore"`); every validation fai
 HTTP 400 OpenAI error object naming the parameter (never FastAPI's 422)."""
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Union
@@ -218,3 +219,31 @@ def new_id(prefix: str) -> str:
 def now() -> int:
     return int(time.time())
 
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _find_lone_surrogate(obj: Any) -> str | None:
+    """The top-level field holding a string that is not valid Unicode (a lone UTF-16 surrogate,
+    which JSON escapes can express), or None. One C-speed encode per field."""
+    for key, value in obj.items():
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+            key.encode("utf-8")
+        except UnicodeEncodeError:
+            return key.encode("utf-8", "backslashreplace").decode()
+    return None
+
+
+def parse_json_body(raw: bytes) -> Any:
+    try:
+        obj = json.loads(raw, parse_constant=_reject_constant)
+    except RecursionError:
+        raise APIError("the request body is nested too deeply", 400, code="invalid_json")
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
+        raise APIError(f"the request body is not valid JSON: {e}", 400, code="invalid_json")
+    if isinstance(obj, dict) and (bad := _find_lone_surrogate(obj)) is not None:
+        raise APIError(f"'{bad}' contains a string that is not valid Unicode (a lone UTF-16 surrogate)",
+                       400, param=bad, code="invalid_unicode")
+    return obj

@@ -1,0 +1,279 @@
+"""The engine core: loads the model and loops schedule -> forward -> sample (LLMEngine.step), taking
+commands from its client and sending each turn's outputs back as one Batch (messages: protocol.py)
+over zmq -- `ipc://` when it runs in its own process (`python -m nanoserve.engine.core SPEC_JSON`, the
+default), `inproc://` when it runs in a thread of the API process (--no-engine-process, tests). The same
+loop and the same messages either way.
+
+An exception inside step() fails only the requests that were in that step (queued ones are
+untouched); the KV invariants are checked after it and whenever the engine goes idle, and the loop
+keeps serving. In its own process the core never outlives the API process: the kernel kills it when
+its parent dies (PR_SET_PDEATHSIG), and an idle loop also notices a changed parent pid. SIGINT/SIGTERM
+are ignored there: a terminal's Ctrl-C or a service manager signals the whole group, but the API
+process must be able to drain first; it sends Stop when it is done."""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+
+import zmq
+
+from nanoserve.config import EngineConfig
+from nanoserve.engine.placement import CpuPlacement, apply_engine_placement
+from nanoserve.engine.protocol import (Abort, Add, Batch, DeltaEncoder, EngineDead, EngineSnapshot, FailAll,
+                                       Finish, OutputDelta, Ready, RequestError, SnapshotAsk, SnapshotReply,
+                                       StartFailed, StepTime, Stop, ToEngine, decode_to_engine, encode)
+from nanoserve.outputs import RequestOutput
+
+log = logging.getLogger("nanoserve.engine_core")
+
+IDLE_POLL_MS = 1000  # how often an idle engine in its own process checks that its parent is still there
+
+
+def step_kind(engine) -> str:
+    """'decode' when the coming step can only be one token per running sequence; 'mixed' when some
+    prompt work may run in it (a running prefill, a prefix load in flight, or a waiting request
+    with a free batch slot; the scheduler may still defer it). Decided before the step, so a
+    'decode' step is never one that did prefill work."""
+    sch = engine.scheduler
+    if sch.loading or (sch.waiting and len(sch.running) < sch.max_num_seqs):
+        return "mixed"
+    return "decode" if all(s.num_tokens - s.num_computed_tokens <= 1 for s in sch.running) else "mixed"
+
+
+class EngineCore:
+    def __init__(self, engine, inp: zmq.Socket, out: zmq.Socket, parent_pid: int | None = None) -> None:
+        self.engine = engine
+        self.inp, self.out, self.parent_pid = inp, out, parent_pid
+        self.encoders: dict[str, DeltaEncoder] = {}  # the requests in the engine, by id
+        self.step_errors = 0
+        self.invariant_violations = 0
+        self.adds_seen = 0
+        self.snapshot = EngineSnapshot()
+        self._outputs: list[OutputDelta] = []
+        self._errors: list[RequestError] = []
+        self._steps: list[StepTime] = []
+        self._snapshots: list[SnapshotReply] = []
+        self._sent_counts: tuple[int, int, int] | None = None
+
+    def run(self) -> None:
+        import torch
+        # The loop only ever runs inference: inference mode (thread-local) makes every tensor the
+        # step creates an inference tensor, so in-place sampler updates on them are legal.
+        with torch.inference_mode():
+            try:
+                self._loop()
+            except BaseException as e:  # pragma: no cover - a bug in this loop itself
+                log.exception("engine loop crashed")
+                self._fail_tracked(f"the engine failed while running this request: {type(e).__name__}: {e}",
+                                   "engine")
+                raise
+            finally:
+                self._shutdown()
+                self._flush()
+
+    def _loop(self) -> None:
+        eng = self.engine
+        while self._drain(block=not eng.has_unfinished()):
+            self._flush()
+            if not eng.has_unfinished():
+                self._check_invariants()
+                continue
+            kind, t0 = step_kind(eng), time.perf_counter()
+            try:
+                outs = eng.step()
+            except Exception as e:  # fail what was in that step, keep serving
+                self._fail_step(e)
+            else:
+                if eng.step_request_ids:  # not the empty steps that wait for host copies
+                    self._steps.append(StepTime(kind, time.perf_counter() - t0))
+                for out in outs:
+                    self._emit(out)
+            self._flush()
+
+    # ---- commands ----------------------------------------------------------------------------
+    def _next(self, block: bool) -> ToEngine | None:
+        while not self.inp.poll(IDLE_POLL_MS if block else 0):
+            if not block:
+                return None
+            if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                log.error("the API process is gone; stopping")
+                return Stop()
+        return decode_to_engine(self.inp.recv())
+
+    def _drain(self, block: bool) -> bool:
+        """Apply queued commands. Returns False on Stop."""
+        eng = self.engine
+        while (msg := self._next(block)) is not None:
+            block = False
+            match msg:
+                case Stop():
+                    return False
+                case Add(request=preq):
+                    self.adds_seen += 1
+                    try:
+                        eng.add(eng.request_from(preq))
+                    except Exception as e:  # validated by the API already; a mismatch is reported, not dropped
+                        self._errors.append(RequestError.of(preq.request_id, e))
+                        continue
+                    self.encoders[preq.request_id] = DeltaEncoder()
+                case Abort(request_id=rid):
+                    try:
+                        self._emit(eng.abort(rid))
+                    except Exception:
+                        log.exception("abort of %s failed", rid)
+                    self.encoders.pop(rid, None)  # aborted is done, whatever the engine answered
+                case Finish(request_id=rid, indices=indices, stop_reason=stop):
+                    self._emit(eng.finish(rid, indices, stop))
+                case FailAll(reason=reason):
+                    self._fail_tracked(reason, "dead")
+                case SnapshotAsk(token=token):
+                    self._snapshots.append(SnapshotReply(token, self._take_snapshot()))
+        return True
+
+    # ---- outputs -----------------------------------------------------------------------------
+    def _emit(self, out: RequestOutput | None) -> None:
+        enc = None if out is None else self.encoders.get(out.request_id)
+        if enc is None:
+            return
+        self._outputs.append(enc.delta(out))
+        if out.finished:
+            del self.encoders[out.request_id]
+
+    def _flush(self) -> None:
+        sch = self.engine.scheduler
+        counts = (self.adds_seen, len({s.request_id for s in sch.running}), len({s.request_id for s in sch.waiting}))
+        if not (self._outputs or self._errors or self._steps or self._snapshots) and counts == self._sent_counts:
+            return
+        self.out.send(encode(Batch(self._outputs, self._errors, self._steps, self._snapshots, *counts)))
+        self._outputs, self._errors, self._steps, self._snapshots = [], [], [], []
+        self._sent_counts = counts
+
+    # ---- failures ----------------------------------------------------------------------------
+    def _fail_step(self, exc: Exception) -> None:
+        """One step raised: fail only the requests it concerned (when scheduling itself failed, the
+        running ones and the one it was admitting), then verify the KV state is still sound."""
+        eng = self.engine
+        self.step_errors += 1
+        ids = eng.step_request_ids
+        if ids is None:
+            sch = eng.scheduler
+            ids = {s.request_id for s in sch.running} | ({sch.waiting[0].request_id} if sch.waiting else set())
+        log.error("engine step failed; failing the %d request(s) in it", len(ids), exc_info=exc)
+        message = f"the engine failed while running this request: {type(exc).__name__}: {exc}"
+        for rid in ids:
+            self._force_abort(rid)
+            if self.encoders.pop(rid, None) is not None:
+                self._errors.append(RequestError(rid, "engine", message))
+        self._check_invariants()
+
+    def _fail_tracked(self, message: str, kind: str) -> None:
+        for rid in list(self.encoders):
+            self._force_abort(rid)
+            self._errors.append(RequestError(rid, kind, message))
+        self.encoders.clear()
+
+    def _force_abort(self, rid: str) -> None:
+        try:
+            self.engine.abort(rid)
+        except Exception:
+            log.exception("abort of %s after a failure failed; dropping it", rid)
+            self.engine.requests.pop(rid, None)  # never let one broken request fail every step
+
+    def _check_invariants(self) -> None:
+        try:
+            self.engine.check_invariants()
+        except AssertionError:
+            self.invariant_violations += 1
+            log.exception("KV cache invariant violated")
+
+    def _shutdown(self) -> None:
+        """Answer whatever is still queued, fail what is still running, end the KV copies."""
+        err = EngineDead("the server is shutting down")
+        while (msg := self._next(False)) is not None:
+            if isinstance(msg, Add):
+                self._errors.append(RequestError.of(msg.request.request_id, err))
+            elif isinstance(msg, SnapshotAsk):
+                self._snapshots.append(SnapshotReply(msg.token, self.snapshot))
+        self._fail_tracked(str(err), "dead")
+        try:
+            self.engine.close()
+        except Exception:
+            log.exception("engine close failed")
+
+    def _take_snapshot(self) -> EngineSnapshot:
+        eng, st = self.engine, self.engine.stats
+        sch = eng.scheduler
+        self.snapshot = EngineSnapshot(
+            num_running=len({s.request_id for s in sch.running}), num_waiting=len({s.request_id for s in sch.waiting}),
+            num_preemptions=sch.num_preemptions, prompt_tokens=st.prompt_tokens,
+            generation_tokens=st.generation_tokens, finished=dict(st.finished), steps=st.steps,
+            step_errors=self.step_errors, invariant_violations=self.invariant_violations,
+            tiers=[dataclasses.replace(r) for r in eng.kv.reports()], time=time.time())
+        return self.snapshot
+
+
+def serve(config: EngineConfig, ctx: zmq.Context, input_addr: str, output_addr: str, parent_pid: int | None,
+          make_engine: Callable[[EngineConfig], object] | None = None) -> int:
+    """Load the model, answer the handshake (Ready or StartFailed), then run the loop until Stop."""
+    inp, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    for s in (inp, out):
+        s.setsockopt(zmq.LINGER, 5000)  # the last batch (shutdown errors) must reach the API side
+        s.setsockopt(zmq.SNDHWM, 0)
+        s.setsockopt(zmq.RCVHWM, 0)
+    inp.connect(input_addr)
+    out.connect(output_addr)
+    try:
+        t0 = time.monotonic()
+        try:
+            if make_engine is None:
+                from nanoserve.engine.llm_engine import LLMEngine as make_engine
+            engine = make_engine(config)
+        except Exception as e:
+            log.error("cannot start the engine: %s", e, exc_info=not isinstance(e, (ValueError, OSError)))
+            out.send(encode(StartFailed(str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")))
+            return 2
+        log.info("engine core ready in %.1fs (pid %d)", time.monotonic() - t0, os.getpid())
+        out.send(encode(Ready(engine.info)))
+        EngineCore(engine, inp, out, parent_pid).run()
+        return 0
+    finally:
+        inp.close()
+        out.close()
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux: the idle parent-pid check still stops it
+        pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(argv[1])
+    _die_with_parent(spec["parent_pid"])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=spec["log_level"].upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s [engine-core]: %(message)s")
+    placement = CpuPlacement(**{k: tuple(v) if isinstance(v, list) else v for k, v in spec["placement"].items()})
+    apply_engine_placement(placement)
+    log.info("CPU placement: %s", placement.describe())
+    ctx = zmq.Context()
+    try:
+        return serve(EngineConfig(**spec["config"]), ctx, spec["input"], spec["output"], spec["parent_pid"])
+    finally:
+        ctx.term()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
