@@ -1,14 +1,11 @@
-"""EngineClient: the API side's one handle on the engine core (core.py), whether the core runs in its
-own process (`ipc://`, the default) or in a thread of this process (`inproc://`): same messages, same
-output processing, so the HTTP layer and the tests see one request path.
+"""EngineClient: the API side's one handle on the engine core (core.py), in its own process (`ipc://`,
+the default) or in a thread of this process (`inproc://`): same messages, same output processing.
 
-One receiver thread takes the core's batches, turns token ids into text and matches stop strings
-(output_processor.py), observes the latency metrics as outputs arrive, and fans the outputs out to
-per-request asyncio queues (the event loop never blocks on zmq). Sends are serialized by a lock
-because the DrainingServer's timer and shutdown call in from other threads. The same thread watches
-the core: if it exits without being asked to, every request in flight fails with EngineError (HTTP
-500 / an SSE error event), `alive` turns False (/health 503, new requests 503) and `on_dead` is called
-(the CLI then stops the server with a non-zero exit code for a supervisor to restart it)."""
+A receiver thread takes the core's batches, turns token ids into text and stop strings
+(output_processor.py), observes latency metrics, and fans outputs out to per-request asyncio queues
+(the event loop never blocks on zmq). Sends are serialized by a lock (the drain timer and shutdown
+call in from other threads). If the core exits unasked, every request in flight fails with
+EngineError, `alive` turns False (/health 503) and `on_dead` is called (the CLI exits non-zero)."""
 from __future__ import annotations
 
 import asyncio
@@ -94,7 +91,7 @@ class EngineClient:
         self.proc: subprocess.Popen | None = None
         self.exit_reason: str | None = None         # set when the engine core died unasked
         self._core_thread: threading.Thread | None = None
-        self._core_exit: int | None = None            # in-process core: its return code once it ended
+        self._core_exit = 1                           # in-process core: its return code once it ended
         self._lock = threading.Lock()               # guards the input socket and the fields below
         self._streams: dict[str, _Stream] = {}
         self._snap_waiters: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
@@ -149,12 +146,8 @@ class EngineClient:
             from nanoserve.engine.core import serve
             apply_engine_placement(self.placement)
 
-            def run() -> None:
-                try:
-                    self._core_exit = serve(self.config, self._ctx, input_addr, output_addr, None, self.make_engine)
-                except BaseException:
-                    self._core_exit = 1
-                    raise
+            def run() -> None:  # an exception leaves _core_exit at 1
+                self._core_exit = serve(self.config, self._ctx, input_addr, output_addr, None, self.make_engine)
 
             self._core_thread = threading.Thread(target=run, name="nanoserve-engine-core", daemon=True)
             self._core_thread.start()
@@ -169,9 +162,7 @@ class EngineClient:
     def _core_exit_code(self) -> int | None:
         if self.proc is not None:
             return self.proc.poll()
-        if self._core_thread is not None and not self._core_thread.is_alive():
-            return self._core_exit if self._core_exit is not None else 1
-        return None
+        return None if self._core_thread.is_alive() else self._core_exit
 
     def _handshake(self) -> ModelInfo:
         while True:

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import threading
 
 from nanoserve.config import EngineConfig, ServerConfig, add_flags, from_args
 
@@ -31,31 +29,6 @@ def build_parser() -> argparse.ArgumentParser:
                     "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /metrics, /version).")
     add_flags(p, EngineConfig, ServerConfig)
     return p
-
-
-def _draining_server_class():
-    import uvicorn
-
-    class DrainingServer(uvicorn.Server):
-        """On the first SIGTERM/SIGINT: refuse new requests (503), let in-flight ones run for
-        `timeout` seconds, then fail the rest with a clean 503 so every client gets an answer."""
-
-        def __init__(self, config, server, aengine, timeout: float) -> None:
-            super().__init__(config)
-            self.api, self.aengine, self.timeout = server, aengine, timeout
-            self.deadline: threading.Timer | None = None
-
-        def handle_exit(self, sig, frame) -> None:
-            if self.deadline is None:
-                log.info("shutting down: draining in-flight requests for up to %.0fs", self.timeout)
-                self.api.draining = True
-                self.deadline = threading.Timer(self.timeout, self.aengine.fail_all, [
-                    f"the server is shutting down (--shutdown-timeout {self.timeout:g}s passed)"])
-                self.deadline.daemon = True
-                self.deadline.start()
-            super().handle_exit(sig, frame)
-
-    return DrainingServer
 
 
 def _start_engine(config: EngineConfig, opts: ServerConfig, on_dead):
@@ -82,11 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=opts.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
 
-    import uvicorn
-
     from nanoserve.engine.protocol import EngineStartError
     from nanoserve.server.app import create_app
     from nanoserve.server.metrics import ServerMetrics
+    from nanoserve.server.serving import run_server
 
     serving: list = []  # the uvicorn server once it exists
 
@@ -105,34 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     name = opts.served_model_name or model_name
     aengine.observer = ServerMetrics(name)
     app = create_app(aengine, name, opts.api_key, opts.max_queue, opts.max_request_bytes)
-
-    # uvicorn's own grace period is a little longer than ours, so that requests we fail at the
-    # deadline still get to send their 503 / SSE error before connections are closed
-    uv = _draining_server_class()(uvicorn.Config(app, host=opts.host, port=opts.port, log_level=opts.log_level,
-                                       timeout_graceful_shutdown=opts.shutdown_timeout + 5),
-                        app.state.server, aengine, opts.shutdown_timeout)
-    # uvicorn re-raises the signal it caught once it has shut down gracefully; with the default
-    # handler that would kill the process (exit 143). A no-op handler makes a SIGTERM exit 0.
-    signal.signal(signal.SIGTERM, lambda *_: None)
-    serving.append(uv)
-    if aengine.exit_reason:  # it died before `serving` held the server
-        uv.should_exit = True
-    log.info("serving %s on http://%s:%d (api key %s, max queue %s)", name, opts.host, opts.port,
-             "required" if opts.api_key else "off", opts.max_queue if opts.max_queue is not None else "unbounded")
-    try:
-        uv.run()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        aengine.stop()
-    if not uv.started:
-        log.error("the HTTP server did not start (is port %d free?)", opts.port)
-        return 1
-    if aengine.exit_reason:
-        log.error("exiting because %s", aengine.exit_reason)
-        return 1
-    log.info("stopped")
-    return 0
+    return run_server(app, aengine, opts, serving)
 
 
 if __name__ == "__main__":
