@@ -88,3 +88,21 @@ def test_gguf_qk_layout_restored_per_architecture(tmp_path, arch):
     for g, name in hf.items():
         if g in original:
             assert torch.equal(loaded[name], original[g]), (arch, name)
+
+
+def test_weight_table_refuses_incomplete_unknown_and_misshapen_checkpoints():
+    import torch
+    import transformers
+    from nanoserve.models.llama import LlamaModel
+    cfg = transformers.Qwen2Config(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    model = LlamaModel(cfg, torch.float32, torch.device("cpu"))
+    state = transformers.Qwen2ForCausalLM(cfg).state_dict()
+    model.load_weights(state.items())  # complete: biases, fused q/k/v and gate/up slices, untied head
+    assert torch.equal(model.layers[1].qkv_bias[64:96], state["model.layers.1.self_attn.k_proj.bias"])
+    with pytest.raises(ValueError, match="incomplete: 2 of 27"):
+        model.load_weights((k, v) for k, v in state.items() if "down_proj" not in k)
+    with pytest.raises(ValueError, match="unexpected weight"):
+        model.load_weights([("model.layers.0.mlp.extra.weight", torch.zeros(1))])
+    with pytest.raises(ValueError, match="has shape"):
+        model.load_weights([("model.norm.weight", torch.zeros(3))])

@@ -62,51 +62,49 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(self.head_dim, cfg.max_position_embeddings, theta, scaling, dtype, device)
         self.scale = self.head_dim ** -0.5
 
+    def weight_targets(self) -> dict[str, torch.Tensor]:
+        """HF tensor name -> the parameter (or the rows of a fused one) it fills. Checked to cover
+        every element of every parameter exactly once, so a complete checkpoint leaves nothing unset."""
+        q, kv, inter = self.q_size, self.kv_size, self.inter
+        per_layer = {  # HF suffix: (our parameter, rows of it or None for all)
+            "input_layernorm.weight": ("input_norm", None), "post_attention_layernorm.weight": ("post_norm", None),
+            "self_attn.q_proj.weight": ("qkv", (0, q)), "self_attn.k_proj.weight": ("qkv", (q, q + kv)),
+            "self_attn.v_proj.weight": ("qkv", (q + kv, q + 2 * kv)),
+            "self_attn.q_proj.bias": ("qkv_bias", (0, q)), "self_attn.k_proj.bias": ("qkv_bias", (q, q + kv)),
+            "self_attn.v_proj.bias": ("qkv_bias", (q + kv, q + 2 * kv)), "self_attn.o_proj.weight": ("o", None),
+            "mlp.gate_proj.weight": ("gate_up", (0, inter)), "mlp.up_proj.weight": ("gate_up", (inter, 2 * inter)),
+            "mlp.down_proj.weight": ("down", None)}
+        targets = {"embed_tokens.weight": self.embed, "norm.weight": self.norm}
+        if not self.tied:
+            targets["lm_head.weight"] = self.lm_head
+        for i, layer in enumerate(self.layers):
+            for suffix, (attr, rows) in per_layer.items():
+                if (param := getattr(layer, attr)) is not None:
+                    targets[f"layers.{i}.{suffix}"] = param if rows is None else param[rows[0]:rows[1]]
+        filled = {id(p): 0 for p in self.parameters()}
+        for t in targets.values():
+            base = t._base if t._base is not None else t
+            filled[id(base)] += t.numel()
+        assert all(filled[id(p)] == p.numel() for p in self.parameters()), "weight table misses a parameter"
+        return targets
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into our (fused) parameters; complain about anything missing."""
-        q, kv = self.q_size, self.kv_size
-        slices = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv),
-                  "gate_proj": (0, self.inter), "up_proj": (self.inter, 2 * self.inter)}
-        loaded: set[str] = set()
+        """Copy HF-named tensors into our (fused) parameters; refuse unknown, misshapen or missing ones."""
+        targets, loaded = self.weight_targets(), set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
-            if "rotary_emb" in name:
+            if "rotary_emb" in name or (self.tied and name == "lm_head.weight"):
                 continue
-            if name == "embed_tokens.weight":
-                dst, key = self.embed, "embed"
-            elif name == "norm.weight":
-                dst, key = self.norm, "norm"
-            elif name == "lm_head.weight":
-                if self.tied:
-                    continue
-                dst, key = self.lm_head, "lm_head"
-            elif name.startswith("layers."):
-                _, idx, mod, proj, kind = (name.split(".") + [""])[:5]
-                layer = self.layers[int(idx)]
-                if mod in ("input_layernorm", "post_attention_layernorm"):
-                    dst = layer.input_norm if mod == "input_layernorm" else layer.post_norm
-                elif proj in ("q_proj", "k_proj", "v_proj"):
-                    lo, hi = slices[proj]
-                    dst = (layer.qkv if kind == "weight" else layer.qkv_bias)[lo:hi]
-                elif proj in ("gate_proj", "up_proj"):
-                    lo, hi = slices[proj]
-                    dst = layer.gate_up[lo:hi]
-                elif proj == "o_proj":
-                    dst = layer.o
-                elif proj == "down_proj":
-                    dst = layer.down
-                else:
-                    raise ValueError(f"unexpected weight {name!r}")
-                key = name
-            else:
+            dst = targets.get(name)
+            if dst is None:
                 raise ValueError(f"unexpected weight {name!r}")
             if dst.shape != tensor.shape:
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
             dst.copy_(tensor)
-            loaded.add(key)
-        expected = 2 + (0 if self.tied else 1) + self.num_layers * (9 + (3 if self.layers[0].qkv_bias is not None else 0))
-        if len(loaded) != expected:
-            raise ValueError(f"checkpoint is incomplete: loaded {len(loaded)} of {expected} tensors")
+            loaded.add(name)
+        if missing := sorted(targets.keys() - loaded):
+            raise ValueError(f"checkpoint is incomplete: {len(missing)} of {len(targets)} tensors missing, "
+                             f"e.g. {missing[:3]}")
 
     def init_dummy(self, seed: int) -> None:
         """Random weights generated where they live (an 8B model needs no 16 GB file): norms 1,
