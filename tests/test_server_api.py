@@ -347,6 +347,12 @@ HOSTILE = [  # (path, body, status, param): raw bodies are bytes; each must be r
                               "continue_final_message": True}, 400, "continue_final_message"),
     ("/v1/completions", {"prompt": "x" * 3_000_000}, 400, "prompt"),
     ("/tokenize", {"prompt": "x" * 3_000_000}, 400, "prompt"),
+    # not implemented yet: refused, never silently ignored
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required",
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("/v1/completions", {"prompt": "hi", "guided_regex": "[0-9]+"}, 400, "guided_regex"),
 ]
 
 
@@ -357,6 +363,13 @@ def test_hostile_inputs_are_refused_and_the_server_keeps_serving(server, path, b
     err = assert_error(r, status, param if param is not None else "?")
     assert "Traceback" not in err["message"]
     _ok(server)
+
+
+def test_harmless_values_of_unimplemented_fields_are_accepted(server):
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                              "response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
+                                              "user": "u1", "metadata": {"k": "v"}})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2, r.text
 
 
 def test_oversized_body_is_413_and_health_stays_up(server):

@@ -201,9 +201,28 @@ class DetokenizeRequest(_Base):
     tokens: list[StrictInt]
 
 
+# Fields that change what the client gets back and that nanoserve does not implement yet: refused
+# with a 400 naming the field instead of being ignored (the client would get unconstrained text and
+# think it was constrained). Each maps to what its harmless value looks like; harmless extras such as
+# `user` or `metadata` are still accepted.
+NOT_IMPLEMENTED = {
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "tools": lambda v: not v, "functions": lambda v: not v,
+    "tool_choice": lambda v: v in (None, "none"), "function_call": lambda v: v in (None, "none"),
+    **{name: (lambda v: v is None) for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                                                 "structured_outputs", "prediction")},
+}
+
+
 def parse(model_cls: type[BaseModel], obj: Any) -> Any:
     if not isinstance(obj, dict):
         raise APIError("the request body must be a JSON object", param=None)
+    if issubclass(model_cls, _SamplingFields):
+        for name, harmless in NOT_IMPLEMENTED.items():
+            if name in obj and not harmless(obj[name]):
+                raise APIError(f"'{name}' is not supported by this server yet (structured outputs and tool calls "
+                               "are not implemented); the request was not run", param=name,
+                               code="unsupported_parameter")
     try:
         return model_cls.model_validate(obj)
     except ValidationError as e:
