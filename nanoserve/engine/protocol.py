@@ -2,7 +2,8 @@
 this, never the model stack): errors, the engine snapshot, the metrics hooks, the loaded model's
 metadata, validated requests, and the typed messages the two exchange over zmq.
 
-Messages are msgspec structs, msgpack-encoded, one union per direction. Outputs travel as deltas (new
+Messages are dataclasses, msgpack-encoded by msgspec as [type name, fields] and decoded into their
+typed form (msgspec is imported only there: the offline engine runs without it). Outputs travel as deltas (new
 token ids and logprobs), so a long completion costs O(new tokens) per step on the wire, and no text
 travels: the API side detokenizes and matches stop strings (output_processor.py) and sends `Finish`
 for a choice whose stop string it found."""
@@ -12,8 +13,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Union
-
-import msgspec
 
 from nanoserve.kvcache.report import TierReport
 from nanoserve.outputs import RequestOutput, TokenLogprob
@@ -130,47 +129,56 @@ def check_prompt_request(info: ModelInfo, req: PromptRequest) -> None:
 
 
 # ---- API -> engine -------------------------------------------------------------------------------
-class Add(msgspec.Struct, tag=True, array_like=True):
+@dataclass
+class Add:
     request: PromptRequest
 
 
-class Abort(msgspec.Struct, tag=True, array_like=True):
+@dataclass
+class Abort:
     request_id: str
 
 
-class Finish(msgspec.Struct, tag=True, array_like=True):
+@dataclass
+class Finish:
     """The API side found a stop string in these choices: finish them (reason "stop")."""
     request_id: str
     indices: list[int]
     stop_reason: str
 
 
-class FailAll(msgspec.Struct, tag=True, array_like=True):
+@dataclass
+class FailAll:
     """Abort everything in flight or queued; each request gets EngineDead(reason)."""
     reason: str
 
 
-class SnapshotAsk(msgspec.Struct, tag=True, array_like=True):
+@dataclass
+class SnapshotAsk:
     token: int
 
 
-class Stop(msgspec.Struct, tag=True, array_like=True):
-    pass
+@dataclass
+class Stop:
+    """Abort what is running and stop the loop."""
 
 
 ToEngine = Union[Add, Abort, Finish, FailAll, SnapshotAsk, Stop]
 
 
 # ---- engine -> API -------------------------------------------------------------------------------
-class Ready(msgspec.Struct, tag=True, array_like=True):
+@dataclass
+class Ready:
     info: ModelInfo
 
 
-class StartFailed(msgspec.Struct, tag=True, array_like=True):
+@dataclass
+class StartFailed:
     message: str
 
 
-class ChoiceDelta(msgspec.Struct, array_like=True):
+@dataclass
+class ChoiceDelta:
     index: int
     token_ids: list[int]                    # new since the last delta
     logprobs: list[TokenLogprob] | None     # new since the last delta; None when not asked for
@@ -178,7 +186,8 @@ class ChoiceDelta(msgspec.Struct, array_like=True):
     stop_reason: str | int | None
 
 
-class OutputDelta(msgspec.Struct, array_like=True):
+@dataclass
+class OutputDelta:
     request_id: str
     finished: bool
     num_cached_tokens: int
@@ -189,7 +198,8 @@ class OutputDelta(msgspec.Struct, array_like=True):
     choices: list[ChoiceDelta]
 
 
-class RequestError(msgspec.Struct, array_like=True):
+@dataclass
+class RequestError:
     request_id: str
     kind: str                  # "engine" | "dead" | "invalid"
     message: str
@@ -209,17 +219,20 @@ class RequestError(msgspec.Struct, array_like=True):
         return EngineError(self.message)
 
 
-class StepTime(msgspec.Struct, array_like=True):
+@dataclass
+class StepTime:
     kind: str                  # "decode" | "mixed"
     seconds: float
 
 
-class SnapshotReply(msgspec.Struct, array_like=True):
+@dataclass
+class SnapshotReply:
     token: int
     snapshot: EngineSnapshot
 
 
-class Batch(msgspec.Struct, tag=True, array_like=True):
+@dataclass
+class Batch:
     """Everything one turn of the engine loop produced."""
     outputs: list[OutputDelta]
     errors: list[RequestError]
@@ -260,18 +273,24 @@ class DeltaEncoder:
                            choices)
 
 
-# decoders are only used by the thread that receives
-_to_engine = msgspec.msgpack.Decoder(ToEngine)
-_from_engine = msgspec.msgpack.Decoder(FromEngine)
+_TO_ENGINE = {cls.__name__: cls for cls in (Add, Abort, Finish, FailAll, SnapshotAsk, Stop)}
+_FROM_ENGINE = {cls.__name__: cls for cls in (Ready, StartFailed, Batch)}
 
 
-def encode(msg: msgspec.Struct) -> bytes:
-    return msgspec.msgpack.encode(msg)  # the function, not a shared Encoder: callers are on several threads
+def encode(msg: ToEngine | FromEngine) -> bytes:
+    import msgspec
+    return msgspec.msgpack.encode((type(msg).__name__, msg))
+
+
+def _decode(data: bytes, types: dict[str, type]):
+    import msgspec
+    name, raw = msgspec.msgpack.decode(data, type=tuple[str, msgspec.Raw])
+    return msgspec.msgpack.decode(raw, type=types[name])
 
 
 def decode_to_engine(data: bytes) -> ToEngine:
-    return _to_engine.decode(data)
+    return _decode(data, _TO_ENGINE)
 
 
 def decode_from_engine(data: bytes) -> FromEngine:
-    return _from_engine.decode(data)
+    return _decode(data, _FROM_ENGINE)
