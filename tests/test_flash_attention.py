@@ -10,7 +10,8 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from nanoserve.layers.attention import AttentionBatch, TorchAttention
-from nanoserve.layers.flash_attention import FlashAttention, resolve_attention
+from nanoserve.layers.backend_choice import resolve_attention
+from nanoserve.layers.flash_attention import FlashAttention
 from nanoserve.layers.flash_ref import FlashReference, flash_attn_varlen_func, naive_attention
 
 REF = FlashReference(allow_fp32=True)
