@@ -25,7 +25,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     chat_template: str | None = None  # path to a Jinja file overriding the model's template
     seed: int = 0
-    attention_backend: str = "auto"   # auto | flash | torch; auto = flash iff flash_attn imports and device is CUDA
+    attention_backend: str = "auto"   # auto | flash | triton | torch (layers/backend_choice.py)
     flash_module: object | None = None  # Python API only: stand-in for the flash_attn module (tests: FlashReference)
     enforce_eager: bool = False       # no CUDA graphs for decode steps
     load_format: str = "auto"         # auto | dummy (random weights, as vLLM's --load-format dummy: benchmarks)
@@ -33,8 +33,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
-        if self.attention_backend not in ("auto", "flash", "torch"):
-            raise ValueError(f"attention_backend must be auto|flash|torch, got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "flash", "triton", "torch"):
+            raise ValueError(f"attention_backend must be auto|flash|triton|torch, got {self.attention_backend!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto|dummy, got {self.load_format!r}")
         if self.device not in ("auto", "cpu", "cuda"):

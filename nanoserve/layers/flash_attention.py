@@ -55,15 +55,16 @@ def flash_works(module, device: torch.device) -> str | None:
 
 
 class FlashAttention(AttentionBackend):
+    PAGE_MULTIPLE = FLASH_PAGE_MULTIPLE
     def __init__(self, kv_cache: torch.Tensor, num_heads: int, scale: float, *, flash,
                  max_seqs: int, max_blocks_per_seq: int, scratch_block: int,
                  staging: Staging | None = None) -> None:
         super().__init__(kv_cache, num_heads, scale)
         self.flash = flash
         self.block_size = kv_cache.shape[3]
-        if self.block_size % FLASH_PAGE_MULTIPLE:
+        if self.block_size % self.PAGE_MULTIPLE:
             raise ValueError(f"the flash attention backend needs a block size that is a multiple of "
-                             f"{FLASH_PAGE_MULTIPLE} (flash-attn 2's paged KV kernels), got {self.block_size}")
+                             f"{self.PAGE_MULTIPLE} (flash-attn 2's paged KV kernels), got {self.block_size}")
         self.max_width = max_blocks_per_seq
         self.scratch_block = scratch_block  # never handed out: padded rows write and read here
         staging = staging or Staging(kv_cache.device)

@@ -33,9 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight and activation dtype; auto = bf16 on CUDA and on CPUs with fast bf16, else fp32")
     m.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where to run the model; auto = cuda if torch sees a GPU, else cpu")
-    m.add_argument("--attention-backend", default="auto", choices=["auto", "flash", "torch"],
+    m.add_argument("--attention-backend", default="auto", choices=["auto", "flash", "triton", "torch"],
                    help="flash = flash-attn 2.8 paged kernels (fp16/bf16, block size a multiple of 256); "
-                        "torch = portable backend; auto = flash when flash_attn imports and the device is CUDA")
+                        "triton = Triton paged kernels (CUDA, any block size, CUDA graphs, no extra package); "
+                        "torch = portable backend; auto = flash when flash_attn imports and runs, else triton "
+                        "on CUDA, else torch")
     m.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
     m.add_argument("--max-model-len", type=int, default=None,
@@ -46,8 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int, default=0, help="global seed (per-request seeds override it)")
     kv = p.add_argument_group("KV cache")
     kv.add_argument("--block-size", type=int, default=0,
-                    help="tokens per KV block; 0 = backend default (16 on CPU, 256 on CUDA); the flash "
-                         "backend needs a multiple of 256")
+                    help="tokens per KV block; 0 = backend default (flash 256, triton 16, torch: 16 on CPU, "
+                         "256 on CUDA); the flash backend needs a multiple of 256")
     g = kv.add_mutually_exclusive_group()
     g.add_argument("--kv-cache-gb", type=float, default=None,
                    help="device KV cache budget in GiB (default: from free memory)")
