@@ -11,9 +11,11 @@ int32 block tables, cu_seqlens, cache_seqlens in persistent staged buffers), thr
   CUDA-graph capturable.
 Any block size: each key's address is computed per token (block = table[pos // bs]), so 16-token
 blocks give fine prefix-cache granularity. Only the table columns a sequence needs are read.
-On CPU it runs under TRITON_INTERPRET=1 (how CI tests it, in fp32); fp32 dots use IEEE precision.
+On CPU it runs under TRITON_INTERPRET=1 (how CI tests it); fp32 dots use IEEE precision.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -39,8 +41,10 @@ def _store_kv(k, v, k_cache, v_cache, blocks, offsets, sk_t, sk_h, sv_t, sv_h, s
 
 @triton.jit
 def _dot(a, b, IEEE: tl.constexpr):
+    """IEEE: fp32 operands (CUDA would use tf32), or any operands under the interpreter, whose
+    bf16 dot is wrong (it multiplies the raw bits): upcast there, so CPU tests cover bf16 caches."""
     if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     return tl.dot(a, b)
 
 
@@ -158,7 +162,7 @@ class TritonAttention(FlashAttention):
         super().__init__(kv_cache, num_heads, scale, flash=None, max_seqs=max_seqs,
                          max_blocks_per_seq=max_blocks_per_seq, scratch_block=scratch_block, staging=staging)
         dev = kv_cache.device
-        self.ieee = kv_cache.dtype == torch.float32
+        self.ieee = kv_cache.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
         big = dev.type == "cuda" and not self.ieee
         self.block_m, self.block_n = (64, 64) if big else (32, 32)
@@ -170,7 +174,7 @@ class TritonAttention(FlashAttention):
     def _splits(self, rows: int, kv_heads: int) -> int:
         """Enough (seq, kv head, split) programs for about two waves on the GPU; a power of two."""
         want = -(-2 * self.sms // (rows * kv_heads))
-        return min(32, _p2(want))
+        return min(32, _p2(want, 2))  # at least 2: no size-1 aranges
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         k_cache, v_cache = self.kv_cache[:, layer, 0], self.kv_cache[:, layer, 1]  # [N, bs, kh, D] views
