@@ -221,19 +221,28 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warmup_prefill(self, n: int) -> torch.Tensor:
-        """One fresh n-token prefill in which every row is a logits row (the most one step can
-        ask for: prompt logprobs), for the memory profile. Needs ceil(n / block_size) blocks."""
-        bs, max_pos = self.layout.block_size, self.model.cfg.max_position_embeddings
+        """A fresh prefill of n tokens in which every row is a logits row (the most one step can
+        ask for: prompt logprobs), for the memory profile; split into sequences no longer than
+        max_model_len. Needs warmup_blocks(n) blocks."""
+        bs, lens = self.layout.block_size, self._warmup_lens(n)
         buf = self._stage(n)
         buf[_IDS, :n] = 0
-        buf[_POS, :n] = [p % max_pos for p in range(n)]
-        buf[_BLK, :n] = [p // bs for p in range(n)]
-        buf[_OFF, :n] = [p % bs for p in range(n)]
+        buf[_POS, :n] = [p for m in lens for p in range(m)]
+        tables, first = [], 0
+        for m in lens:
+            tables.append(list(range(first, first + -(-m // bs))))
+            first += len(tables[-1])
+        buf[_BLK, :n] = [t[p // bs] for t, m in zip(tables, lens) for p in range(m)]
+        buf[_OFF, :n] = [p % bs for m in lens for p in range(m)]
         buf[_LOGITS, :n] = range(n)
         dev = self.inputs.upload(5)[:, :n]
-        self.attn.prepare(AttentionBatch([n], [n], [list(range(-(-n // bs)))], 0, dev[_BLK], dev[_OFF]))
+        self.attn.prepare(AttentionBatch(lens, lens, tables, 0, dev[_BLK], dev[_OFF]))
         self.staging.end_uploads()
         return self.model(dev[_IDS], dev[_POS], self.attn, dev[_LOGITS])
+
+    def _warmup_lens(self, n: int) -> list[int]:
+        longest = self.opts.max_model_len or self.model.cfg.max_position_embeddings
+        return [min(longest, n - a) for a in range(0, n, longest)]
 
     # ---- CUDA graphs ----------------------------------------------------------------------------
     def graph_blocker(self, bucket: int, sync_guard: Callable[[], ContextManager]) -> str | None:
@@ -320,7 +329,9 @@ def profile_memory(model: LlamaModel, layout: KVLayout, device: torch.device, op
     if device.type != "cuda":
         return MemoryProfile(0, 0, True)
     n = opts.max_num_batched_tokens
-    probe = ModelRunner(model, layout, -(-n // layout.block_size), device, replace(opts, cuda_graphs=False))
+    longest = opts.max_model_len or model.cfg.max_position_embeddings
+    blocks = -(-n // layout.block_size) + -(-n // longest)  # each warm-up sequence may end mid-block
+    probe = ModelRunner(model, layout, blocks, device, replace(opts, cuda_graphs=False))
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)

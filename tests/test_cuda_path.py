@@ -127,6 +127,9 @@ def test_warmup_prefill_and_graph_width(tiny):
     assert runner.attn.max_width == 2  # ceil(300 / 256), not the model's 512 positions
     logits = runner.warmup_prefill(128)
     assert logits.shape == (128, llm.engine.model.vocab_size) and torch.isfinite(logits).all()
+    runner.opts.max_model_len = 50  # longer than max_model_len: split into sequences
+    assert runner._warmup_lens(128) == [50, 50, 28]
+    assert runner.warmup_prefill(128).shape[0] == 128
 
 
 # ---- fresh prefills use plain varlen ----------------------------------------------------------

@@ -49,6 +49,23 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _tile(qv, m_i, l_i, acc, k_cache, v_cache, table_row, pos, valid, visible, d, D, BS, sc_b, sc_t, head_off,
+          scale, IEEE: tl.constexpr):
+    """One online-softmax step over the keys at positions `pos` (those `valid` exist; `visible`
+    [rows, keys] may be attended): gather them from the paged cache, update (max, sum, acc)."""
+    blk = tl.load(table_row + pos // BS, mask=valid, other=0).to(tl.int64)  # only needed columns
+    base = blk * sc_b + (pos % BS).to(tl.int64) * sc_t + head_off
+    kvmask = valid[:, None] & (d[None, :] < D)
+    kt = tl.load(k_cache + base[:, None] + d[None, :], mask=kvmask, other=0.0)
+    s = tl.where(visible, _dot(qv, tl.trans(kt), IEEE) * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    vt = tl.load(v_cache + base[:, None] + d[None, :], mask=kvmask, other=0.0)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, IEEE)
+
+
+@triton.jit
 def _prefill(q, k_cache, v_cache, out, tables, cu_q, cu_k, scale, sq_t, sq_h, so_t, so_h, sc_b, sc_t, sc_h, st_b,
              G, D, BS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_P: tl.constexpr, IEEE: tl.constexpr):
     b = tl.program_id(0)
@@ -73,19 +90,9 @@ def _prefill(q, k_cache, v_cache, out, tables, cu_q, cu_k, scale, sq_t, sq_h, so
     for n0 in range(0, hi, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < hi
-        blk = tl.load(tables + b * st_b + pos // BS, mask=valid, other=0).to(tl.int64)
-        base = blk * sc_b + (pos % BS).to(tl.int64) * sc_t + kvh * sc_h
-        kvmask = valid[:, None] & (d[None, :] < D)
-        kt = tl.load(k_cache + base[:, None] + d[None, :], mask=kvmask, other=0.0)
-        s = _dot(qv, tl.trans(kt), IEEE) * scale
-        s = tl.where(valid[None, :] & (pos[None, :] <= qpos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        vt = tl.load(v_cache + base[:, None] + d[None, :], mask=kvmask, other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, IEEE)
-        m_i = m_new
+        m_i, l_i, acc = _tile(qv, m_i, l_i, acc, k_cache, v_cache, tables + b * st_b, pos, valid,
+                              valid[None, :] & (pos[None, :] <= qpos[:, None]), d, D, BS, sc_b, sc_t,
+                              kvh * sc_h, scale, IEEE)
     o = acc / l_i[:, None]
     tl.store(out + rows[:, None] * so_t + h * so_h + d[None, :], o.to(out.dtype.element_ty), mask=qmask)
 
@@ -112,19 +119,8 @@ def _decode(q, k_cache, v_cache, part_acc, part_ml, tables, lens, scale, sq_t, s
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < end
-        blk = tl.load(tables + row * st_b + pos // BS, mask=valid, other=0).to(tl.int64)
-        base = blk * sc_b + (pos % BS).to(tl.int64) * sc_t + kvh * sc_h
-        kvmask = valid[:, None] & (d[None, :] < D)
-        kt = tl.load(k_cache + base[:, None] + d[None, :], mask=kvmask, other=0.0)
-        s = _dot(qv, tl.trans(kt), IEEE) * scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        vt = tl.load(v_cache + base[:, None] + d[None, :], mask=kvmask, other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, IEEE)
-        m_i = m_new
+        m_i, l_i, acc = _tile(qv, m_i, l_i, acc, k_cache, v_cache, tables + row * st_b, pos, valid,
+                              valid[None, :], d, D, BS, sc_b, sc_t, kvh * sc_h, scale, IEEE)
     # partials [rows, H, SPLITS, D] and [rows, H, SPLITS, 2] (max, sum); an empty split keeps -inf, 0
     hmask = g < G
     at = (row * H + heads).to(tl.int64) * SPLITS + sp
