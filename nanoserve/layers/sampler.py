@@ -72,13 +72,15 @@ class Sampler:
         """One host sync per step, whatever the batch asks for (logprobs, top-k alternatives)."""
         logits = logits.float()
         want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        rows_t = _upload(torch.tensor(want, dtype=torch.long), logits.device) if want else None
         # raw distribution, before _process edits logits in place
-        raw = torch.log_softmax(logits[want], dim=-1) if want else None
+        raw = torch.log_softmax(logits.index_select(0, rows_t), dim=-1) if want else None
         tokens = self._choose(self._process(logits, seqs), seqs)
         lps: list[TokenLogprob | None] = [None] * len(seqs)
         if raw is None:
             return SampleResult(tokens.tolist(), lps)
-        rows, ids = _logprob_rows(raw, tokens[want], [seqs[i].params.logprobs for i in want], tokens)
+        rows, ids = _logprob_rows(raw, tokens.index_select(0, rows_t), [seqs[i].params.logprobs for i in want],
+                                  tokens)
         for i, lp in zip(want, rows):
             lps[i] = lp
         return SampleResult(ids, lps)
@@ -89,7 +91,7 @@ class Sampler:
         """Logprob of each target token under its row of logits, with the top-N alternatives; one
         sync per PROMPT_LOGPROB_ROWS rows."""
         out: list[TokenLogprob] = []
-        tgt = torch.tensor(targets, dtype=torch.long).to(logits.device)
+        tgt = _upload(torch.tensor(targets, dtype=torch.long), logits.device)
         for a in range(0, len(targets), PROMPT_LOGPROB_ROWS):
             lp = torch.log_softmax(logits[a:a + PROMPT_LOGPROB_ROWS].float(), dim=-1)
             out += _logprob_rows(lp, tgt[a:a + PROMPT_LOGPROB_ROWS], [top_n] * lp.shape[0])[0]
