@@ -31,9 +31,10 @@ class EngineConfig:
     device: str = opt("auto", "where to run the model; auto = cuda if torch sees a GPU, else cpu",
                       choices=("auto", "cpu", "cuda"), group="model")
     attention_backend: str = opt("auto", "flash = flash-attn 2.8 paged kernels (fp16/bf16, block size a "
-                                 "multiple of 256); torch = portable backend; auto = flash when flash_attn "
-                                 "imports and the device is CUDA", choices=("auto", "flash", "torch"),
-                                 group="model")
+                                 "multiple of 256); triton = Triton paged kernels (CUDA, any block size, CUDA "
+                                 "graphs, no extra package); torch = portable backend; auto = flash when "
+                                 "flash_attn imports and runs, else triton on CUDA, else torch",
+                                 choices=("auto", "flash", "triton", "torch"), group="model")
     enforce_eager: bool = opt(False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs",
                               group="model")
     max_model_len: int | None = opt(None, "context length (prompt + completion) in tokens; default: the "
@@ -44,8 +45,8 @@ class EngineConfig:
     load_format: str = opt("auto", "auto = read the weights; dummy = random weights made on the device "
                            "(benchmarks, as vLLM's --load-format dummy)", choices=("auto", "dummy"),
                            group="model")
-    block_size: int = opt(0, "tokens per KV block; 0 = backend default (16 on CPU, 256 on CUDA); the flash "
-                          "backend needs a multiple of 256", group="KV cache")
+    block_size: int = opt(0, "tokens per KV block; 0 = backend default (flash 256, triton 16, torch: 16 on "
+                          "CPU, 256 on CUDA); the flash backend needs a multiple of 256", group="KV cache")
     kv_cache_gb: float | None = opt(None, "device KV cache budget in GiB (default: from free memory)",
                                     group="KV cache", mutex="kv budget")
     gpu_memory_utilization: float = opt(0.9, "CUDA: fraction of GPU memory the server may use (weights + "
@@ -68,8 +69,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
-        if self.attention_backend not in ("auto", "flash", "torch"):
-            raise ValueError(f"attention_backend must be auto|flash|torch, got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "flash", "triton", "torch"):
+            raise ValueError(f"attention_backend must be auto|flash|triton|torch, got {self.attention_backend!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto|dummy, got {self.load_format!r}")
         if self.device not in ("auto", "cpu", "cuda"):

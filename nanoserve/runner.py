@@ -2,19 +2,25 @@
 scheduler step into flat batch tensors and returns the logits of the sequences that sample.
 
 Graph-ready: the step's token ids, positions, slots and logits rows live in persistent buffers
-filled from host staging (pinned on CUDA) with one copy per step, and the forward itself never
-reads back from the device. With the flash backend on CUDA, pure-decode steps replay CUDA graphs
-captured at start-up for a few batch-size buckets (padded up to the bucket); the padded path is
-the same code eagerly on CPU, which is how tests check it."""
+filled from host staging (pinned on CUDA, fenced by an event: layers/staging.py) with one copy per
+step, and the forward itself never reads back from the device. With a paged backend (flash or
+Triton) on CUDA, pure-decode steps replay CUDA graphs captured at start-up for a few batch-size
+buckets (padded up to the bucket); the padded path is the same code eagerly on CPU, which is how
+tests check it."""
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Callable, ContextManager
 
 import torch
 
 from nanoserve.layers.attention import AttentionBackend, AttentionBatch, TorchAttention
-from nanoserve.layers.flash_attention import FlashAttention, Staged
+from nanoserve.layers.flash_attention import FlashAttention
+from nanoserve.layers.sampler import Sampler
+from nanoserve.layers.staging import Staging
 from nanoserve.models.llama import LlamaModel
 from nanoserve.scheduler import ScheduledSeq
 from nanoserve.sequence import Sequence
@@ -54,7 +60,8 @@ class RunnerOptions:
     flash_module: object | None = None  # flash-attn (or its reference); used iff layout.backend is FlashAttention
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
-    cuda_graphs: bool = False           # capture pure-decode graphs (CUDA + flash backend only)
+    max_model_len: int = 0              # sizes the graphs' block tables; 0 = the model's max positions
+    cuda_graphs: bool = False           # capture pure-decode graphs (CUDA + a paged backend only)
     padded_decode: bool = False         # run pure-decode steps through the padded graph path even
                                         # without graphs (CPU tests of the replay path)
     graph_buckets: list[int] = field(default_factory=list)  # empty = default buckets up to max_num_seqs
@@ -76,24 +83,28 @@ class ModelRunner:
         self.layout = layout
         self.device = device
         self.opts = opts = opts or RunnerOptions()
-        flash = layout.backend is FlashAttention
-        # flash: one extra block past those the KV manager hands out, where padded rows go
-        self.kv_cache = torch.zeros(layout.shape(num_blocks + flash), dtype=layout.dtype, device=device)
+        paged = issubclass(layout.backend, FlashAttention)  # flash or Triton: int32 paged metadata
+        # paged: one extra block past those the KV manager hands out, where padded rows go
+        self.kv_cache = torch.zeros(layout.shape(num_blocks + paged), dtype=layout.dtype, device=device)
         self.max_tokens = max(opts.max_num_batched_tokens, opts.max_num_seqs)
-        self.inputs = Staged((5, self.max_tokens), torch.long, device)  # ids, positions, slots, logits rows
-        if flash:
-            width = -(-model.cfg.max_position_embeddings // layout.block_size)
-            self.attn: AttentionBackend = FlashAttention(
-                self.kv_cache, model.num_heads, model.scale, flash=opts.flash_module,
-                max_seqs=opts.max_num_seqs, max_blocks_per_seq=min(width, num_blocks), scratch_block=num_blocks)
+        self.staging = Staging(device)
+        self.inputs = self.staging.buffer((5, self.max_tokens), torch.long)  # ids, positions, slots, logits rows
+        if paged:
+            # graphs bake the table width (and flash-attn its split count) in: size it from the
+            # longest sequence this engine admits, not the model's own maximum
+            width = -(-(opts.max_model_len or model.cfg.max_position_embeddings) // layout.block_size)
+            self.attn: AttentionBackend = layout.backend(
+                self.kv_cache, model.num_heads, model.scale, flash=opts.flash_module, max_seqs=opts.max_num_seqs,
+                max_blocks_per_seq=width, scratch_block=num_blocks, staging=self.staging)
         else:
             self.attn = TorchAttention(self.kv_cache, model.num_heads, model.scale,
                                        model.kernels)
-        self.buckets = sorted(opts.graph_buckets or decode_buckets(opts.max_num_seqs)) if flash else []
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.buckets = sorted(opts.graph_buckets or decode_buckets(opts.max_num_seqs)) if paged else []
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_logits: torch.Tensor | None = None  # one static output, shared by every bucket's graph
         self.steps_graphed = self.steps_eager = self.steps_padded = 0
-        if flash and opts.cuda_graphs and device.type == "cuda":
-            self._capture_graphs()
+        if paged and opts.cuda_graphs and device.type == "cuda":
+            self.capture_graphs()
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[Sequence], list[PromptLogitRows]]:
@@ -146,6 +157,7 @@ class ModelRunner:
         buf[_LOGITS, :len(rows)] = rows
         dev = self.inputs.upload(5)[:, :n_tok]
         self.attn.prepare(AttentionBatch(query_lens, context_lens, tables, len(decodes), dev[_BLK], dev[_OFF]))
+        self.staging.end_uploads()
         logits = self.model(dev[_IDS], dev[_POS], self.attn, dev[_LOGITS, :len(rows)])
         self.steps_eager += 1
         return logits, samplers, prompt_rows
@@ -183,67 +195,161 @@ class ModelRunner:
         buf[_LOGITS, :bucket] = range(bucket)
 
     def _padded_forward(self, bucket: int, tables: list[list[int]], context_lens: list[int]) -> torch.Tensor:
+        self._padded_upload(bucket, tables, context_lens)
+        if bucket in self.graphs:
+            self.graphs[bucket].replay()
+            return self.graph_logits[:bucket]
+        return self._decode_forward(bucket)
+
+    def _padded_upload(self, bucket: int, tables: list[list[int]], context_lens: list[int]) -> None:
         n = len(tables)
         dev = self.inputs.upload(5)[:, :bucket]
         batch = AttentionBatch([1] * n, context_lens, tables, n, dev[_BLK], dev[_OFF])
         self.attn.prepare(batch, pad_to=bucket)
-        if bucket in self.graphs:
-            graph, out = self.graphs[bucket]
-            graph.replay()
-            return out
-        return self.model(dev[_IDS], dev[_POS], self.attn, dev[_LOGITS])
+        self.staging.end_uploads()
+
+    def _decode_forward(self, bucket: int) -> torch.Tensor:
+        """What a graph captures: reads only persistent device buffers."""
+        dev = self.inputs.dev
+        return self.model(dev[_IDS, :bucket], dev[_POS, :bucket], self.attn, dev[_LOGITS, :bucket])
 
     def _stage(self, n: int):
         if n > self.max_tokens:
             raise ValueError(f"a step of {n} tokens exceeds the runner's buffers ({self.max_tokens})")
+        self.staging.begin_writes()  # the previous step's uploads have been read
         return self.inputs.np
 
-    # ---- CUDA graphs (CUDA only: nothing below runs on CPU) -------------------------------------
-    def _capture_graphs(self) -> None:
-        """Capture each bucket's padded decode forward, largest first so smaller ones reuse its
-        memory pool. If the installed flash-attn syncs inside flash_attn_with_kvcache (capture
-        fails), decode through flash_attn_varlen_func instead; if that fails too, run eager."""
-        for varlen in (False, True):
-            self.attn.decode_with_varlen = varlen
-            try:
-                pool = None
-                for b in sorted(self.buckets, reverse=True):
-                    buf = self._stage(b)
-                    self._pad_rows(buf, 0, b)
-                    self._padded_forward(b, [], [])          # warm-up, eager
-                    torch.cuda.synchronize(self.device)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
-                        out = self.model(self.inputs.dev[_IDS, :b], self.inputs.dev[_POS, :b], self.attn,
-                                         self.inputs.dev[_LOGITS, :b])
-                    pool = graph.pool()
-                    self.graphs[b] = (graph, out)
-                log.info("captured decode CUDA graphs for batch sizes %s%s", sorted(self.graphs),
-                         " (decode via flash_attn_varlen_func)" if varlen else "")
+    @torch.inference_mode()
+    def warmup_prefill(self, n: int) -> torch.Tensor:
+        """A fresh prefill of n tokens in which every row is a logits row (the most one step can
+        ask for: prompt logprobs), for the memory profile; split into sequences no longer than
+        max_model_len. Needs warmup_blocks(n) blocks."""
+        bs, lens = self.layout.block_size, self._warmup_lens(n)
+        buf = self._stage(n)
+        buf[_IDS, :n] = 0
+        buf[_POS, :n] = [p for m in lens for p in range(m)]
+        tables, first = [], 0
+        for m in lens:
+            tables.append(list(range(first, first + -(-m // bs))))
+            first += len(tables[-1])
+        buf[_BLK, :n] = [t[p // bs] for t, m in zip(tables, lens) for p in range(m)]
+        buf[_OFF, :n] = [p % bs for m in lens for p in range(m)]
+        buf[_LOGITS, :n] = range(n)
+        dev = self.inputs.upload(5)[:, :n]
+        self.attn.prepare(AttentionBatch(lens, lens, tables, 0, dev[_BLK], dev[_OFF]))
+        self.staging.end_uploads()
+        return self.model(dev[_IDS], dev[_POS], self.attn, dev[_LOGITS])
+
+    def _warmup_lens(self, n: int) -> list[int]:
+        longest = self.opts.max_model_len or self.model.cfg.max_position_embeddings
+        return [min(longest, n - a) for a in range(0, n, longest)]
+
+    # ---- CUDA graphs ----------------------------------------------------------------------------
+    def graph_blocker(self, bucket: int, sync_guard: Callable[[], ContextManager]) -> str | None:
+        """Run one bucket's padded decode forward eagerly under `sync_guard` (CUDA:
+        torch.cuda.set_sync_debug_mode("error")), which raises on any host sync: a sync inside a
+        capture invalidates it, and on torch < 2.12 a failed capture leaves the caching allocator
+        believing a capture is underway (pytorch#180395). -> None if capture is safe, else why not.
+        Also the warm-up each bucket needs before its capture."""
+        if not getattr(self.attn, "graph_safe", False):
+            return f"the {type(self.attn).__name__} module declares its decode path not graph-safe"
+        self._prepare_bucket(bucket)
+        try:
+            with sync_guard(), torch.inference_mode():
+                self._decode_forward(bucket)
+        except RuntimeError as e:
+            return f"the decode forward syncs with the host ({e})"
+        return None
+
+    def capture_graphs(self) -> None:
+        """CUDA: capture each bucket's padded decode forward, largest first into one pool, after a
+        sync-checked eager warm-up; a capture is only attempted once nothing can make it fail."""
+        buckets = sorted(self.buckets, reverse=True)
+        for b in buckets:
+            why = self.graph_blocker(b, _cuda_sync_errors)
+            if why is not None:
+                log.warning("decode steps run eager (no CUDA graphs): %s", why)
                 return
-            except RuntimeError as e:
-                log.warning("CUDA graph capture failed%s: %s", " with flash_attn_varlen_func" if varlen else "", e)
-                self.graphs.clear()
-                torch.cuda.synchronize(self.device)
-        self.attn.decode_with_varlen = False
-        log.warning("decode steps run eager (no CUDA graphs)")
+        torch.cuda.synchronize(self.device)
+        with torch.inference_mode():
+            self.graph_logits = self._decode_forward(buckets[0]).clone()
+        stream = torch.cuda.current_stream(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        for b in buckets:
+            graph = torch.cuda.CUDAGraph()
+            self._prepare_bucket(b)  # the attention metadata views of this bucket's shape
+            try:
+                with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
+                    self.graph_logits[:b].copy_(self._decode_forward(b))
+            except Exception as e:  # noqa: BLE001 - should not happen after the check above
+                self._abandon_capture(pool, stream, e)
+                return
+            self.graphs[b] = graph
+        log.info("captured decode CUDA graphs for batch sizes %s (%s)", sorted(self.graphs), type(self.attn).__name__)
+
+    def _prepare_bucket(self, bucket: int) -> None:
+        self._pad_rows(self._stage(bucket), 0, bucket)
+        self._padded_upload(bucket, [], [])
+
+    def _abandon_capture(self, pool, stream, e: Exception) -> None:
+        """Graphs off. No empty_cache or new capture after this: on torch < 2.12 the allocator may
+        still route to the pool; end that (private API, where it exists) and restore the stream."""
+        log.warning("CUDA graph capture failed (%s: %s): decode steps run eager", type(e).__name__, e)
+        self.failed_graphs, self.graphs = self.graphs, {}  # kept alive: no pool release mid-failure
+        with contextlib.suppress(Exception):
+            torch._C._cuda_endAllocateToPool(self.device.index or torch.cuda.current_device(), pool)
+        torch.cuda.set_stream(stream)
 
     @staticmethod
     def _is_decode(s: ScheduledSeq) -> bool:
         return s.num_tokens == 1 and s.seq.num_computed_tokens > 0
 
 
-def probe_graph_memory(model: LlamaModel, layout: KVLayout, device: torch.device, opts: RunnerOptions) -> int:
-    """CUDA: bytes the decode graphs take, measured by capturing them against a one-block cache
-    and releasing them, so the KV cache is sized with that memory already counted. The real
-    graphs are then captured against the real cache (the graphs bake in its address)."""
-    if not (opts.cuda_graphs and device.type == "cuda" and layout.backend is FlashAttention):
-        return 0
+@contextlib.contextmanager
+def _cuda_sync_errors():
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@dataclass
+class MemoryProfile:
+    activation_bytes: int  # peak above the resident state during the largest step
+    graph_bytes: int       # what the decode CUDA graphs take
+    graphs_ok: bool        # False: capture is not possible here (the real runner should not try)
+
+
+def profile_memory(model: LlamaModel, layout: KVLayout, device: torch.device, opts: RunnerOptions) -> MemoryProfile:
+    """CUDA (as nano-vLLM's warmup_model): run a max_num_batched_tokens prefill whose every row
+    is a logits row, plus the sampler's prompt-logprob pass over them, on a runner with a cache
+    just big enough, and measure the peak; then capture the decode graphs and measure them. The
+    real runner is built afterwards, against the real cache (graphs bake in its address)."""
+    if device.type != "cuda":
+        return MemoryProfile(0, 0, True)
+    n = opts.max_num_batched_tokens
+    longest = opts.max_model_len or model.cfg.max_position_embeddings
+    blocks = -(-n // layout.block_size) + -(-n // longest)  # each warm-up sequence may end mid-block
+    probe = ModelRunner(model, layout, blocks, device, replace(opts, cuda_graphs=False))
     torch.cuda.synchronize(device)
-    free_before = torch.cuda.mem_get_info(device)[0]
-    probe = ModelRunner(model, layout, 1, device, opts)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    logits = probe.warmup_prefill(n)
+    Sampler.prompt_logprobs(logits, [0] * n, 1)
+    del logits
     torch.cuda.synchronize(device)
-    used = free_before - torch.cuda.mem_get_info(device)[0]
+    activation = torch.cuda.max_memory_allocated(device) - base
+    graph_bytes, ok = 0, True
+    if opts.cuda_graphs and issubclass(layout.backend, FlashAttention):
+        torch.cuda.empty_cache()
+        free_before = torch.cuda.mem_get_info(device)[0]
+        probe.capture_graphs()
+        torch.cuda.synchronize(device)
+        graph_bytes, ok = max(free_before - torch.cuda.mem_get_info(device)[0], 0), bool(probe.graphs)
+    failed = hasattr(probe, "failed_graphs")
     del probe
-    torch.cuda.empty_cache()
-    return max(used, 0)
+    gc.collect()
+    if not failed:  # after a failed capture, leave the allocator alone
+        torch.cuda.empty_cache()
+    return MemoryProfile(activation, graph_bytes, ok)

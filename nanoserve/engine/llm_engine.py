@@ -22,8 +22,8 @@ from nanoserve.layers.sampler import Sampler
 from nanoserve.models.llama import LlamaModel
 from nanoserve.models.loader import iter_weights, load_config, load_tokenizer, materialize, resolve_model
 from nanoserve.outputs import CompletionOutput, RequestOutput
-from nanoserve.layers.flash_attention import resolve_attention
-from nanoserve.runner import KVLayout, ModelRunner, RunnerOptions, probe_graph_memory
+from nanoserve.layers.backend_choice import resolve_attention
+from nanoserve.runner import KVLayout, ModelRunner, RunnerOptions, profile_memory
 from nanoserve.sampling_params import InvalidRequest, SamplingParams
 from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence
@@ -73,9 +73,10 @@ class LLMEngine:
         self.layout = KVLayout(self.model.num_layers, block_size, self.model.num_kv_heads,
                                self.model.head_dim, self.dtype, backend)
         runner_opts = RunnerOptions(flash, config.max_num_seqs, config.max_num_batched_tokens,
-                                    cuda_graphs=not config.enforce_eager)
-        self._graph_bytes = probe_graph_memory(self.model, self.layout, self.device, runner_opts)
-        num_blocks = self._num_device_blocks()
+                                    max_model_len=config.max_model_len or 0, cuda_graphs=not config.enforce_eager)
+        num_blocks = self._num_device_blocks(runner_opts)
+        self.max_model_len = self._max_model_len(num_blocks * block_size)
+        runner_opts.max_model_len = self.max_model_len
         self.runner = ModelRunner(self.model, self.layout, num_blocks, self.device, runner_opts)
         host = self._host_tier()
         watermark = config.host_offload_watermark or (
@@ -83,7 +84,6 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching, host, watermark)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(config.seed, self.device)
-        self.max_model_len = self._max_model_len(num_blocks * block_size)
         self.eos_token_ids = self._eos_ids()
         # the longest text one token can stand for: a prompt longer than max_model_len times this
         # cannot fit, whatever its tokenization
@@ -106,16 +106,20 @@ class LLMEngine:
                  f"{host.num_bytes / GiB:.2f} GiB" if host else "host tier off", self.max_model_len)
 
     # ---- setup helpers -------------------------------------------------------------------
-    def _num_device_blocks(self) -> int:
+    def _num_device_blocks(self, opts: RunnerOptions) -> int:
         cfg, per_block = self.config, self.layout.bytes_per_block
         if cfg.num_kv_blocks:
             return cfg.num_kv_blocks
         if cfg.kv_cache_gb is not None:
             budget = cfg.kv_cache_gb * GiB
         elif self.device.type == "cuda":
+            # the largest step's activations and the decode graphs, measured (runner.profile_memory)
+            prof = profile_memory(self.model, self.layout, self.device, opts)
+            opts.cuda_graphs = opts.cuda_graphs and prof.graphs_ok  # the real runner would fail the same way
             free, total = torch.cuda.mem_get_info(self.device)
-            # 1 GiB for activations; decode CUDA graphs measured by a probe capture
-            budget = free - (1 - cfg.gpu_memory_utilization) * total - GiB - self._graph_bytes
+            budget = free - (1 - cfg.gpu_memory_utilization) * total - prof.activation_bytes - prof.graph_bytes
+            log.info("profiled: %.2f GiB activations at %d tokens per step, %.2f GiB decode graphs",
+                     prof.activation_bytes / GiB, opts.max_num_batched_tokens, prof.graph_bytes / GiB)
         else:
             budget = min(4 * GiB, 0.2 * _available_memory())
         blocks = int(budget // per_block)

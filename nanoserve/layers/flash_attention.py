@@ -15,57 +15,69 @@ captured in a CUDA graph and replayed with new contents.
 """
 from __future__ import annotations
 
+import logging
 from types import ModuleType
 
 import numpy as np
 import torch
 
 from nanoserve.layers.attention import AttentionBackend, AttentionBatch
+from nanoserve.layers.staging import Staging
+
+log = logging.getLogger("nanoserve")
 
 FLASH_PAGE_MULTIPLE = 256  # flash-attn 2's paged kernels need page_block_size % 256 == 0
 
 
-def import_flash_attn() -> ModuleType | None:
+def import_flash_attn() -> tuple[ModuleType | None, str | None]:
+    """-> (flash_attn, None), or (None, why not). A build for another torch or CUDA raises
+    RuntimeError/OSError (or worse) at import, not ImportError: any failure means "not available"."""
     try:
         import flash_attn
-    except ImportError:
-        return None
-    return flash_attn
+    except Exception as e:  # noqa: BLE001 - whatever a broken build raises
+        if not isinstance(e, ImportError):
+            log.warning("flash_attn is installed but does not import (%s: %s): not using it", type(e).__name__, e)
+        return None, f"{type(e).__name__}: {e}"
+    return flash_attn, None
 
 
-class Staged:
-    """A persistent device tensor plus its host staging twin (the same tensor on CPU)."""
-
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
-        self.dev = torch.zeros(shape, dtype=dtype, device=device)
-        self.host = self.dev if device.type == "cpu" else torch.zeros(shape, dtype=dtype, pin_memory=True)
-        self.np = self.host.numpy()
-
-    def upload(self, n: int) -> torch.Tensor:
-        """Copy the first n rows host -> device; returns the device view. Reusing the pinned host
-        buffer next step is safe: the sampler syncs once per step, after this copy has run."""
-        if self.host is not self.dev:
-            self.dev[:n].copy_(self.host[:n], non_blocking=True)
-        return self.dev[:n]
+def flash_works(module, device: torch.device) -> str | None:
+    """None if one tiny varlen call runs on `device`, else why not (a wheel without kernels for
+    this GPU's architecture imports fine and fails at the first launch)."""
+    try:
+        x = torch.randn(4, 2, 64, dtype=torch.bfloat16, device=device)
+        cu = torch.tensor([0, 4], dtype=torch.int32, device=device)
+        module.flash_attn_varlen_func(x, x, x, cu, cu, 4, 4, causal=True)
+    except Exception as e:  # noqa: BLE001
+        log.warning("flash_attn imports but a test call fails (%s: %s): not using it", type(e).__name__, e)
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 class FlashAttention(AttentionBackend):
+    PAGE_MULTIPLE = FLASH_PAGE_MULTIPLE
     def __init__(self, kv_cache: torch.Tensor, num_heads: int, scale: float, *, flash,
-                 max_seqs: int, max_blocks_per_seq: int, scratch_block: int) -> None:
+                 max_seqs: int, max_blocks_per_seq: int, scratch_block: int,
+                 staging: Staging | None = None) -> None:
         super().__init__(kv_cache, num_heads, scale)
         self.flash = flash
         self.block_size = kv_cache.shape[3]
-        if self.block_size % FLASH_PAGE_MULTIPLE:
+        if self.block_size % self.PAGE_MULTIPLE:
             raise ValueError(f"the flash attention backend needs a block size that is a multiple of "
-                             f"{FLASH_PAGE_MULTIPLE} (flash-attn 2's paged KV kernels), got {self.block_size}")
+                             f"{self.PAGE_MULTIPLE} (flash-attn 2's paged KV kernels), got {self.block_size}")
         self.max_width = max_blocks_per_seq
         self.scratch_block = scratch_block  # never handed out: padded rows write and read here
-        dev = kv_cache.device
-        self.tables = Staged((max_seqs, max_blocks_per_seq), torch.int32, dev)
-        self.seq_lens = Staged((max_seqs,), torch.int32, dev)
-        self.cu_q = Staged((max_seqs + 1,), torch.int32, dev)
-        self.cu_k = Staged((max_seqs + 1,), torch.int32, dev)
-        self.decode_with_varlen = False  # set when with_kvcache cannot be graph-captured
+        staging = staging or Staging(kv_cache.device)
+        self.tables = staging.buffer((max_seqs, max_blocks_per_seq), torch.int32)
+        self.seq_lens = staging.buffer((max_seqs,), torch.int32)
+        self.cu_q = staging.buffer((max_seqs + 1,), torch.int32)
+        self.cu_k = staging.buffer((max_seqs + 1,), torch.int32)
+
+    @property
+    def graph_safe(self) -> bool:
+        """Whether the decode forward may be captured: the real flash-attn is sync-free there; a
+        stand-in says so itself (the reference's validating checks sync)."""
+        return bool(getattr(self.flash, "graph_safe", True))
 
     @staticmethod
     def block_shape(block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, int, int]:
@@ -81,6 +93,9 @@ class FlashAttention(AttentionBackend):
             raise ValueError(f"{max(n, pad_to or 0)} rows in one step exceed the backend's "
                              f"{self.seq_lens.dev.shape[0]} (max_num_seqs)")
         self.decode_only = batch.num_decodes == n
+        # no sequence has earlier context: attend the chunk's own K/V, not the paged cache (the
+        # paged varlen kernel is flash-attn's split-KV one; plain varlen is its faster forward)
+        self.fresh = pad_to is None and batch.query_lens == batch.context_lens
         if pad_to is not None and not (self.decode_only and pad_to >= n):
             raise ValueError("padding applies to pure-decode steps with at most pad_to rows")
         rows = pad_to or n
@@ -97,7 +112,7 @@ class FlashAttention(AttentionBackend):
             t[n:rows, 0] = self.scratch_block
             lens[n:rows] = 1
         self.block_table = self.tables.upload(rows)[:, :width]
-        if self.decode_only and not self.decode_with_varlen:
+        if self.decode_only:
             self.cache_seqlens = self.seq_lens.upload(rows)
             return
         cq, ck = self.cu_q.np, self.cu_k.np
@@ -119,43 +134,17 @@ class FlashAttention(AttentionBackend):
         # 8B-sized caches) never passes through int32 arithmetic
         k_cache[b.slot_blocks, b.slot_offsets] = k
         v_cache[b.slot_blocks, b.slot_offsets] = v
-        if self.decode_only and not self.decode_with_varlen:
+        if self.decode_only:
             out = self.flash.flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache,
                                                      cache_seqlens=self.cache_seqlens,
                                                      block_table=self.block_table,
                                                      softmax_scale=self.scale, causal=True)
             return out.squeeze(1)
+        if self.fresh:
+            return self.flash.flash_attn_varlen_func(q, k, v, self.cu_seqlens_q, self.cu_seqlens_q,
+                                                     self.max_seqlen_q, self.max_seqlen_q,
+                                                     softmax_scale=self.scale, causal=True)
         return self.flash.flash_attn_varlen_func(q, k_cache, v_cache, self.cu_seqlens_q, self.cu_seqlens_k,
                                                  self.max_seqlen_q, self.max_seqlen_k,
                                                  softmax_scale=self.scale, causal=True,
                                                  block_table=self.block_table)
-
-
-def resolve_attention(choice: str, device: torch.device, dtype: torch.dtype, block_size: int,
-                      flash_module=None) -> tuple[type[AttentionBackend], object | None, int]:
-    """-> (backend class, flash module or None, block size) for `--attention-backend` and
-    `--block-size` (0 = the backend's default: 256 with flash, 16 with torch on CPU, 256 on CUDA).
-    `auto` is flash when a `flash_attn` module (or an injected stand-in) is there and the device
-    is CUDA. The flash backend itself is not tied to CUDA: any module with flash-attn 2.8's API
-    works (the tests run it on CPU through nanoserve.layers.flash_ref)."""
-    from nanoserve.layers.attention import TorchAttention
-    if choice not in ("auto", "flash", "torch"):
-        raise ValueError(f"attention backend must be auto|flash|torch, got {choice!r}")
-    module = flash_module
-    if choice != "torch" and module is None:
-        module = import_flash_attn()
-    use_flash = choice == "flash" or (choice == "auto" and module is not None and device.type == "cuda")
-    if not use_flash:
-        return TorchAttention, None, block_size or (256 if device.type == "cuda" else 16)
-    if module is None:
-        raise ValueError("--attention-backend flash needs the flash-attn package (pip install flash-attn, "
-                         "version 2.8); it does not import here. Use --attention-backend torch")
-    if dtype == torch.float32 and not getattr(module, "supports_fp32", False):
-        raise ValueError("flash-attn computes in fp16/bf16 only: use --dtype bfloat16 (or float16) with "
-                         "--attention-backend flash, or --attention-backend torch for fp32")
-    block_size = block_size or FLASH_PAGE_MULTIPLE
-    if block_size % FLASH_PAGE_MULTIPLE:
-        raise ValueError(f"--block-size {block_size} does not work with the flash attention backend: "
-                         f"flash-attn 2's paged KV kernels need a multiple of {FLASH_PAGE_MULTIPLE} "
-                         f"(leave --block-size at 0 for {FLASH_PAGE_MULTIPLE})")
-    return FlashAttention, module, block_size

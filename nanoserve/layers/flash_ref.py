@@ -71,6 +71,11 @@ class FlashReference:
     def supports_fp32(self) -> bool:
         return self.allow_fp32
 
+    @property
+    def graph_safe(self) -> bool:
+        """Only `validate=False` may be captured in a CUDA graph: the validating checks sync."""
+        return not self.validate
+
     def _check_dtypes(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         ok = q.dtype in _HALF or (self.allow_fp32 and q.dtype == torch.float32)
         _check(ok, "FlashAttention only support fp16 and bf16 data type")

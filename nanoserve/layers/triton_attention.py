@@ -1,0 +1,205 @@
+"""Triton paged attention backend: needs nothing beyond a CUDA build of torch (which ships Triton).
+
+Same cache layout and step metadata as the flash backend (it reuses FlashAttention.prepare:
+int32 block tables, cu_seqlens, cache_seqlens in persistent staged buffers), three kernels:
+- `_store_kv`: each new token's K and V into its (block, offset) slot;
+- `_prefill`: varlen causal attention of each sequence's query chunk over its paged context
+  (bottom-right aligned: query i of a chunk of n sees keys 0..ctx-n+i), any mix of fresh
+  prefills, chunk continuations, prefix hits and decodes;
+- `_decode` + `_combine`: pure-decode steps, split-KV (partial softmax per context split, then a
+  merge) so a small batch still fills the GPU; no host reads, fixed grid per batch size, hence
+  CUDA-graph capturable.
+Any block size: each key's address is computed per token (block = table[pos // bs]), so 16-token
+blocks give fine prefix-cache granularity. Only the table columns a sequence needs are read.
+On CPU it runs under TRITON_INTERPRET=1 (how CI tests it); fp32 dots use IEEE precision.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from nanoserve.layers.flash_attention import FlashAttention
+from nanoserve.layers.staging import Staging
+
+
+@triton.jit
+def _store_kv(k, v, k_cache, v_cache, blocks, offsets, sk_t, sk_h, sv_t, sv_h, sc_b, sc_t, sc_h,
+              KH, D, KH_P: tl.constexpr, D_P: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.arange(0, KH_P)[:, None]
+    d = tl.arange(0, D_P)[None, :]
+    m = (h < KH) & (d < D)
+    blk = tl.load(blocks + t).to(tl.int64)
+    off = tl.load(offsets + t).to(tl.int64)
+    dst = blk * sc_b + off * sc_t + h * sc_h + d
+    tl.store(k_cache + dst, tl.load(k + t * sk_t + h * sk_h + d, mask=m), mask=m)
+    tl.store(v_cache + dst, tl.load(v + t * sv_t + h * sv_h + d, mask=m), mask=m)
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """IEEE: fp32 operands (CUDA would use tf32), or any operands under the interpreter, whose
+    bf16 dot is wrong (it multiplies the raw bits): upcast there, so CPU tests cover bf16 caches."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _tile(qv, m_i, l_i, acc, k_cache, v_cache, table_row, pos, valid, visible, d, D, BS, sc_b, sc_t, head_off,
+          scale, IEEE: tl.constexpr):
+    """One online-softmax step over the keys at positions `pos` (those `valid` exist; `visible`
+    [rows, keys] may be attended): gather them from the paged cache, update (max, sum, acc)."""
+    blk = tl.load(table_row + pos // BS, mask=valid, other=0).to(tl.int64)  # only needed columns
+    base = blk * sc_b + (pos % BS).to(tl.int64) * sc_t + head_off
+    kvmask = valid[:, None] & (d[None, :] < D)
+    kt = tl.load(k_cache + base[:, None] + d[None, :], mask=kvmask, other=0.0)
+    s = tl.where(visible, _dot(qv, tl.trans(kt), IEEE) * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    vt = tl.load(v_cache + base[:, None] + d[None, :], mask=kvmask, other=0.0)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, IEEE)
+
+
+@triton.jit
+def _prefill(q, k_cache, v_cache, out, tables, cu_q, cu_k, scale, sq_t, sq_h, so_t, so_h, sc_b, sc_t, sc_h, st_b,
+             G, D, BS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_P: tl.constexpr, IEEE: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    mt = tl.program_id(2)
+    q0 = tl.load(cu_q + b)
+    qlen = tl.load(cu_q + b + 1) - q0
+    ctx = tl.load(cu_k + b + 1) - tl.load(cu_k + b)
+    if mt * BLOCK_M >= qlen:
+        return
+    i = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, D_P)
+    qmask = (i[:, None] < qlen) & (d[None, :] < D)
+    rows = (q0 + i).to(tl.int64)
+    qv = tl.load(q + rows[:, None] * sq_t + h * sq_h + d[None, :], mask=qmask, other=0.0)
+    qpos = ctx - qlen + i                      # absolute position of each query
+    kvh = h // G
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_P], tl.float32)
+    hi = tl.minimum(ctx, ctx - qlen + (mt + 1) * BLOCK_M)  # keys past the tile's last query: unseen
+    for n0 in range(0, hi, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        valid = pos < hi
+        m_i, l_i, acc = _tile(qv, m_i, l_i, acc, k_cache, v_cache, tables + b * st_b, pos, valid,
+                              valid[None, :] & (pos[None, :] <= qpos[:, None]), d, D, BS, sc_b, sc_t,
+                              kvh * sc_h, scale, IEEE)
+    o = acc / l_i[:, None]
+    tl.store(out + rows[:, None] * so_t + h * so_h + d[None, :], o.to(out.dtype.element_ty), mask=qmask)
+
+
+@triton.jit
+def _decode(q, k_cache, v_cache, part_acc, part_ml, tables, lens, scale, sq_t, sq_h, sc_b, sc_t, sc_h, st_b,
+            H, G, D, BS, SPLITS: tl.constexpr, G_P: tl.constexpr, D_P: tl.constexpr, BLOCK_N: tl.constexpr,
+            IEEE: tl.constexpr):
+    row = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    ctx = tl.load(lens + row)
+    per = tl.cdiv(tl.cdiv(ctx, SPLITS), BLOCK_N) * BLOCK_N
+    start = sp * per
+    end = tl.minimum(ctx, start + per)
+    g = tl.arange(0, G_P)
+    d = tl.arange(0, D_P)
+    qmask = (g[:, None] < G) & (d[None, :] < D)
+    heads = kvh * G + g
+    qv = tl.load(q + row * sq_t + heads[:, None] * sq_h + d[None, :], mask=qmask, other=0.0)
+    m_i = tl.full([G_P], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_P], tl.float32)
+    acc = tl.zeros([G_P, D_P], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        m_i, l_i, acc = _tile(qv, m_i, l_i, acc, k_cache, v_cache, tables + row * st_b, pos, valid,
+                              valid[None, :], d, D, BS, sc_b, sc_t, kvh * sc_h, scale, IEEE)
+    # partials [rows, H, SPLITS, D] and [rows, H, SPLITS, 2] (max, sum); an empty split keeps -inf, 0
+    hmask = g < G
+    at = (row * H + heads).to(tl.int64) * SPLITS + sp
+    tl.store(part_acc + at[:, None] * D_P + d[None, :], acc, mask=hmask[:, None])
+    tl.store(part_ml + at * 2, m_i, mask=hmask)
+    tl.store(part_ml + at * 2 + 1, l_i, mask=hmask)
+
+
+@triton.jit
+def _combine(part_acc, part_ml, out, so_t, so_h, H, D, SPLITS: tl.constexpr, D_P: tl.constexpr):
+    row = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS)
+    d = tl.arange(0, D_P)
+    at = (row * H + h).to(tl.int64) * SPLITS + s
+    m = tl.load(part_ml + at * 2)
+    lsum = tl.load(part_ml + at * 2 + 1)
+    w = tl.exp(m - tl.max(m, 0))               # split 0 always has keys: the max is finite
+    acc = tl.load(part_acc + at[:, None] * D_P + d[None, :])
+    o = tl.sum(acc * w[:, None], 0) / tl.sum(lsum * w, 0)
+    tl.store(out + row * so_t + h * so_h + d, o.to(out.dtype.element_ty), mask=d < D)
+
+
+def _p2(n: int, floor: int = 1) -> int:
+    return max(floor, triton.next_power_of_2(n))
+
+
+class TritonAttention(FlashAttention):
+    """Paged attention in Triton kernels; metadata, padding and staging as FlashAttention's."""
+    PAGE_MULTIPLE = 1  # any block size
+
+    def __init__(self, kv_cache: torch.Tensor, num_heads: int, scale: float, *, flash=None,
+                 max_seqs: int, max_blocks_per_seq: int, scratch_block: int,
+                 staging: Staging | None = None) -> None:
+        super().__init__(kv_cache, num_heads, scale, flash=None, max_seqs=max_seqs,
+                         max_blocks_per_seq=max_blocks_per_seq, scratch_block=scratch_block, staging=staging)
+        dev = kv_cache.device
+        self.ieee = kv_cache.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+        self.sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+        big = dev.type == "cuda" and not self.ieee
+        self.block_m, self.block_n = (64, 64) if big else (32, 32)
+
+    @property
+    def graph_safe(self) -> bool:
+        return True
+
+    def _splits(self, rows: int, kv_heads: int) -> int:
+        """Enough (seq, kv head, split) programs for about two waves on the GPU; a power of two."""
+        want = -(-2 * self.sms // (rows * kv_heads))
+        return min(32, _p2(want, 2))  # at least 2: no size-1 aranges
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+        k_cache, v_cache = self.kv_cache[:, layer, 0], self.kv_cache[:, layer, 1]  # [N, bs, kh, D] views
+        b = self.batch
+        t, h, d = q.shape
+        kh = k.shape[1]
+        g = h // kh
+        sc = k_cache.stride()
+        _store_kv[(t,)](k, v, k_cache, v_cache, b.slot_blocks, b.slot_offsets, k.stride(0), k.stride(1),
+                        v.stride(0), v.stride(1), sc[0], sc[1], sc[2], kh, d, KH_P=_p2(kh), D_P=_p2(d))
+        out = torch.empty_like(q)
+        table = self.block_table
+        if self.decode_only:
+            rows = t
+            splits = self._splits(rows, kh)
+            d_p = _p2(d, 16)
+            part_acc = torch.empty(rows, h, splits, d_p, dtype=torch.float32, device=q.device)
+            part_ml = torch.empty(rows, h, splits, 2, dtype=torch.float32, device=q.device)
+            _decode[(rows, kh, splits)](q, k_cache, v_cache, part_acc, part_ml, table, self.cache_seqlens,
+                                        self.scale, q.stride(0), q.stride(1), sc[0], sc[1], sc[2],
+                                        table.stride(0), h, g, d, self.block_size, SPLITS=splits,
+                                        G_P=_p2(g, 16), D_P=d_p, BLOCK_N=self.block_n, IEEE=self.ieee)
+            _combine[(rows, h)](part_acc, part_ml, out, out.stride(0), out.stride(1), h, d,
+                                SPLITS=splits, D_P=d_p)
+            return out
+        n = len(b.query_lens)
+        grid = (n, h, triton.cdiv(self.max_seqlen_q, self.block_m))
+        _prefill[grid](q, k_cache, v_cache, out, table, self.cu_seqlens_q, self.cu_seqlens_k, self.scale,
+                       q.stride(0), q.stride(1), out.stride(0), out.stride(1), sc[0], sc[1], sc[2],
+                       table.stride(0), g, d, self.block_size, BLOCK_M=self.block_m, BLOCK_N=self.block_n,
+                       D_P=_p2(d, 16), IEEE=self.ieee)
+        return out

@@ -1,0 +1,94 @@
+"""The Triton paged backend on CPU, under Triton's interpreter (fp32): its kernels against the
+torch backend on the flash tests' randomized batches (mixed decode / fresh prefill / chunk
+continuation / prefix hit, shuffled and poisoned tables, GQA, head_dim 64/128) at 16-token
+blocks, the padded (CUDA-graph) decode shape, and the whole engine against HF greedy.
+Skipped where triton does not install."""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+# Triton reads the variable when it is imported and binds each kernel to the interpreter when the
+# kernel is defined, so it is set before either, for the session; only the Triton backend reads it.
+os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton", reason="triton is not installed (pip install triton): the Triton backend's "
+                                     "kernels cannot be interpreted on CPU")
+
+from nanoserve import LLM, SamplingParams  # noqa: E402
+from nanoserve.layers.backend_choice import resolve_attention  # noqa: E402
+from nanoserve.layers.triton_attention import TritonAttention  # noqa: E402
+from tests.conftest import hf_greedy, make_tiny_model  # noqa: E402
+from tests.test_cuda_path import host_sync_errors  # noqa: E402
+from tests.test_flash_attention import _run_both, steps  # noqa: E402
+
+BS = 16
+TOL = {torch.float32: dict(atol=5e-5, rtol=5e-5), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+
+
+def _triton(cache, heads, scale, scratch):
+    return TritonAttention(cache, heads, scale, max_seqs=8, max_blocks_per_seq=24, scratch_block=scratch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=steps(bs=BS, max_done=140))
+def test_triton_backend_matches_torch_backend(dtype, case):
+    """bf16: bf16 cache, K/V and output; the interpreter computes the dots in fp32 (on CUDA they
+    are bf16 tensor-core dots with fp32 accumulation)."""
+    outs, attn = _run_both(case, dtype, bs=BS, make=_triton)
+    assert attn.decode_only == all(kind == "decode" for kind, _, _ in case["seqs"])
+    for got, want in outs:
+        torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
+@settings(max_examples=10, deadline=None)
+@given(case=steps(bs=BS, max_done=140).filter(lambda c: all(k == "decode" for k, _, _ in c["seqs"])),
+       extra=st.integers(0, 3))
+def test_triton_padded_decode_matches_torch_backend(case, extra):
+    """The CUDA-graph shape: rows padded to a bucket (scratch block), the table's full width."""
+    outs, attn = _run_both(case, torch.float32, pad_to=len(case["seqs"]) + extra, bs=BS, make=_triton)
+    assert attn.block_table.shape == (len(case["seqs"]) + extra, 24)
+    for got, want in outs:
+        torch.testing.assert_close(got, want, **TOL[torch.float32])
+
+
+def test_triton_choice(monkeypatch):
+    cpu = torch.device("cpu")
+    assert resolve_attention("triton", cpu, torch.float32, 0) == (TritonAttention, None, 16)
+    assert resolve_attention("triton", cpu, torch.float32, 48)[2] == 48  # any block size
+    assert resolve_attention("auto", cpu, torch.float32, 0)[0] is not TritonAttention  # auto: CUDA only
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        resolve_attention("triton", cpu, torch.float32, 0)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, embedded_dir):
+    return make_tiny_model(tmp_path_factory.mktemp("triton"), "llama-gqa-tied", embedded_dir)
+
+
+def test_engine_triton_matches_hf(tiny):
+    """fp32 greedy vs HF: chunked prefills sharing steps with decodes, a prefix-cache hit (the
+    second round), and pure-decode steps on the padded path CUDA graphs replay."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(100, 40000) for _ in range(n)] for n in (70, 9, 40)]
+    prompts[2][:33] = prompts[0][:33]  # two full 16-token blocks shared with prompt 0
+    expected = hf_greedy(tiny, prompts, 6)
+    llm = LLM(str(tiny), dtype="float32", attention_backend="triton", num_kv_blocks=40, max_num_seqs=4,
+              max_num_batched_tokens=32)
+    runner = llm.engine.runner
+    assert isinstance(runner.attn, TritonAttention) and llm.engine.layout.block_size == BS
+    runner.opts.padded_decode = True
+    runner.buckets = [2, 4]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    outs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert outs[0].num_cached_tokens == 64 and outs[2].num_cached_tokens == 32
+    assert runner.steps_padded > 0
+    assert runner.graph_blocker(4, host_sync_errors) is None  # the decode forward never reads back
+    llm.engine.check_invariants()
