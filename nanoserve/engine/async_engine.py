@@ -302,6 +302,10 @@ class EngineLoop:
                 pass
             self._emit(track, err)
         self._tracks.clear()
+        try:  # KV copies end before the host pool is released (unpinned on CUDA)
+            self.engine.close()
+        except BaseException:
+            log.exception("engine close failed")
 
     def _count(self) -> None:
         sch = self.engine.scheduler
