@@ -118,7 +118,8 @@ class KVCacheManager:
         self.num_deferred = 0               # admissions / running steps deferred for saves
         self.num_save_submit_failures = 0   # optional saves that could not start (skipped)
         self.num_load_submit_failures = 0   # loads that could not start (treated as host misses)
-        self.num_lossy_with_room = 0        # lossy evictions while the host had room (must stay 0)
+        self.num_lossy_with_room = 0        # lossy evictions while the host had room (saves failing)
+        self.num_avoidable_lossy = 0        # ... and saves were not failing: the policy says never
         self._warned_lossy = False
         if host is not None:  # each tier tells the other when a chain stops being findable in it
             self.pool.on_unpublish = self._device_dropped
@@ -190,7 +191,10 @@ class KVCacheManager:
         table: list[int | None] = [None] * len(hits)
         loads: list[tuple[int, int]] = []  # (block index, host block)
         shared: set[_Load] = set()
-        lossy_before, room = self.pool.num_lossy_evictions, self._host_room()
+        # host room for saves, not counting this request's own host hits (they stay)
+        room = self._host_room() - sum(1 for hb in host_hits if hb in self.host.pool.dirty) if host_hits else \
+            self._host_room()
+        lossy_before = self.pool.num_lossy_evictions
         try:
             # hits on device first: allocating could otherwise evict one of them from the LRU
             for i, (tier, b) in enumerate(hits):
@@ -264,6 +268,7 @@ class KVCacheManager:
         n = self.pool.num_lossy_evictions - before
         if n and room:
             self.num_lossy_with_room += n
+            self.num_avoidable_lossy += n * (self._save_failures_in_row < 3)
             if not self._warned_lossy:
                 self._warned_lossy = True
                 log.warning("dropped %d uncopied KV block(s) while the host tier had room (saves to host "
