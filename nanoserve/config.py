@@ -18,7 +18,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None  # exact device block count (tests); overrides kv_cache_gb
     host_cache_gb: float = 0.0        # second tier; 0 = off
-    host_offload_watermark: int = 0   # device blocks kept reusable without KV loss; 0 = one step's worth
+    host_offload_watermark: int = 0   # override of the cleaner's target (blocks); 0 = from demand
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None = model's own, capped by KV capacity

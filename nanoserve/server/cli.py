@@ -56,8 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--host-cache-gb", type=float, default=0.0,
                     help="second prefix-cache tier in host memory, in GiB; 0 = off")
     kv.add_argument("--host-offload-watermark", type=int, default=0, metavar="BLOCKS",
-                    help="device blocks kept reusable without losing cached KV (cold blocks are copied "
-                         "to the host tier ahead of eviction to keep this many); 0 = one step's worth")
+                    help="override: device blocks the cleaner keeps reusable without losing cached KV "
+                         "(cold blocks are copied to the host tier ahead of eviction); 0 = sized from "
+                         "observed demand (the default)")
     kv.add_argument("--no-prefix-caching", action="store_true",
                     help="disable prefix caching (every prompt is computed in full)")
     s = p.add_argument_group("scheduling")
