@@ -300,10 +300,10 @@ class KVCacheManager:
         if need + reserve > lossless + pending and self._save_failures_in_row < 3:
             started = self._save_dirty(need + reserve - lossless - pending, protect)
             lossless = pool.num_available(lossless=True) - sum(1 for b in hits if b in pool.clean)
-        if started or (pending and need > lossless):
-            return Supply.DEFER
         if need <= lossless:
-            return Supply.LOSSLESS  # the reserve cannot be made lossless: admit without it
+            return Supply.LOSSLESS  # only the reserve is short: its saves (if any) are under way
+        if started or pending:
+            return Supply.DEFER
         if self.num_save_submit_failures > failures:
             return Supply.DEFER  # a save could not start just now: try again next step
         return Supply.LOSSY if need <= total else Supply.SHORT
