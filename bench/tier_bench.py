@@ -298,22 +298,26 @@ def later_summary(rows: list[dict]) -> dict:
 
 
 def table(paths: list[str]) -> None:
-    """Markdown rows from result files (the README table)."""
-    print("| workload | conc | config | prompt tokens from device / host | reusable tokens from cache | "
-          "lossy evictions | mean TTFT | p90 TTFT | output tok/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    """Markdown rows from result files (the README table); TTFT also as a ratio to the same run's
+    device-big control."""
+    print("| run | workload | conc | config | prompt tokens from device / host | reusable tokens from cache | "
+          "lossy evictions | mean TTFT (vs device-big) | p90 TTFT | output tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for path in paths:
         d = json.loads(Path(path).read_text())
-        for name, s in d["summary"].items():
+        a, summary = d["args"], d.get("summary", {})
+        big = (summary.get("device-big") or {}).get("ttft_mean_ms")
+        for name, s in summary.items():
             if not s:
                 continue
             reuse = f"{s['reusable_hit']:.1%}" if s.get("reusable_hit") is not None else "-"
-            lossy = "-" if s.get("lossy_evictions") is None else s["lossy_evictions"]
-            print(f"| {d['args']['workload']} | {d['args']['concurrency']} | {name} | {s['device_hit']:.0%} / "
-                  f"{s['host_hit']:.0%} | {reuse} | {lossy} | {s['ttft_mean_ms']:.0f} ms | "
-                  f"{s['ttft_p90_ms']:.0f} ms | {s['output_tok_s']:.1f} |")
+            lossy = "n/a" if s.get("lossy_evictions") is None else s["lossy_evictions"]
+            vs = f" ({s['ttft_mean_ms'] / big:.2f}x)" if big else ""
+            print(f"| {a.get('tag') or '-'} | {a['workload']} | {a['concurrency']} | {name} | "
+                  f"{s['device_hit']:.0%} / {s['host_hit']:.0%} | {reuse} | {lossy} | "
+                  f"{s['ttft_mean_ms']:.0f} ms{vs} | {s['ttft_p90_ms']:.0f} ms | {s['output_tok_s']:.1f} |")
         if "noreuse_ratio" in d:
-            print(f"| no reuse | {d['args']['concurrency']} | host on / off throughput | "
+            print(f"| {a.get('tag') or Path(path).stem} | no reuse | {a['concurrency']} | throughput host on / off | "
                   f"{d['noreuse_ratio']:.3f} | | | | | |")
 
 
