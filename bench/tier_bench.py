@@ -1,7 +1,11 @@
-"""Two-tier prefix cache benchmark: the long-document QA workload.
+"""Two-tier prefix cache benchmark: long-document QA and multi-round QA.
 
-D documents of L tokens; request i asks `doc[i % D] + question_i`; R rounds, round-robin, so a
-device tier holding a quarter of the documents (LRU) never has the next one. Configs, side by side
+longdoc: D documents of L tokens; request i asks `doc[i % D] + question_i`; R rounds, round-robin, so a
+device tier holding a quarter of the documents (LRU) never has the next one.
+multiround (LMCache's multi-round QA shape): U users, each with its own context of L tokens, talking
+for R rounds; each prompt is the user's context + every earlier question and answer (the answer
+tokens the engine generated) + a new question; users are served concurrently (closed loop). The
+device holds about a quarter of the conversations, the host all of them. Configs, side by side
 in one run: prefix caching off, device only, device + host, and the control "device-big": device
 only with a KV budget of device + host (what the same memory buys without a tier). Reports per
 round TTFT (mean/p50/p90), time, prompt and output throughput separately (prompt tok/s counts
@@ -13,6 +17,13 @@ then the no-reuse workload (unique prompts) with the host tier on vs off.
     python bench/tier_bench.py --target server       # the same through the HTTP server (streaming)
     python bench/tier_bench.py --target server --configs device,host,vllm --docs 16 --doc-len 1536 \
         --rounds 2 --concurrency 4 --output-len 16       # long-document QA, vLLM-CPU at equal device KV
+    python bench/tier_bench.py --workload multiround --concurrency 4,8,16 --tag after
+                                                     # one JSON per concurrency under bench/results/
+    python bench/tier_bench.py --table bench/results/tier_*_after.json   # the README table
+
+Per config and concurrency (rounds after the first): share of prompt tokens from each tier, the
+share of *reusable* prompt tokens (full blocks some earlier request had computed) served from
+cache, lossy evictions (cached KV dropped with no copy anywhere), mean and p90 TTFT, output tok/s.
 
 The "vllm" config (server target only) is vLLM-CPU's server with the device tier's token budget
 (`--num-gpu-blocks-override`, its CPU blocks being 128 tokens; the device budget is rounded to 128
@@ -34,6 +45,9 @@ from pathlib import Path
 GiB = 1 << 30
 
 
+BLOCK = 16  # nanoserve's CPU block size: what "reusable" counts in
+
+
 @dataclass
 class Done:
     prompt_tokens: int
@@ -41,30 +55,76 @@ class Done:
     ttft: float
     device_cached: int
     host_cached: int
+    index: int = 0
+    output_ids: list[int] | None = None  # offline only (the server returns text)
 
 
-def workload(args, reuse: bool, seed: int = 0) -> list[list[list[int]]]:
-    """Rounds of token-id prompts."""
-    rng = random.Random(seed)
-    tok = lambda n: [rng.randrange(100, 40000) for _ in range(n)]  # noqa: E731
-    docs = [tok(args.doc_len) for _ in range(args.docs)]
-    return [[(docs[i] if reuse else tok(args.doc_len)) + tok(args.question_len) for i in range(args.docs)]
-            for _ in range(args.rounds)]
+class Workload:
+    """Rounds of token-id prompts, built per target from its own earlier outputs (multiround), and
+    the count of prompt tokens an earlier request had computed (full blocks, as a chain)."""
+
+    def __init__(self, args, kind: str, reuse: bool = True, seed: int = 0) -> None:
+        self.args, self.kind, self.reuse = args, kind, reuse
+        self.rng = random.Random(seed)
+        n = args.users if kind == "multiround" else args.docs
+        self.contexts = [self.tok(args.doc_len) for _ in range(n)]
+        self.questions = [[self.tok(args.question_len) for _ in range(n)] for _ in range(args.rounds)]
+        self.answers = [[self.tok(args.output_len) for _ in range(n)] for _ in range(args.rounds)]
+
+    def tok(self, n: int) -> list[int]:
+        return [self.rng.randrange(100, 40000) for _ in range(n)]
+
+    def new_state(self) -> dict:
+        return {"history": [list(c) for c in self.contexts], "seen": set()}
+
+    def prompts(self, rnd: int, state: dict) -> list[list[int]]:
+        if self.kind == "multiround":
+            return [h + self.questions[rnd][u] for u, h in enumerate(state["history"])]
+        ctx = self.contexts if self.reuse else [self.tok(self.args.doc_len) for _ in self.contexts]
+        return [c + self.questions[rnd][i] for i, c in enumerate(ctx)]
+
+    @staticmethod
+    def _chain(ids: list[int]):
+        h = None
+        for i in range(len(ids) // BLOCK):
+            h = hash((h, tuple(ids[i * BLOCK:(i + 1) * BLOCK])))
+            yield h
+
+    def reusable(self, prompt: list[int], state: dict) -> int:
+        n = 0
+        for h in self._chain(prompt[:len(prompt) - 1]):  # the last prompt token is always computed
+            if h not in state["seen"]:
+                break
+            n += BLOCK
+        return n
+
+    def observe(self, rnd: int, state: dict, prompts: list[list[int]], done: list[Done]) -> None:
+        for d in done:
+            out = d.output_ids if d.output_ids is not None else self.answers[rnd][d.index]
+            full = prompts[d.index] + (out if d.output_ids is not None else [])
+            state["seen"].update(self._chain(full[:len(full) - 1]))  # KV exists for all but the last token
+            if self.kind == "multiround":
+                state["history"][d.index] = prompts[d.index] + out
 
 
-def summarize(name: str, rnd: int, done: list[Done], elapsed: float) -> dict:
+def summarize(name: str, rnd: int, done: list[Done], elapsed: float, reusable: int, lossy: int | None) -> dict:
     ttft = sorted(d.ttft * 1000 for d in done)
     prompt = sum(d.prompt_tokens for d in done)
+    cached = sum(d.device_cached + d.host_cached for d in done)
     row = {"config": name, "round": rnd, "ttft_mean_ms": statistics.mean(ttft),
            "ttft_p50_ms": statistics.median(ttft), "ttft_p90_ms": ttft[int(0.9 * (len(ttft) - 1))],
-           "time_s": elapsed, "prompt_tok_s": prompt / elapsed,
+           "ttft_ms": ttft, "time_s": elapsed, "prompt_tok_s": prompt / elapsed,
            "output_tok_s": sum(d.output_tokens for d in done) / elapsed,
            "device_hit": sum(d.device_cached for d in done) / prompt,
-           "host_hit": sum(d.host_cached for d in done) / prompt}
+           "host_hit": sum(d.host_cached for d in done) / prompt,
+           "reusable_tokens": reusable, "reusable_hit": cached / reusable if reusable else None,
+           "lossy_evictions": lossy}
+    reuse = f" of reusable {row['reusable_hit']:.1%}" if reusable else ""
     print(f"{name:14s} round {rnd}: TTFT mean {row['ttft_mean_ms']:8.1f} ms  p50 {row['ttft_p50_ms']:8.1f}  "
           f"p90 {row['ttft_p90_ms']:8.1f}  time {elapsed:6.2f}s  prompt {row['prompt_tok_s']:7.1f} tok/s  "
           f"output {row['output_tok_s']:6.1f} tok/s  "
-          f"hits: device {row['device_hit']:.0%} host {row['host_hit']:.0%}", flush=True)
+          f"hits: device {row['device_hit']:.0%} host {row['host_hit']:.0%}{reuse}  lossy evictions {lossy}",
+          flush=True)
     return row
 
 
@@ -98,16 +158,22 @@ class OfflineTarget:
                 if out.finished:
                     done.append(Done(len(out.prompt_token_ids), len(out.outputs[0].token_ids),
                                      out.metrics["first_token"] - out.metrics["arrival"],
-                                     out.num_device_cached_tokens, out.num_host_cached_tokens))
+                                     out.num_device_cached_tokens, out.num_host_cached_tokens,
+                                     int(out.request_id.split("-")[1]), list(out.outputs[0].token_ids)))
         eng.check_invariants()
-        return done
+        return sorted(done, key=lambda d: d.index)
+
+    def lossy(self) -> int | None:
+        """Device blocks whose KV was dropped with no copy anywhere (None: the engine has no such count)."""
+        return getattr(self.eng.kv.reports()[0], "lossy_evictions", None)
 
     def close(self) -> None:
         for r in self.eng.kv.reports():
             if r.tier == "host":
                 print(f"  host tier: {r.bytes_in / 2**20:.0f} MiB in ({r.seconds_in:.2f}s), "
                       f"{r.bytes_out / 2**20:.0f} MiB out ({r.seconds_out:.2f}s), "
-                      f"{self.eng.kv.num_transfer_waits} allocations waited for a copy")
+                      f"{getattr(self.eng.kv, 'num_transfer_waits', 0)} allocations waited for a copy, "
+                      f"{getattr(self.eng.kv, 'num_deferred', 0)} admissions deferred for saves")
                 for k, (steps, toks, secs) in self.decode.items():
                     if steps:
                         print(f"  others' decode, host load {'in flight' if k == 'loading' else 'none':9s}: "
@@ -161,6 +227,13 @@ class ServerTarget:
         return Done(usage["prompt_tokens"], usage["completion_tokens"], ttft or 0.0, device,
                     det.get("host_cached_tokens", 0))
 
+    def lossy(self) -> int | None:
+        import httpx
+        for line in httpx.get(self.server.url + "/metrics").text.splitlines():
+            if line.startswith('nanoserve:kv_lossy_evictions_total{') and 'tier="device"' in line:
+                return int(float(line.split()[-1]))
+        return None
+
     def round(self, rnd: int, prompts) -> list[Done]:
         import httpx
 
@@ -171,90 +244,164 @@ class ServerTarget:
                     async with sem:
                         return await self._one(client, p)
                 return await asyncio.gather(*(limited(p) for p in prompts))
-        return asyncio.run(run())
+        done = asyncio.run(run())
+        for i, d in enumerate(done):
+            d.index = i
+        return done
 
     def close(self) -> None:
         self.server.stop()
 
 
-def run_side_by_side(args, configs: dict[str, dict], rounds) -> dict[str, list[dict]]:
+def run_side_by_side(args, configs: dict[str, dict], wl: Workload, rounds: int) -> dict[str, list[dict]]:
     """All configs up at once, rounds interleaved (A0 B0 A1 B1 ...): machine drift hits them alike."""
     cls = OfflineTarget if args.target == "offline" else ServerTarget
     targets = {name: cls(args, cfg) for name, cfg in configs.items()}
     rows: dict[str, list[dict]] = {name: [] for name in configs}
+    states = {name: wl.new_state() for name in configs}
+    last_lossy = {name: t.lossy() for name, t in targets.items()}
     try:
-        for rnd, prompts in enumerate(rounds):
+        for rnd in range(rounds):
             for name, target in targets.items():
+                prompts = wl.prompts(rnd, states[name])
+                reusable = sum(wl.reusable(p, states[name]) for p in prompts)
                 t0 = time.perf_counter()
                 done = target.round(rnd, prompts)
-                rows[name].append(summarize(name, rnd, done, time.perf_counter() - t0))
+                elapsed = time.perf_counter() - t0
+                lossy = target.lossy()
+                delta = None if lossy is None else lossy - last_lossy[name]
+                last_lossy[name] = lossy
+                rows[name].append(summarize(name, rnd, done, elapsed, reusable, delta))
+                wl.observe(rnd, states[name], prompts, done)
     finally:
         for target in targets.values():
             target.close()
     return rows
 
 
+def later_summary(rows: list[dict]) -> dict:
+    """Rounds after the first, pooled: hit shares weighted by tokens, TTFT over all their requests."""
+    later = [r for r in rows if r["round"] > 0]
+    if not later:
+        return {}
+    ttft = sorted(t for r in later for t in r["ttft_ms"])
+    reusable = sum(r["reusable_tokens"] for r in later)
+    lossy = [r["lossy_evictions"] for r in rows]
+    return {"device_hit": statistics.mean(r["device_hit"] for r in later),
+            "host_hit": statistics.mean(r["host_hit"] for r in later),
+            "reusable_hit": (sum(r["reusable_hit"] * r["reusable_tokens"] for r in later if r["reusable_tokens"])
+                             / reusable) if reusable else None,
+            "lossy_evictions": None if None in lossy else sum(lossy),
+            "ttft_mean_ms": statistics.mean(ttft), "ttft_p90_ms": ttft[int(0.9 * (len(ttft) - 1))],
+            "output_tok_s": statistics.median(r["output_tok_s"] for r in later),
+            "prompt_tok_s": statistics.median(r["prompt_tok_s"] for r in later)}
+
+
+def table(paths: list[str]) -> None:
+    """Markdown rows from result files (the README table); TTFT also as a ratio to the same run's
+    device-big control."""
+    print("| run | workload | conc | config | prompt tokens from device / host | reusable tokens from cache | "
+          "lossy evictions | mean TTFT (vs device-big) | p90 TTFT | output tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for path in paths:
+        d = json.loads(Path(path).read_text())
+        a, summary = d["args"], d.get("summary", {})
+        big = (summary.get("device-big") or {}).get("ttft_mean_ms")
+        for name, s in summary.items():
+            if not s:
+                continue
+            reuse = f"{s['reusable_hit']:.1%}" if s.get("reusable_hit") is not None else "-"
+            lossy = "n/a" if s.get("lossy_evictions") is None else s["lossy_evictions"]
+            vs = f" ({s['ttft_mean_ms'] / big:.2f}x)" if big else ""
+            print(f"| {a.get('tag') or '-'} | {a['workload']} | {a['concurrency']} | {name} | "
+                  f"{s['device_hit']:.0%} / {s['host_hit']:.0%} | {reuse} | {lossy} | "
+                  f"{s['ttft_mean_ms']:.0f} ms{vs} | {s['ttft_p90_ms']:.0f} ms | {s['output_tok_s']:.1f} |")
+        if "noreuse_ratio" in d:
+            print(f"| {a.get('tag') or Path(path).stem} | no reuse | {a['concurrency']} | throughput host on / off | "
+                  f"{d['noreuse_ratio']:.3f} | | | | | |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", choices=["offline", "server"], default="offline")
+    ap.add_argument("--workload", choices=["longdoc", "multiround"], default="longdoc")
     ap.add_argument("--model", default=None, help="tier budgets below are sized for the embedded model")
-    ap.add_argument("--docs", type=int, default=16)
-    ap.add_argument("--doc-len", type=int, default=1024)
+    ap.add_argument("--docs", type=int, default=16, help="longdoc: documents")
+    ap.add_argument("--users", type=int, default=16, help="multiround: users (conversations)")
+    ap.add_argument("--doc-len", type=int, default=1024, help="tokens per document / per user context")
     ap.add_argument("--question-len", type=int, default=16)
     ap.add_argument("--output-len", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--noreuse-rounds", type=int, default=5)
-    ap.add_argument("--concurrency", type=int, default=2)
+    ap.add_argument("--concurrency", default="2", help="one or more, comma-separated: one run each")
     ap.add_argument("--configs", default="off,device,host,device-big,noreuse")
-    ap.add_argument("--json", default=None, metavar="FILE", help="also write the raw rows here")
+    ap.add_argument("--json", default=None, metavar="FILE", help="write the rows here (one concurrency)")
+    ap.add_argument("--tag", default=None, help="write bench/results/tier_<workload>_c<N>_<tag>.json per run")
+    ap.add_argument("--table", nargs="+", default=None, metavar="JSON", help="print the markdown table and exit")
     ap.add_argument("--host-offload-watermark", type=int, default=0, help="blocks (0: nanoserve's default)")
     args = ap.parse_args()
+    if args.table:
+        return table(args.table)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from vllm_peer import auto_dtype, cpu_name
     args.dtype = auto_dtype()
     wanted = args.configs.split(",")
     if "vllm" in wanted and args.target != "server":
         ap.error("the vllm config needs --target server")
-    # device: a quarter of the documents plus room for the running requests; host: all of them
+    for conc in [int(c) for c in args.concurrency.split(",")]:
+        run_one(argparse.Namespace(**{**vars(args), "concurrency": conc}), wanted, cpu_name())
+
+
+def run_one(args, wanted: list[str], cpu: str) -> None:
+    # device: a quarter of the contexts plus room for the running requests; host: all of them
     bytes_per_token = 30 * 2 * 3 * 64 * (2 if args.dtype == "bfloat16" else 4)  # embedded model: K+V, 30 layers
-    req_tokens = args.doc_len + args.question_len + args.output_len
-    device_tokens = -(-int(args.docs * args.doc_len / 4 + args.concurrency * req_tokens) // 128) * 128
+    n = args.users if args.workload == "multiround" else args.docs
+    turns = args.rounds if args.workload == "multiround" else 1
+    conv_tokens = args.doc_len + turns * (args.question_len + args.output_len)
+    device_tokens = -(-int(n * args.doc_len / 4 + args.concurrency * conv_tokens) // 128) * 128
     device_gb = (device_tokens + 8) * bytes_per_token / GiB  # + half a block: float rounding never loses one
-    host_gb = 1.5 * args.docs * req_tokens * bytes_per_token / GiB
+    host_gb = 1.5 * n * conv_tokens * bytes_per_token / GiB
     base = dict(kv_cache_gb=round(device_gb, 6), max_num_seqs=args.concurrency)
-    configs = {"off": dict(base, enable_prefix_caching=False), "device": base,
-               "host": dict(base, host_cache_gb=round(host_gb, 4), host_offload_watermark=args.host_offload_watermark),
+    host = dict(base, host_cache_gb=round(host_gb, 4))
+    if args.host_offload_watermark:
+        host["host_offload_watermark"] = args.host_offload_watermark
+    configs = {"off": dict(base, enable_prefix_caching=False), "device": base, "host": host,
                "device-big": dict(base, kv_cache_gb=round(device_gb + host_gb, 4)),
                "vllm": {"vllm_blocks": device_tokens // 128}}
-    print(f"workload: {args.docs} docs x {args.doc_len} tokens, {args.rounds} rounds, concurrency "
-          f"{args.concurrency}; device KV {device_tokens} tokens = {device_gb:.3f} GiB (~{args.docs // 4} docs), "
-          f"host {host_gb:.3f} GiB; target {args.target}; dtype {args.dtype}; {cpu_name()}", flush=True)
-    results = run_side_by_side(args, {k: v for k, v in configs.items() if k in wanted}, workload(args, reuse=True))
+    what = (f"{args.users} users x {args.doc_len}-token contexts" if args.workload == "multiround"
+            else f"{args.docs} docs x {args.doc_len} tokens")
+    print(f"workload {args.workload}: {what}, {args.rounds} rounds, concurrency {args.concurrency}; device KV "
+          f"{device_tokens} tokens = {device_gb:.3f} GiB (~{n // 4} of {n} contexts + the running requests), "
+          f"host {host_gb:.3f} GiB; target {args.target}; dtype {args.dtype}; {cpu}", flush=True)
+    results = run_side_by_side(args, {k: v for k, v in configs.items() if k in wanted},
+                               Workload(args, args.workload), args.rounds)
+    out: dict = {"cpu": cpu, "dtype": args.dtype, "args": {k: v for k, v in vars(args).items() if k != "table"}}
     if "noreuse" in wanted:
-        unique = workload(argparse.Namespace(**{**vars(args), "rounds": args.noreuse_rounds}), reuse=False, seed=1)
-        results.update(run_side_by_side(args, {"noreuse-off": base, "noreuse-host": configs["host"]}, unique))
-    print("\nsummary (rounds after the first):")
-    later = {k: [r for r in v if r["round"] > 0] for k, v in results.items()}
-    for k, rows in later.items():
-        if rows:
-            print(f"  {k:14s} TTFT mean {statistics.mean(r['ttft_mean_ms'] for r in rows):8.1f} ms  "
-                  f"hits device {statistics.mean(r['device_hit'] for r in rows):.0%} "
-                  f"host {statistics.mean(r['host_hit'] for r in rows):.0%}  "
-                  f"prompt {statistics.median(r['prompt_tok_s'] for r in rows):.1f} tok/s  "
-                  f"output {statistics.median(r['output_tok_s'] for r in rows):.1f} tok/s")
-    for other in ("device", "vllm"):
-        if other in later and "host" in later and later["host"]:
-            ratio = statistics.mean(r["ttft_mean_ms"] for r in later[other]) / statistics.mean(
-                r["ttft_mean_ms"] for r in later["host"])
-            print(f"  TTFT mean {other} / nanoserve device+host: {ratio:.1f}x")
-    if "noreuse-off" in results:
-        ratios = [o["time_s"] / h["time_s"] for h, o in zip(results["noreuse-host"], results["noreuse-off"])]
-        print(f"  no reuse: throughput host on / off = {statistics.median(ratios):.3f} (median of per-round "
+        unique = Workload(argparse.Namespace(**{**vars(args), "rounds": args.noreuse_rounds}), "longdoc",
+                          reuse=False, seed=1)
+        nr = run_side_by_side(args, {"noreuse-off": base, "noreuse-host": host}, unique, args.noreuse_rounds)
+        results.update(nr)
+        ratios = [o["time_s"] / h["time_s"] for h, o in zip(nr["noreuse-host"], nr["noreuse-off"])]
+        out["noreuse_ratio"] = statistics.median(ratios)
+        print(f"  no reuse: throughput host on / off = {out['noreuse_ratio']:.3f} (median of per-round "
               f"ratios {', '.join(f'{r:.3f}' for r in ratios)})")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"cpu": cpu_name(), "dtype": args.dtype, "args": vars(args),
-                                               "rows": results}, indent=1))
-    print(json.dumps(results))
+    out["summary"] = {k: later_summary(v) for k, v in results.items() if not k.startswith("noreuse")}
+    out["rows"] = results
+    print("\nsummary (rounds after the first):")
+    for k, s in out["summary"].items():
+        if s:
+            reuse = f"{s['reusable_hit']:.1%}" if s["reusable_hit"] is not None else "-"
+            print(f"  {k:14s} TTFT mean {s['ttft_mean_ms']:8.1f} ms  p90 {s['ttft_p90_ms']:8.1f} ms  "
+                  f"hits device {s['device_hit']:.0%} host {s['host_hit']:.0%}  reusable from cache {reuse}  "
+                  f"lossy {s['lossy_evictions']}  output {s['output_tok_s']:.1f} tok/s")
+    for other in ("device-big", "device", "vllm"):
+        if out["summary"].get(other) and out["summary"].get("host"):
+            print(f"  TTFT mean host / {other}: "
+                  f"{out['summary']['host']['ttft_mean_ms'] / out['summary'][other]['ttft_mean_ms']:.2f}x")
+    path = args.json or (f"bench/results/tier_{args.workload}_c{args.concurrency}_{args.tag}.json" if args.tag else None)
+    if path:
+        Path(path).write_text(json.dumps(out, indent=1))
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

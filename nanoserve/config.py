@@ -55,9 +55,10 @@ class EngineConfig:
                                     group="KV cache")
     host_cache_gb: float = opt(0.0, "second prefix-cache tier in host memory, in GiB; 0 = off",
                                group="KV cache")
-    host_offload_watermark: int = opt(0, "device blocks kept reusable without losing cached KV (cold blocks "
-                                      "are copied to the host tier ahead of eviction to keep this many); "
-                                      "0 = one step's worth", metavar="BLOCKS", group="KV cache")
+    host_offload_watermark: int = opt(0, "override: device blocks the cleaner keeps reusable without losing "
+                                      "cached KV (cold blocks are copied to the host tier ahead of eviction); "
+                                      "0 = sized from observed demand (the default)", metavar="BLOCKS",
+                                      group="KV cache")
     enable_prefix_caching: bool = opt(True, "disable prefix caching (every prompt is computed in full)",
                                       flag="--no-prefix-caching", group="KV cache")
     max_num_seqs: int = opt(128, "most sequences in one batch", group="scheduling")

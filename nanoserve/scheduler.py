@@ -7,13 +7,18 @@ A sequence whose prefix is (partly) on host is admitted into `loading`: it holds
 the copy runs and joins the running batch in the first step after the copy completes; meanwhile
 every other sequence keeps being scheduled (no convoy behind a load). If the copy failed, it goes
 back to the head of the queue and recomputes.
+
+With a host tier nothing here drops uncopied KV while saves can avoid it (kvcache/manager.py): a
+running sequence whose blocks would have to come from dirty cached blocks sits out the step while
+their saves run, and admission stops at the first request that would need them (FCFS), leaving
+the running sequences one block each. Nothing here ever waits for a copy.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
-from nanoserve.kvcache.manager import KVCacheManager, LoadState
+from nanoserve.kvcache.manager import KVCacheManager, LoadState, Supply
 from nanoserve.sequence import Sequence, SeqStatus
 
 
@@ -65,30 +70,43 @@ class Scheduler:
                 self.waiting.appendleft(seq)
         self.loading = still
 
-    def wait_for_loads(self, timeout: float) -> None:
-        """Nothing could be scheduled: block (up to `timeout`) on the oldest copy instead of spinning."""
-        if self.loading:
+    def wait_for_transfers(self, timeout: float) -> None:
+        """Nothing could be scheduled: block (up to `timeout`) on the oldest copy instead of
+        spinning (a load someone waits for, or a save a deferred sequence needs)."""
+        if self.kv.loads or self.kv.saves:
             self.kv.wait_for_transfer(timeout)
+
+    def kv_demand(self, lookahead: int = 8) -> int:
+        """Device blocks the next step is expected to take beyond recent allocations: a block per
+        running sequence, and what the next admissible waiting requests need (their host hits
+        are allocated whole at admission)."""
+        seats = min(lookahead, self.max_num_seqs - len(self.running) - len(self.loading))
+        waiting = [self.waiting[i] for i in range(min(max(0, seats), len(self.waiting)))]
+        return len(self.running) + sum(self.kv.demand_of(s, self.max_num_batched_tokens) for s in waiting)
 
     def schedule(self) -> SchedulerOutput:
         self._promote_loaded()
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         i = 0
+        deferred = False
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(seq, n):
+            while (supply := self.kv.allocate_slots(seq, n)) is Supply.SHORT:
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.num_preempted += 1
                 if victim is seq:
                     break
             else:
-                out.scheduled.append(ScheduledSeq(seq, n))
-                budget -= n
+                if supply is Supply.DEFER:  # its blocks are being saved: next step, without loss
+                    deferred = True
+                else:
+                    out.scheduled.append(ScheduledSeq(seq, n))
+                    budget -= n
                 i += 1
-        if out.num_preempted:
+        if out.num_preempted or deferred:
             return out  # memory is tight: admit nobody until the running set drains
         skipped: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.max_num_seqs:
@@ -96,7 +114,7 @@ class Scheduler:
             if seq.parent is not None and not (seq.parent.prompt_done or seq.parent.is_finished):
                 skipped.append(self.waiting.popleft())  # n > 1: wait for the shared prompt's KV
                 continue
-            if not self.kv.admit(seq, budget):
+            if not self.kv.admit(seq, budget, reserve=len(self.running)):
                 break
             self.waiting.popleft()
             if self.kv.load_state(seq) is not LoadState.READY:

@@ -47,6 +47,9 @@ def test_prefix_returns_from_host(server):
     assert m(metrics, "nanoserve:kv_cache_blocks", tier="host", state="total") > 0
     assert m(metrics, "nanoserve:kv_cache_blocks", tier="host", state="in_use") == 0
     assert m(metrics, "nanoserve:kv_cache_blocks", tier="device", state="in_use") == 0
+    # the device evicted, and every eviction was of a block whose KV the host also held
+    assert m(metrics, "nanoserve:kv_clean_evictions_total", tier="device") > 0
+    assert m(metrics, "nanoserve:kv_lossy_evictions_total", tier="device") == 0
 
 
 def test_soak_mixed_traffic_with_disconnects_leaves_nothing_behind(server):

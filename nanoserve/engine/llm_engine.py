@@ -79,9 +79,9 @@ class LLMEngine:
         runner_opts.max_model_len = self.max_model_len
         self.runner = ModelRunner(self.model, self.layout, num_blocks, self.device, runner_opts)
         host = self._host_tier()
-        watermark = config.host_offload_watermark or (
-            -(-config.max_num_batched_tokens // block_size) + config.max_num_seqs)
-        self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching, host, watermark)
+        # the cleaner sizes its target from demand; a watermark only overrides it
+        self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching, host,
+                                 config.host_offload_watermark)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(config.seed, self.device)
         self.eos_token_ids = self._eos_ids()
@@ -233,11 +233,13 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         self.step_request_ids = None
-        self.kv.offload_cold_blocks()
         sched = self.scheduler.schedule()
         self.step_request_ids = {s.seq.request_id for s in sched.scheduled}
-        if not sched.scheduled:
-            self.scheduler.wait_for_loads(timeout=0.05)  # only prefixes in flight: block, don't spin
+        # the cleaner after scheduling: its saves overlap this step's forward, and it sees what the
+        # next step will ask for
+        self.kv.offload_cold_blocks(self.scheduler.kv_demand())
+        if not sched.scheduled:  # only copies in flight (loads, or saves a deferral waits for): block, don't spin
+            self.scheduler.wait_for_transfers(timeout=0.05)
             return []
         self.stats.steps += 1
         logits, samplers, prompt_rows = self.runner.run(sched.scheduled)
@@ -301,7 +303,7 @@ class LLMEngine:
 
     def close(self) -> None:
         """Shutdown: end the KV copies in flight before the host pool is released."""
-        self.kv.drain_transfers()
+        self.kv.close()
 
 
 def _available_memory() -> int:

@@ -8,12 +8,16 @@ client (the key is a per-process random salt). A lookup also compares the stored
 
 Every block is in exactly one state:
   in use      ref_count > 0
-  in flight   ref_count == 0 but pinned by a tier copy that reads or writes it: not reusable until
-              the copy completes. A published one stays in `lru` at its place (and findable), but
-              `allocate` passes over it; an unpublished one is in `held`.
-  cached-free ref_count == 0, hash published, unpinned, in `lru` (findable until it is reused)
+  in flight   ref_count == 0 but pinned by a tier copy that reads or writes it: in `held`, not
+              reusable until the copy completes (a published one stays findable meanwhile)
+  cached-free ref_count == 0, hash published, unpinned: findable until it is reused; in `clean`
+              if another tier also holds its KV (evicting it loses nothing), else in `dirty`
   free        ref_count == 0, no hash, in `free`
 Sequences hold references; copies hold pins. A block can be both referenced and pinned.
+
+`allocate` takes a free block, else the least recently used clean one, and a dirty one (dropping
+KV that exists nowhere else: a lossy eviction, counted) only when the caller allows it. Both are
+O(1): pinned blocks are never in the two LRUs.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import hashlib
 from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import NamedTuple
 
 BlockHash = bytes
@@ -46,6 +51,7 @@ class PoolStats:
     cached_free: int
     free: int
     in_flight: int = 0  # unreferenced, but pinned by a copy
+    clean: int = 0      # of cached_free: also held by another tier
 
 
 class BlockPool:
@@ -54,16 +60,28 @@ class BlockPool:
         self.ref_count = [0] * num_blocks
         self.block_hash: list[BlockHash | None] = [None] * num_blocks
         self.block_key: list[BlockKey | None] = [None] * num_blocks
+        self.is_clean = [False] * num_blocks  # published, and its KV is also in another tier
         self.index: dict[BlockHash, int] = {}
-        self.lru: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self.clean: OrderedDict[int, None] = OrderedDict()  # cached-free, unpinned, clean; oldest first
+        self.dirty: OrderedDict[int, None] = OrderedDict()  # cached-free, unpinned, dirty; oldest first
         self.free: deque[int] = deque(range(num_blocks))
         self.pins = [0] * num_blocks
-        self.held: set[int] = set()  # unreferenced, pinned, not in the LRU
-        self.pinned_in_lru = 0
-        self.num_evictions = 0
+        self.held: set[int] = set()  # unreferenced and pinned
+        self.num_evictions = 0        # cached blocks reused, clean or not
+        self.num_lossy_evictions = 0  # dirty ones: their KV was dropped
+        # called with (hash, evicted) when a block stops being findable: another tier's clean marks
+        self.on_unpublish: Callable[[BlockHash, bool], None] | None = None
 
-    def num_available(self) -> int:
-        return len(self.free) + len(self.lru) - self.pinned_in_lru
+    def num_available(self, lossless: bool = False) -> int:
+        """Blocks `allocate` can hand out now (with `lossless`: without dropping KV)."""
+        return len(self.free) + len(self.clean) + (0 if lossless else len(self.dirty))
+
+    def is_cached_free(self, block: int) -> bool:
+        return block in self.clean or block in self.dirty
+
+    def lru(self) -> list[int]:
+        """Cached-free blocks, oldest first within each LRU (clean ones first: evicted first)."""
+        return [*self.clean, *self.dirty]
 
     def lookup(self, h: BlockHash, key: BlockKey) -> int | None:
         """The cached block published under digest `h` with exactly this parent and tokens."""
@@ -72,27 +90,33 @@ class BlockPool:
             return None
         return block
 
+    def _unpark(self, block: int) -> None:
+        """Take an unreferenced block out of whichever list holds it."""
+        if self.pins[block]:
+            self.held.remove(block)
+        else:
+            (self.clean if self.is_clean[block] else self.dirty).pop(block)
+
     def acquire(self, block: int) -> None:
         if self.ref_count[block] == 0:
-            if block in self.lru:
-                del self.lru[block]
-                self.pinned_in_lru -= self.pins[block] > 0
-            else:
-                self.held.discard(block)
+            self._unpark(block)
         self.ref_count[block] += 1
 
-    def allocate(self) -> int:
-        """A block with ref count 1: a never-cached one first, else the least recently used cached
-        one that no copy is using."""
+    def allocate(self, lossy_ok: bool = True, keep_clean: bool = False) -> int:
+        """A block with ref count 1: a never-cached one first, else the least recently used clean
+        one, else (only if `lossy_ok`) the least recently used dirty one. No pinned block is a
+        candidate. `keep_clean` (the host tier taking a save): never a clean block, since evicting
+        one only moves the lack of a copy to its twin in the other tier."""
         if self.free:
             block = self.free.popleft()
         else:
-            block = next((b for b in self.lru if not self.pins[b]), None)  # pinned ones: oldest, few
-            if block is None:
+            lru = self.dirty if keep_clean else self.clean or (self.dirty if lossy_ok else None)
+            if not lru:
                 raise RuntimeError("BlockPool exhausted: the caller must check num_available() first")
-            del self.lru[block]
-            self._unpublish(block)
+            block, _ = lru.popitem(last=False)
             self.num_evictions += 1
+            self.num_lossy_evictions += lru is self.dirty
+            self._unpublish(block, evicted=True)
         self.ref_count[block] = 1
         return block
 
@@ -103,48 +127,57 @@ class BlockPool:
             self._park(block)
 
     def _park(self, block: int) -> None:
-        """An unreferenced block goes where its state says."""
-        if self.block_hash[block] is not None:
-            self.lru[block] = None
-            self.pinned_in_lru += self.pins[block] > 0
-        elif self.pins[block]:
+        """An unreferenced block goes where its state says (a cached one as most recently used)."""
+        if self.pins[block]:
             self.held.add(block)
+        elif self.block_hash[block] is not None:
+            (self.clean if self.is_clean[block] else self.dirty)[block] = None
         else:
             self.free.append(block)
 
     def pin(self, block: int) -> None:
         """Hold a block for a copy: it cannot be reused (evicted or allocated) until unpinned."""
         if self.ref_count[block] == 0 and not self.pins[block]:
-            assert block in self.lru, f"pinning block {block}, which is free (nothing to copy)"
-            self.pinned_in_lru += 1
+            assert self.is_cached_free(block), f"pinning block {block}, which is free (nothing to copy)"
+            self._unpark(block)
+            self.held.add(block)
         self.pins[block] += 1
 
     def unpin(self, block: int) -> None:
-        """End a copy's hold; an unreferenced cached block keeps its LRU place."""
+        """End a copy's hold; an unreferenced cached block rejoins its LRU as most recently used
+        (a copy just used it)."""
         assert self.pins[block] > 0, f"unpin of unpinned block {block}"
         self.pins[block] -= 1
         if self.ref_count[block] == 0 and not self.pins[block]:
-            if block in self.lru:
-                self.pinned_in_lru -= 1
-            else:
-                self.held.remove(block)
-                self._park(block)
+            self.held.remove(block)
+            self._park(block)
+
+    def mark_clean(self, block: int, clean: bool) -> None:
+        """Record whether another tier holds this published block's KV too (keeps its LRU place)."""
+        if self.block_hash[block] is None or self.is_clean[block] == clean:
+            return
+        src, dst = (self.dirty, self.clean) if clean else (self.clean, self.dirty)
+        self.is_clean[block] = clean
+        if block in src:
+            del src[block]
+            dst[block] = None
 
     def touch(self, block: int) -> None:
         """Mark a cached-free block most recently used."""
-        if block in self.lru:
-            self.lru.move_to_end(block)
+        for lru in (self.clean, self.dirty):
+            if block in lru:
+                lru.move_to_end(block)
 
-    def allocate_pinned(self) -> int:
+    def allocate_pinned(self, keep_clean: bool = False) -> int:
         """A block for a copy to write: pinned, unreferenced, unpublished (the caller publishes it
         once the copy is complete)."""
-        block = self.allocate()
+        block = self.allocate(lossy_ok=True, keep_clean=keep_clean)
         self.ref_count[block] = 0
         self.pins[block] = 1
         self.held.add(block)
         return block
 
-    def publish(self, block: int, h: BlockHash, key: BlockKey) -> bool:
+    def publish(self, block: int, h: BlockHash, key: BlockKey, clean: bool = False) -> bool:
         """Make a written, full block findable. False if an equal block is already indexed
         (the duplicate then stays private and returns to the free list when released)."""
         if h in self.index or self.block_hash[block] is not None:
@@ -152,55 +185,60 @@ class BlockPool:
         self.index[h] = block
         self.block_hash[block] = h
         self.block_key[block] = key
-        if self.ref_count[block] == 0:  # an unreferenced copy destination: into the LRU, as newest
-            self.held.discard(block)
-            self._park(block)
+        self.is_clean[block] = clean
         return True
 
     def unpublish(self, block: int) -> None:
         """Stop a block being findable (its content is not trusted)."""
-        if block in self.lru:
-            del self.lru[block]
-            self.pinned_in_lru -= self.pins[block] > 0
-            self._unpublish(block)
+        cached_free = self.is_cached_free(block)
+        if cached_free:
+            self._unpark(block)
+        self._unpublish(block, evicted=False)
+        if cached_free:
             self._park(block)
-        else:
-            self._unpublish(block)
 
-    def _unpublish(self, block: int) -> None:
+    def _unpublish(self, block: int, evicted: bool) -> None:
         h = self.block_hash[block]
         if h is not None and self.index.get(h) == block:
             del self.index[h]
+            if self.on_unpublish is not None:
+                self.on_unpublish(h, evicted)
         self.block_hash[block] = None
         self.block_key[block] = None
+        self.is_clean[block] = False
 
     def reset_cache(self) -> None:
         """Forget every cached-free block (e.g. when prefix caching is turned off); blocks a copy
         is using are left alone."""
-        for block in [b for b in self.lru if not self.pins[b]]:
-            del self.lru[block]
-            self._unpublish(block)
+        for block in self.lru():
+            self._unpark(block)
+            self._unpublish(block, evicted=False)
             self.free.append(block)
 
     def stats(self) -> PoolStats:
         in_use = sum(1 for r in self.ref_count if r > 0)
-        in_flight = len(self.held) + self.pinned_in_lru
-        return PoolStats(self.num_blocks, in_use, len(self.lru) - self.pinned_in_lru, len(self.free), in_flight)
+        return PoolStats(self.num_blocks, in_use, len(self.clean) + len(self.dirty), len(self.free),
+                         len(self.held), len(self.clean))
 
     def check_invariants(self) -> None:
         in_use = [b for b, r in enumerate(self.ref_count) if r > 0]
+        lru = set(self.clean) | set(self.dirty)
         assert all(r >= 0 for r in self.ref_count), "negative ref count"
         assert all(p >= 0 for p in self.pins), "negative pin count"
-        assert len(in_use) + len(self.lru) + len(self.free) + len(self.held) == self.num_blocks, (
-            f"block accounting: {len(in_use)} in use + {len(self.lru)} cached-free + "
+        assert len(in_use) + len(lru) + len(self.free) + len(self.held) == self.num_blocks, (
+            f"block accounting: {len(in_use)} in use + {len(lru)} cached-free + "
             f"{len(self.free)} free + {len(self.held)} held != {self.num_blocks}")
-        assert not set(in_use) & (set(self.lru) | set(self.free) | self.held), "in-use block on a free list"
-        assert not set(self.lru) & set(self.free), "block both cached-free and free"
-        assert not self.held & (set(self.lru) | set(self.free)), "held block on a free list"
-        assert all(self.pins[b] > 0 and self.block_hash[b] is None for b in self.held), "bad held block"
-        assert self.pinned_in_lru == sum(1 for b in self.lru if self.pins[b]), "pinned LRU count"
-        assert not any(self.pins[b] for b in self.free), "pinned block on the free list"
-        assert all(self.block_hash[b] is not None for b in self.lru), "unhashed block in the LRU"
+        assert not set(self.clean) & set(self.dirty), "block both clean and dirty"
+        assert not set(in_use) & (lru | set(self.free) | self.held), "in-use block on a free list"
+        assert not lru & set(self.free), "block both cached-free and free"
+        assert not self.held & (lru | set(self.free)), "held block on a free list"
+        assert all(self.pins[b] > 0 for b in self.held), "unpinned held block"
+        assert not any(self.pins[b] for b in lru | set(self.free)), "pinned block on a free list"
+        assert all(self.block_hash[b] is not None for b in lru), "unhashed block in the LRU"
+        assert all(self.is_clean[b] for b in self.clean) and not any(self.is_clean[b] for b in self.dirty), (
+            "block in the wrong LRU")
+        assert not any(self.is_clean[b] for b in range(self.num_blocks) if self.block_hash[b] is None), (
+            "unpublished block marked clean")
         assert all(self.block_hash[b] is None for b in self.free), "hashed block on the free list"
         for h, b in self.index.items():
             assert self.block_hash[b] == h, f"index points at block {b} whose hash changed"

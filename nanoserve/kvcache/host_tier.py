@@ -14,6 +14,7 @@ import os
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,10 +73,12 @@ def host_memory_available(proc: str = "/proc/meminfo", cgroup: str = "/sys/fs/cg
 
 
 def alloc_host_cache(shape: tuple[int, ...], dtype: torch.dtype, pin: bool,
-                     chunk_bytes: int = GiB) -> torch.Tensor:
-    """Host KV pool. Pinned with cudaHostRegister on a plain allocation, not `pin_memory=True`
-    (the caching host allocator rounds up to a power of two: 48 GiB would pin 64). Pages are
-    touched in parallel first, at start-up, so no copy page-faults inside the serving loop."""
+                     chunk_bytes: int = GiB) -> tuple[torch.Tensor, Callable[[], None]]:
+    """Host KV pool, and the call that unpins it (also run when the tensor is collected; the owner
+    calls it first, once no copy can still target the memory). Pinned with cudaHostRegister on a
+    plain allocation, not `pin_memory=True` (the caching host allocator rounds up to a power of
+    two: 48 GiB would pin 64). Pages are touched in parallel first, at start-up, so no copy
+    page-faults inside the serving loop."""
     t0 = time.perf_counter()
     cache = torch.empty(shape, dtype=dtype)
     flat = cache.view(-1).view(torch.uint8)
@@ -86,6 +89,7 @@ def alloc_host_cache(shape: tuple[int, ...], dtype: torch.dtype, pin: bool,
     workers = min(len(chunks), os.cpu_count() or 1) or 1
     with ThreadPoolExecutor(workers) as ex:  # fill_ releases the GIL
         list(ex.map(lambda c: flat[c[0]:c[1]].zero_(), chunks))
+    release: Callable[[], None] = lambda: None  # noqa: E731
     if pin:
         cudart = torch.cuda.cudart()
         base = flat.data_ptr()
@@ -98,12 +102,12 @@ def alloc_host_cache(shape: tuple[int, ...], dtype: torch.dtype, pin: bool,
             for p in registered:
                 cudart.cudaHostUnregister(p)
             raise
-        weakref.finalize(cache, _unregister, registered)
+        release = weakref.finalize(cache, _unregister, registered)
     gib = flat.numel() / GiB
     dt = time.perf_counter() - t0
     log.info("host KV pool: %.2f GiB %s in %.1fs (%.2f s/GiB)", gib, "pinned" if pin else "allocated",
              dt, dt / max(gib, 1e-9))
-    return cache
+    return cache, release
 
 
 def _unregister(ptrs: list[int]) -> None:
@@ -117,8 +121,8 @@ class HostTier:
     def __init__(self, num_blocks: int, device_cache: torch.Tensor, copier: Copier | None = None) -> None:
         self.pool = BlockPool(num_blocks)
         self.device_cache = device_cache
-        self.cache = alloc_host_cache((num_blocks, *device_cache.shape[1:]), device_cache.dtype,
-                                      pin=device_cache.device.type == "cuda")
+        self.cache, self._release = alloc_host_cache((num_blocks, *device_cache.shape[1:]), device_cache.dtype,
+                                                     pin=device_cache.device.type == "cuda")
         self.block_bytes = device_cache[0].numel() * device_cache.element_size()
         self.copier = copier or make_copier(device_cache.device)
         self.transfers = TransferStats()
@@ -130,14 +134,24 @@ class HostTier:
     def lookup(self, h: BlockHash, key: BlockKey) -> int | None:
         return self.pool.lookup(h, key)
 
+    def close(self) -> None:
+        """Let every copy submitted so far finish, then unpin the pool: unregistering memory a DMA
+        still targets would corrupt the host heap. The caller ends its copies' bookkeeping first."""
+        self.copier.drain()
+        self._release()
+
+    def room(self) -> int:
+        """Blocks a save can take: free ones, and cached ones whose KV is on host only (the host
+        LRU drops those). Blocks whose twin is on device are kept: evicting one gains nothing."""
+        return len(self.pool.free) + len(self.pool.dirty)
+
     def begin_save(self, dev_ids: list[int], keys: list[tuple[BlockHash, BlockKey]]) -> HostCopy | None:
-        """Start copying device blocks to host, as many as the host pool has reusable blocks for
-        (its LRU is evicted to make room). The caller keeps the device blocks unchanged until the
-        copy ends. None if nothing could be started."""
+        """Start copying device blocks to host, as many as the host has room for. The caller keeps
+        the device blocks unchanged until the copy ends. None if nothing could be started."""
         host_ids: list[int] = []
         try:
-            while len(host_ids) < len(dev_ids) and self.pool.num_available():
-                host_ids.append(self.pool.allocate_pinned())
+            while len(host_ids) < len(dev_ids) and self.room():
+                host_ids.append(self.pool.allocate_pinned(keep_clean=True))
             if not host_ids:
                 return None
             n = len(host_ids)

@@ -17,6 +17,7 @@ class TierReport:
     hit_tokens: int           # prompt tokens served from this tier
     evictions: int
     blocks_in_flight: int = 0  # held only by copies still running
+    lossy_evictions: int = 0  # of `evictions`: KV dropped with no copy in another tier
     bytes_in: int = 0         # host tier: bytes copied device -> host
     bytes_out: int = 0        # host tier: bytes copied host -> device
     seconds_in: float = 0.0

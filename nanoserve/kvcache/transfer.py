@@ -1,14 +1,16 @@
 """Block copies between KV tiers, asynchronous, with completion handles.
 
 One interface, two implementations:
-  CudaCopier    per-block `copy_(non_blocking=True)` on a dedicated copy stream per direction
-                ("lane"), ordered after the compute already enqueued by an event; completion is
-                polled with `event.query()`, never `synchronize()`.
+  CudaCopier    `copy_(non_blocking=True)` on a dedicated copy stream per direction ("lane"),
+                ordered after the compute already enqueued by an event; completion is polled with
+                `event.query()`, never `synchronize()` in the step. A CUDA error surfacing there
+                is a `DeviceFault` (fatal: the context is unusable), not one failed copy.
   ThreadCopier  a worker thread per lane does the same copies (memcpy releases the GIL), so on CPU
                 copies overlap the model too and CI exercises the same asynchronous bookkeeping.
 
 A block of all layers is one contiguous slab (block-major layout), so each block is one copy with
-no temporary. Callers own the lifetime rules: a source block must not be overwritten and a
+no temporary, and a run of consecutive blocks on both sides is one copy too (`runs`: small blocks
+are copied in batches, not one launch each). Callers own the lifetime rules: a source block must not be overwritten and a
 destination block must not be read until its transfer is `done()`.
 """
 from __future__ import annotations
@@ -25,8 +27,24 @@ import torch
 BlockCopy = Callable[[torch.Tensor, torch.Tensor], None]
 
 
+class DeviceFault(BaseException):
+    """A device error seen while polling a copy: the device context is unusable, so this is not an
+    `Exception` a per-request handler could swallow; the engine loop stops on it."""
+
+
 def copy_block(src: torch.Tensor, dst: torch.Tensor) -> None:
     dst.copy_(src)
+
+
+def runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(src start, dst start, length) of the maximal runs consecutive on both sides."""
+    out: list[tuple[int, int, int]] = []
+    for s, d in zip(src_ids, dst_ids):
+        if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == d:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((s, d, 1))
+    return out
 
 
 class Transfer(ABC):
@@ -52,6 +70,9 @@ class Copier(ABC):
                dst_ids: Sequence[int]) -> Transfer:
         """Start copying blocks src[src_ids[i]] -> dst[dst_ids[i]]; copies in one lane run in order."""
 
+    def drain(self) -> None:
+        """Block until every copy submitted so far has finished (shutdown)."""
+
 
 # ---- CPU: worker threads ---------------------------------------------------------------------
 class ThreadTransfer(Transfer):
@@ -70,8 +91,8 @@ def _worker(jobs: queue.SimpleQueue) -> None:
         handle, fn, src, src_ids, dst, dst_ids = job
         t0 = time.perf_counter()
         try:
-            for s, d in zip(src_ids, dst_ids):
-                fn(src[s], dst[d])
+            for s, d, n in runs(src_ids, dst_ids):
+                fn(src[s:s + n], dst[d:d + n])
         except BaseException as e:  # reported through the handle; the bookkeeping rolls back
             handle.error = e
         handle.seconds = time.perf_counter() - t0
@@ -90,6 +111,11 @@ class ThreadCopier(Copier):
     def __init__(self, block_copy: BlockCopy = copy_block) -> None:
         self.block_copy = block_copy
         self._lanes: dict[str, queue.SimpleQueue] = {}
+        self._last: dict[str, Transfer] = {}  # lanes are FIFO: the last one done means all are
+
+    def drain(self) -> None:
+        for handle in self._last.values():
+            handle.wait()
 
     def submit(self, lane, src, src_ids, dst, dst_ids) -> Transfer:
         jobs = self._lanes.get(lane)
@@ -100,7 +126,7 @@ class ThreadCopier(Copier):
             # the thread ends with its copier, and is joined at interpreter exit: a daemon thread
             # killed inside a torch copy aborts the process ("terminate called ...")
             weakref.finalize(self, _stop_worker, jobs, worker)
-        handle = ThreadTransfer()
+        handle = self._last[lane] = ThreadTransfer()
         jobs.put((handle, self.block_copy, src, list(src_ids), dst, list(dst_ids)))
         return handle
 
@@ -115,15 +141,23 @@ class CudaTransfer(Transfer):
         if not self._done:
             try:
                 self._done = self.end.query()
-            except RuntimeError as e:  # a CUDA error surfaces here: fail this transfer
-                self.error, self._done = e, True
-            if self._done and self.error is None:
+            except RuntimeError as e:  # sticky CUDA error (maybe from compute): nothing is trustworthy
+                raise DeviceFault(f"CUDA error while polling a KV copy: {e}") from e
+            if self._done:
                 self.seconds = self.start.elapsed_time(self.end) / 1000
         return self._done
 
     def wait(self, timeout: float | None = None) -> bool:
-        self.end.synchronize()  # only when the engine has nothing else to run
-        return self.done()
+        """Only when the engine has nothing else to run; polls, so `timeout` is honoured."""
+        if timeout is None:
+            self.end.synchronize()
+            return self.done()
+        deadline = time.monotonic() + timeout
+        while not self.done():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.0005)
+        return True
 
     def order_compute_after(self) -> None:
         torch.cuda.current_stream(self.device).wait_event(self.end)
@@ -133,6 +167,10 @@ class CudaCopier(Copier):
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._streams: dict[str, torch.cuda.Stream] = {}
+
+    def drain(self) -> None:
+        for stream in self._streams.values():
+            stream.synchronize()
 
     def submit(self, lane, src, src_ids, dst, dst_ids) -> Transfer:
         stream = self._streams.get(lane)
@@ -146,8 +184,8 @@ class CudaCopier(Copier):
         stream.wait_event(ready)
         with torch.cuda.stream(stream):
             start.record(stream)
-            for s, d in zip(src_ids, dst_ids):
-                dst[d].copy_(src[s], non_blocking=True)  # one contiguous slab; pinned host side
+            for s, d, n in runs(src_ids, dst_ids):  # contiguous slabs; pinned host side
+                dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
             end.record(stream)
         return CudaTransfer(self.device, start, end)
 

@@ -48,6 +48,11 @@ class _SnapshotCollector:
                                    "per tier.", labels=["model_name", "tier"])
         evictions = CounterMetricFamily(P + "kv_cache_evictions", "Cached KV blocks evicted, per tier.",
                                         labels=["model_name", "tier"])
+        clean = CounterMetricFamily(P + "kv_clean_evictions", "Cached KV blocks evicted whose KV the other "
+                                    "tier also held (nothing lost), per tier.", labels=["model_name", "tier"])
+        lossy = CounterMetricFamily(P + "kv_lossy_evictions", "Cached KV blocks evicted with no copy anywhere "
+                                    "else (their KV is lost), per tier. With a host tier, device-side ones "
+                                    "happen only when the host has no room.", labels=["model_name", "tier"])
         moved = CounterMetricFamily(P + "kv_transfer_bytes", "KV bytes copied into (in) and out of a tier.",
                                     labels=["model_name", "tier", "direction"])
         moved_s = CounterMetricFamily(P + "kv_transfer_seconds", "Seconds spent copying KV into (in) and "
@@ -60,11 +65,13 @@ class _SnapshotCollector:
             queries.add_metric([m, t.tier], t.query_tokens)
             hits.add_metric([m, t.tier], t.hit_tokens)
             evictions.add_metric([m, t.tier], t.evictions)
+            clean.add_metric([m, t.tier], t.evictions - t.lossy_evictions)
+            lossy.add_metric([m, t.tier], t.lossy_evictions)
             moved.add_metric([m, t.tier, "in"], t.bytes_in)
             moved.add_metric([m, t.tier, "out"], t.bytes_out)
             moved_s.add_metric([m, t.tier, "in"], t.seconds_in)
             moved_s.add_metric([m, t.tier, "out"], t.seconds_out)
-        yield from (usage, blocks, queries, hits, evictions, moved, moved_s)
+        yield from (usage, blocks, queries, hits, evictions, clean, lossy, moved, moved_s)
         for name, doc, v in (("prompt_tokens", "Prompt tokens admitted (x n choices).", s.prompt_tokens),
                              ("generation_tokens", "Tokens generated.", s.generation_tokens),
                              ("num_preemptions", "Sequences preempted for lack of KV blocks.", s.num_preemptions),
