@@ -2,6 +2,11 @@
 // (torch.utils.cpp_extension, -march=native; cached by a hash of this file, the CPU flags and torch).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -326,7 +331,181 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor cache, int64_t lay
   }
 }
 
+// ---- prefill attention over the paged cache ----------------------------------------------------
+// Flash-style: per (sequence, KV head, query tile) task, the tile's query rows of the whole head
+// group (GQA without repeating K/V) against K/V tiles of KT tokens read from their blocks, online
+// softmax in fp32. Both products are GEMMs through ATen's brgemm (oneDNN's JIT micro-kernels): on
+// CPUs with AMX, bf16 tiles packed to VNNI; elsewhere fp32 (tiles converted while packed; oneDNN's
+// AVX2/AVX-512 kernels, or ATen's gemm where oneDNN has none).
+constexpr int64_t KT = 64;  // keys per tile: one L1-sized K^T and V pair at head_dim 128 in bf16
+
+// exp for x <= 0 (fp32, ~1 ulp): 2^n * e^r with |r| <= ln2/2, degree-6 Taylor; written so that the
+// compiler vectorizes the softmax loop (std::exp does not vectorize without -ffast-math)
+static inline float exp_neg(float x) {
+  x = std::max(x, -87.f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
+  const float p = 1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720))))));
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+template <typename C, typename T> static inline C as(T x) { return static_cast<C>(static_cast<float>(x)); }
+template <> inline c10::BFloat16 as<c10::BFloat16, c10::BFloat16>(c10::BFloat16 x) { return x; }
+template <> inline float as<float, float>(float x) { return x; }
+
+// T: storage dtype; C: GEMM input dtype (T itself with AMX packing, else float)
+template <typename T, typename C>
+static void prefill(const T* q, T* out, const T* kv, int64_t h, int64_t kh, int64_t bs, int64_t d,
+                    int64_t block_stride, int64_t layer_off, const int64_t* tab, int64_t max_blocks,
+                    const int64_t* start, const int64_t* len, const int64_t* ctx, int64_t seqs, float scale) {
+  constexpr bool amx = !std::is_same_v<C, float>;
+  const int64_t g = h / kh, qt = std::max<int64_t>(1, 128 / g), v_off = kh * bs * d;
+  struct Task { int64_t s, hk, r0, r1, work; };
+  std::vector<Task> tasks;
+  for (int64_t s = 0; s < seqs; ++s)
+    for (int64_t r0 = 0; r0 < len[s]; r0 += qt) {
+      const int64_t r1 = std::min(len[s], r0 + qt), keys = ctx[s] - len[s] + r1;
+      for (int64_t hk = 0; hk < kh; ++hk) tasks.push_back({s, hk, r0, r1, keys * (r1 - r0)});
+    }
+  // heaviest first, handed out one at a time: causal tiles differ in cost by up to the context/tile ratio
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.work > b.work; });
+  std::atomic<int64_t> next{0};
+  const int64_t nthreads = std::min<int64_t>(at::get_num_threads(), tasks.size());
+  at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
+    const int64_t mmax = (qt * g + 15) / 16 * 16;
+    std::vector<C> qb(mmax * d), kt(d * KT), kp(d * KT), vt(KT * d), vp(KT * d), pb(mmax * KT);
+    std::vector<float> sc(mmax * KT), acc(mmax * d), mx(mmax), sum(mmax);
+    std::vector<int64_t> pos(mmax);
+    for (int64_t i = next++; i < static_cast<int64_t>(tasks.size()); i = next++) {
+      const Task& w = tasks[i];
+      const int64_t off = ctx[w.s] - len[w.s], rows = (w.r1 - w.r0) * g, m = (rows + 15) / 16 * 16;
+      const int64_t* bt = tab + w.s * max_blocks;
+      for (int64_t r = 0; r < m; ++r) {  // row r: query token r0 + r / g, head hk * g + r % g
+        C* dst = qb.data() + r * d;
+        if (r < rows) {
+          const T* src = q + ((start[w.s] + w.r0 + r / g) * h + w.hk * g + r % g) * d;
+          for (int64_t x = 0; x < d; ++x) dst[x] = as<C>(src[x]);
+          pos[r] = off + w.r0 + r / g;
+        } else {  // padding rows (to whole AMX tiles): zeros that see every key, output dropped
+          std::fill(dst, dst + d, C(0));
+          pos[r] = std::numeric_limits<int64_t>::max() / 2;
+        }
+      }
+      std::fill(acc.begin(), acc.begin() + m * d, 0.f);
+      std::fill(mx.begin(), mx.begin() + m, -std::numeric_limits<float>::infinity());
+      std::fill(sum.begin(), sum.begin() + m, 0.f);
+      const int64_t kend = off + w.r1;
+      for (int64_t k0 = 0; k0 < kend; k0 += KT) {
+        const int64_t cnt = std::min(KT, kend - k0);
+        for (int64_t t = 0; t < KT; ++t) {  // K^T [d, KT] and V [KT, d], zero past the end
+          if (t < cnt) {
+            const int64_t tok = k0 + t;
+            const T* kr = kv + bt[tok / bs] * block_stride + layer_off + (w.hk * bs + tok % bs) * d;
+            for (int64_t x = 0; x < d; ++x) { kt[x * KT + t] = as<C>(kr[x]); vt[t * d + x] = as<C>(kr[v_off + x]); }
+          } else {
+            for (int64_t x = 0; x < d; ++x) { kt[x * KT + t] = C(0); vt[t * d + x] = C(0); }
+          }
+        }
+        const C* kb = kt.data();
+        const C* vb = vt.data();
+        if constexpr (amx) {
+          at::native::cpublas::pack(d, KT, KT, KT, c10::CppTypeToScalarType<C>::value,
+                                    c10::CppTypeToScalarType<C>::value, kt.data(), kp.data());
+          for (int64_t c0 = 0; c0 < d; c0 += 64)  // oneDNN packs at most 64 columns per block
+            at::native::cpublas::pack(KT, 64, d, 64, c10::CppTypeToScalarType<C>::value,
+                                      c10::CppTypeToScalarType<C>::value, vt.data() + c0, vp.data() + c0 * KT);
+          kb = kp.data();
+          vb = vp.data();
+        }
+        at::native::cpublas::brgemm(m, KT, d, d, KT, KT, false, qb.data(), kb, sc.data(), amx);
+        for (int64_t r = 0; r < m; ++r) {  // online softmax: rescale the row's accumulator, P in C
+          float* s = sc.data() + r * KT;
+          const int64_t valid = std::min(cnt, pos[r] - k0 + 1);  // keys k0 .. pos visible (causal)
+          float rmax = mx[r];
+#pragma omp simd reduction(max:rmax)
+          for (int64_t t = 0; t < valid; ++t) rmax = std::max(rmax, s[t] * scale);
+          const float alpha = exp_neg(mx[r] - rmax);  // exp(-inf) -> 0 on the first tile
+          float rsum = 0.f;
+#pragma omp simd reduction(+:rsum)
+          for (int64_t t = 0; t < KT; ++t) {
+            const float p = t < valid ? exp_neg(s[t] * scale - rmax) : 0.f;
+            s[t] = p;
+            rsum += p;
+          }
+          C* p = pb.data() + r * KT;
+          for (int64_t t = 0; t < KT; ++t) p[t] = as<C>(s[t]);
+          sum[r] = sum[r] * alpha + rsum;
+          mx[r] = rmax;
+          if (alpha != 1.f) {
+            float* a = acc.data() + r * d;
+#pragma omp simd
+            for (int64_t x = 0; x < d; ++x) a[x] *= alpha;
+          }
+        }
+        if constexpr (amx) {
+          for (int64_t c0 = 0; c0 < d; c0 += 64)
+            at::native::cpublas::brgemm(m, 64, KT, KT, 64, d, true, pb.data(), vb + c0 * KT, acc.data() + c0, true);
+        } else {
+          at::native::cpublas::brgemm(m, d, KT, KT, d, d, true, pb.data(), vb, acc.data(), false);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        T* o = out + ((start[w.s] + w.r0 + r / g) * h + w.hk * g + r % g) * d;
+        const float inv = 1.f / sum[r];
+        for (int64_t x = 0; x < d; ++x) o[x] = static_cast<T>(acc[r * d + x] * inv);
+      }
+    }
+    if constexpr (amx) at::native::cpublas::brgemm_release(true);
+  });
+}
+
+// q [T, h, d]: the step's prefill rows; sequence i's are q[start[i] : start[i] + len[i]], the last
+// len[i] of its ctx[i] tokens, whose K/V (the new ones included) are in the cache at tables[i].
+torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor cache, int64_t layer, torch::Tensor tables,
+                                      torch::Tensor start, torch::Tensor len, torch::Tensor ctx, double scale,
+                                      bool allow_amx) {
+  TORCH_CHECK(q.is_contiguous() && cache.is_contiguous() && tables.is_contiguous() && start.is_contiguous() &&
+              len.is_contiguous() && ctx.is_contiguous() && q.dim() == 3 && cache.dim() == 6);
+  TORCH_CHECK(q.scalar_type() == cache.scalar_type() && tables.scalar_type() == torch::kLong &&
+              start.scalar_type() == torch::kLong && len.scalar_type() == torch::kLong &&
+              ctx.scalar_type() == torch::kLong);
+  const int64_t seqs = tables.size(0), h = q.size(1), d = q.size(2), kh = cache.size(3), bs = cache.size(4);
+  TORCH_CHECK(cache.size(5) == d && h % kh == 0 && layer >= 0 && layer < cache.size(1) && start.numel() == seqs &&
+              len.numel() == seqs && ctx.numel() == seqs);
+  const int64_t* st = start.data_ptr<int64_t>();
+  const int64_t* ln = len.data_ptr<int64_t>();
+  const int64_t* cx = ctx.data_ptr<int64_t>();
+  const int64_t* tab = tables.data_ptr<int64_t>();
+  for (int64_t i = 0; i < seqs; ++i) {  // every row and block the kernel will touch is in range
+    TORCH_CHECK(ln[i] >= 1 && ln[i] <= cx[i] && st[i] >= 0 && st[i] + ln[i] <= q.size(0) &&
+                (cx[i] + bs - 1) / bs <= tables.size(1), "paged_prefill_attention: bad sequence ", i);
+    for (int64_t b = 0; b < (cx[i] + bs - 1) / bs; ++b)
+      TORCH_CHECK(tab[i * tables.size(1) + b] >= 0 && tab[i * tables.size(1) + b] < cache.size(0),
+                  "paged_prefill_attention: block out of range");
+  }
+  auto out = torch::empty_like(q);
+  const int64_t block_stride = cache.size(1) * 2 * kh * bs * d, layer_off = layer * 2 * kh * bs * d;
+#define NS_ARGS(T) q.data_ptr<T>(), out.data_ptr<T>(), cache.data_ptr<T>(), h, kh, bs, d, block_stride, layer_off, \
+    tab, tables.size(1), st, ln, cx, seqs, static_cast<float>(scale)
+  switch (q.scalar_type()) {
+    case torch::kBFloat16:
+      if (allow_amx && at::native::cpublas::could_pack(torch::kBFloat16)) prefill<c10::BFloat16, c10::BFloat16>(NS_ARGS(c10::BFloat16));
+      else prefill<c10::BFloat16, float>(NS_ARGS(c10::BFloat16));
+      break;
+    case torch::kHalf: prefill<c10::Half, float>(NS_ARGS(c10::Half)); break;
+    case torch::kFloat: prefill<float, float>(NS_ARGS(float)); break;
+    default: TORCH_CHECK(false, "paged_prefill_attention: unsupported dtype");
+  }
+#undef NS_ARGS
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_prefill_attention", &paged_prefill_attention);
+  m.def("amx", []() { return at::native::cpublas::could_pack(torch::kBFloat16); });
   m.def("paged_decode_attention", &paged_decode_attention);
   m.def("add_rms_norm", &add_rms_norm);
   m.def("rope_", &rope_);
