@@ -332,15 +332,16 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor cache, int64_t lay
 }
 
 // ---- prefill attention over the paged cache ----------------------------------------------------
-// Flash-style: per (sequence, KV head, query tile) task, the tile's query rows of the whole head
-// group (GQA without repeating K/V) against K/V tiles of KT tokens read from their blocks, online
-// softmax in fp32. Both products are GEMMs through ATen's brgemm (oneDNN's JIT micro-kernels): on
-// CPUs with AMX, bf16 tiles packed to VNNI; elsewhere fp32 (tiles converted while packed; oneDNN's
+// Flash-style. Phase 1 packs each (sequence, KV head)'s context once, KT keys at a time, from its
+// blocks into GEMM-ready tiles (K^T and V; VNNI-packed for AMX): every query tile of that head
+// reuses them. Phase 2, per (sequence, KV head, query tile) task: the tile's query rows of the
+// whole head group (GQA without repeating K/V) against the packed tiles up to the causal edge,
+// online softmax in fp32. Both products are GEMMs through ATen's brgemm (oneDNN's JIT
+// micro-kernels): with AMX, bf16 tiles; elsewhere fp32 (tiles converted while packed; oneDNN's
 // AVX2/AVX-512 kernels, or ATen's gemm where oneDNN has none).
-constexpr int64_t KT = 64;  // keys per tile: one L1-sized K^T and V pair at head_dim 128 in bf16
+constexpr int64_t KT = 64;  // keys per tile (oneDNN's AMX packing takes at most 64 columns)
 
-// exp for x <= 0 (fp32, ~1 ulp): 2^n * e^r with |r| <= ln2/2, degree-6 Taylor; written so that the
-// compiler vectorizes the softmax loop (std::exp does not vectorize without -ffast-math)
+// exp for x <= 0 (fp32, ~1 ulp): 2^n * e^r with |r| <= ln2/2, degree-6 Taylor
 static inline float exp_neg(float x) {
   x = std::max(x, -87.f);
   const float n = std::floor(x * 1.44269504088896341f + 0.5f);
@@ -351,10 +352,54 @@ static inline float exp_neg(float x) {
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
 }
+#if defined(__AVX512F__)
+static inline __m512 exp_neg16(__m512 x) {  // the same, 16 lanes; scalef applies 2^n
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723e-6f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  for (float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
 
 template <typename C, typename T> static inline C as(T x) { return static_cast<C>(static_cast<float>(x)); }
 template <> inline c10::BFloat16 as<c10::BFloat16, c10::BFloat16>(c10::BFloat16 x) { return x; }
 template <> inline float as<float, float>(float x) { return x; }
+
+// One row of scores s[KT] (unscaled) -> probabilities p[KT] in C, for keys [0, valid) of the tile;
+// updates the row's running max and sum, returns the factor its accumulator must be scaled by.
+template <typename C>
+static inline float softmax_row(float* s, C* p, int64_t valid, float scale, float& mx, float& sum) {
+  float rmax = mx;
+  for (int64_t t = 0; t < valid; ++t) rmax = std::max(rmax, s[t] * scale);
+  const float alpha = mx == rmax ? 1.f : exp_neg(mx - rmax);  // exp(-inf) -> 0 on the first tile
+  float rsum = 0.f;
+  int64_t t = 0;
+#if defined(__AVX512F__)
+  if constexpr (kVec16<C>) {
+    const __m512 sc = _mm512_set1_ps(scale), mneg = _mm512_set1_ps(-rmax);
+    __m512 acc = _mm512_setzero_ps();
+    for (; t < KT; t += 16) {
+      const __mmask16 live = t >= valid ? 0 : t + 16 <= valid ? 0xFFFF : (1u << (valid - t)) - 1;
+      const __m512 e = _mm512_maskz_mov_ps(live, exp_neg16(_mm512_fmadd_ps(_mm512_loadu_ps(s + t), sc, mneg)));
+      acc = _mm512_add_ps(acc, e);
+      store16(p + t, e);
+    }
+    rsum = _mm512_reduce_add_ps(acc);
+  }
+#endif
+  for (; t < KT; ++t) {
+    const float e = t < valid ? exp_neg(s[t] * scale - rmax) : 0.f;
+    rsum += e;
+    p[t] = as<C>(e);
+  }
+  sum = sum * alpha + rsum;
+  mx = rmax;
+  return alpha;
+}
 
 // T: storage dtype; C: GEMM input dtype (T itself with AMX packing, else float)
 template <typename T, typename C>
@@ -362,7 +407,41 @@ static void prefill(const T* q, T* out, const T* kv, int64_t h, int64_t kh, int6
                     int64_t block_stride, int64_t layer_off, const int64_t* tab, int64_t max_blocks,
                     const int64_t* start, const int64_t* len, const int64_t* ctx, int64_t seqs, float scale) {
   constexpr bool amx = !std::is_same_v<C, float>;
-  const int64_t g = h / kh, qt = std::max<int64_t>(1, 128 / g), v_off = kh * bs * d;
+  constexpr auto dt = c10::CppTypeToScalarType<C>::value;
+  const int64_t g = h / kh, qt = std::max<int64_t>(1, 128 / g), v_off = kh * bs * d, tile = KT * d;
+  // phase 1: pack. tile0[s]: index of sequence s's first tile; its head hk's tiles follow at hk * ntiles
+  std::vector<int64_t> tile0(seqs + 1, 0);
+  for (int64_t s = 0; s < seqs; ++s) tile0[s + 1] = tile0[s] + kh * ((ctx[s] + KT - 1) / KT);
+  const torch::Tensor kbuf = torch::empty({tile0[seqs], tile}, torch::dtype(dt));
+  const torch::Tensor vbuf = torch::empty({tile0[seqs], tile}, torch::dtype(dt));
+  C* kp = kbuf.data_ptr<C>();
+  C* vp = vbuf.data_ptr<C>();
+  at::parallel_for(0, tile0[seqs], 1, [&](int64_t begin, int64_t end) {
+    std::vector<C> kt(tile), vt(tile);
+    int64_t s = 0;
+    for (int64_t i = begin; i < end; ++i) {
+      while (tile0[s + 1] <= i) ++s;
+      const int64_t nt = (ctx[s] + KT - 1) / KT, hk = (i - tile0[s]) / nt, k0 = (i - tile0[s]) % nt * KT;
+      const int64_t cnt = std::min(KT, ctx[s] - k0);
+      C* kd = amx ? kt.data() : kp + i * tile;  // K^T [d, KT] and V [KT, d], zero past the end
+      C* vd = amx ? vt.data() : vp + i * tile;
+      for (int64_t t = 0; t < KT; ++t) {
+        if (t < cnt) {
+          const int64_t tok = k0 + t;
+          const T* kr = kv + tab[s * max_blocks + tok / bs] * block_stride + layer_off + (hk * bs + tok % bs) * d;
+          for (int64_t x = 0; x < d; ++x) { kd[x * KT + t] = as<C>(kr[x]); vd[t * d + x] = as<C>(kr[v_off + x]); }
+        } else {
+          for (int64_t x = 0; x < d; ++x) { kd[x * KT + t] = C(0); vd[t * d + x] = C(0); }
+        }
+      }
+      if constexpr (amx) {
+        at::native::cpublas::pack(d, KT, KT, KT, dt, dt, kt.data(), kp + i * tile);
+        for (int64_t c0 = 0; c0 < d; c0 += 64)  // at most 64 columns per packed block
+          at::native::cpublas::pack(KT, 64, d, 64, dt, dt, vt.data() + c0, vp + i * tile + c0 * KT);
+      }
+    }
+  });
+  // phase 2: attend
   struct Task { int64_t s, hk, r0, r1, work; };
   std::vector<Task> tasks;
   for (int64_t s = 0; s < seqs; ++s)
@@ -376,13 +455,12 @@ static void prefill(const T* q, T* out, const T* kv, int64_t h, int64_t kh, int6
   const int64_t nthreads = std::min<int64_t>(at::get_num_threads(), tasks.size());
   at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
     const int64_t mmax = (qt * g + 15) / 16 * 16;
-    std::vector<C> qb(mmax * d), kt(d * KT), kp(d * KT), vt(KT * d), vp(KT * d), pb(mmax * KT);
+    std::vector<C> qb(mmax * d), pb(mmax * KT);
     std::vector<float> sc(mmax * KT), acc(mmax * d), mx(mmax), sum(mmax);
     std::vector<int64_t> pos(mmax);
     for (int64_t i = next++; i < static_cast<int64_t>(tasks.size()); i = next++) {
       const Task& w = tasks[i];
       const int64_t off = ctx[w.s] - len[w.s], rows = (w.r1 - w.r0) * g, m = (rows + 15) / 16 * 16;
-      const int64_t* bt = tab + w.s * max_blocks;
       for (int64_t r = 0; r < m; ++r) {  // row r: query token r0 + r / g, head hk * g + r % g
         C* dst = qb.data() + r * d;
         if (r < rows) {
@@ -397,59 +475,25 @@ static void prefill(const T* q, T* out, const T* kv, int64_t h, int64_t kh, int6
       std::fill(acc.begin(), acc.begin() + m * d, 0.f);
       std::fill(mx.begin(), mx.begin() + m, -std::numeric_limits<float>::infinity());
       std::fill(sum.begin(), sum.begin() + m, 0.f);
-      const int64_t kend = off + w.r1;
-      for (int64_t k0 = 0; k0 < kend; k0 += KT) {
-        const int64_t cnt = std::min(KT, kend - k0);
-        for (int64_t t = 0; t < KT; ++t) {  // K^T [d, KT] and V [KT, d], zero past the end
-          if (t < cnt) {
-            const int64_t tok = k0 + t;
-            const T* kr = kv + bt[tok / bs] * block_stride + layer_off + (w.hk * bs + tok % bs) * d;
-            for (int64_t x = 0; x < d; ++x) { kt[x * KT + t] = as<C>(kr[x]); vt[t * d + x] = as<C>(kr[v_off + x]); }
-          } else {
-            for (int64_t x = 0; x < d; ++x) { kt[x * KT + t] = C(0); vt[t * d + x] = C(0); }
-          }
-        }
-        const C* kb = kt.data();
-        const C* vb = vt.data();
-        if constexpr (amx) {
-          at::native::cpublas::pack(d, KT, KT, KT, c10::CppTypeToScalarType<C>::value,
-                                    c10::CppTypeToScalarType<C>::value, kt.data(), kp.data());
-          for (int64_t c0 = 0; c0 < d; c0 += 64)  // oneDNN packs at most 64 columns per block
-            at::native::cpublas::pack(KT, 64, d, 64, c10::CppTypeToScalarType<C>::value,
-                                      c10::CppTypeToScalarType<C>::value, vt.data() + c0, vp.data() + c0 * KT);
-          kb = kp.data();
-          vb = vp.data();
-        }
-        at::native::cpublas::brgemm(m, KT, d, d, KT, KT, false, qb.data(), kb, sc.data(), amx);
-        for (int64_t r = 0; r < m; ++r) {  // online softmax: rescale the row's accumulator, P in C
-          float* s = sc.data() + r * KT;
-          const int64_t valid = std::min(cnt, pos[r] - k0 + 1);  // keys k0 .. pos visible (causal)
-          float rmax = mx[r];
-#pragma omp simd reduction(max:rmax)
-          for (int64_t t = 0; t < valid; ++t) rmax = std::max(rmax, s[t] * scale);
-          const float alpha = exp_neg(mx[r] - rmax);  // exp(-inf) -> 0 on the first tile
-          float rsum = 0.f;
-#pragma omp simd reduction(+:rsum)
-          for (int64_t t = 0; t < KT; ++t) {
-            const float p = t < valid ? exp_neg(s[t] * scale - rmax) : 0.f;
-            s[t] = p;
-            rsum += p;
-          }
-          C* p = pb.data() + r * KT;
-          for (int64_t t = 0; t < KT; ++t) p[t] = as<C>(s[t]);
-          sum[r] = sum[r] * alpha + rsum;
-          mx[r] = rmax;
+      const int64_t nt = (ctx[w.s] + KT - 1) / KT, first = tile0[w.s] + w.hk * nt;
+      for (int64_t j = 0, k0 = 0; k0 < off + w.r1; ++j, k0 += KT) {
+        const int64_t cnt = std::min(KT, off + w.r1 - k0);
+        at::native::cpublas::brgemm(m, KT, d, d, KT, KT, false, qb.data(), kp + (first + j) * tile, sc.data(), amx);
+        for (int64_t r = 0; r < m; ++r) {  // keys k0 .. pos[r] are visible to row r (causal)
+          const float alpha = softmax_row(sc.data() + r * KT, pb.data() + r * KT, std::min(cnt, pos[r] - k0 + 1),
+                                          scale, mx[r], sum[r]);
           if (alpha != 1.f) {
             float* a = acc.data() + r * d;
 #pragma omp simd
             for (int64_t x = 0; x < d; ++x) a[x] *= alpha;
           }
         }
+        const C* vt = vp + (first + j) * tile;
         if constexpr (amx) {
           for (int64_t c0 = 0; c0 < d; c0 += 64)
-            at::native::cpublas::brgemm(m, 64, KT, KT, 64, d, true, pb.data(), vb + c0 * KT, acc.data() + c0, true);
+            at::native::cpublas::brgemm(m, 64, KT, KT, 64, d, true, pb.data(), vt + c0 * KT, acc.data() + c0, true);
         } else {
-          at::native::cpublas::brgemm(m, d, KT, KT, d, d, true, pb.data(), vb, acc.data(), false);
+          at::native::cpublas::brgemm(m, d, KT, KT, d, d, true, pb.data(), vt, acc.data(), false);
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
