@@ -6,7 +6,6 @@ lower-right causal bias (no materialised mask) where SDPA needs it to keep its e
 from __future__ import annotations
 
 import random
-import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -14,18 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.layers import attention as attention_mod
-from nanoserve.layers import cpu_kernels
 from nanoserve.layers.attention import AttentionBatch, TorchAttention
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    k = cpu_kernels.load()
-    if k is None and shutil.which("g++") and shutil.which("ninja"):
-        pytest.fail("a compiler and ninja are here, yet the CPU kernels did not build (see the log warning)")
-    if k is None:
-        pytest.skip("no C++ toolchain: the torch path runs")
-    return k
+from tests.test_cpu_kernels import kernels  # noqa: F401 - the fixture (built kernels, or skip)
 
 
 def _batch(seed: int, h: int, kh: int, d: int, dtype, bs: int = 16, layers: int = 2):
