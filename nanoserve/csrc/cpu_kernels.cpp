@@ -374,28 +374,35 @@ template <> inline float as<float, float>(float x) { return x; }
 template <typename C>
 static inline float softmax_row(float* s, C* p, int64_t valid, float scale, float& mx, float& sum) {
   float rmax = mx;
-  for (int64_t t = 0; t < valid; ++t) rmax = std::max(rmax, s[t] * scale);
-  const float alpha = mx == rmax ? 1.f : exp_neg(mx - rmax);  // exp(-inf) -> 0 on the first tile
   float rsum = 0.f;
   int64_t t = 0;
 #if defined(__AVX512F__)
   if constexpr (kVec16<C>) {
+    // the max as 16 lanes: a scalar max chain costs its latency per key (~4x the whole exp)
+    auto live = [valid](int64_t t) -> __mmask16 {
+      return t >= valid ? 0 : t + 16 <= valid ? 0xFFFF : (1u << (valid - t)) - 1;
+    };
+    __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t u = 0; u < KT; u += 16) vmax = _mm512_mask_max_ps(vmax, live(u), vmax, _mm512_loadu_ps(s + u));
+    rmax = std::max(rmax, _mm512_reduce_max_ps(vmax) * scale);  // scale > 0
     const __m512 sc = _mm512_set1_ps(scale), mneg = _mm512_set1_ps(-rmax);
     __m512 acc = _mm512_setzero_ps();
     for (; t < KT; t += 16) {
-      const __mmask16 live = t >= valid ? 0 : t + 16 <= valid ? 0xFFFF : (1u << (valid - t)) - 1;
-      const __m512 e = _mm512_maskz_mov_ps(live, exp_neg16(_mm512_fmadd_ps(_mm512_loadu_ps(s + t), sc, mneg)));
+      const __m512 e = _mm512_maskz_mov_ps(live(t), exp_neg16(_mm512_fmadd_ps(_mm512_loadu_ps(s + t), sc, mneg)));
       acc = _mm512_add_ps(acc, e);
       store16(p + t, e);
     }
     rsum = _mm512_reduce_add_ps(acc);
   }
 #endif
+  if (t < KT)
+    for (int64_t u = 0; u < valid; ++u) rmax = std::max(rmax, s[u] * scale);
   for (; t < KT; ++t) {
     const float e = t < valid ? exp_neg(s[t] * scale - rmax) : 0.f;
     rsum += e;
     p[t] = as<C>(e);
   }
+  const float alpha = mx == rmax ? 1.f : exp_neg(mx - rmax);  // exp(-inf) -> 0 on the first tile
   sum = sum * alpha + rsum;
   mx = rmax;
   return alpha;
