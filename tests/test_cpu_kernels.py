@@ -1,4 +1,5 @@
-"""The C++ CPU kernels (nanoserve/layers/cpu_kernels.py) against the torch path they replace:
+"""The C++ CPU kernels (nanoserve/layers/cpu_kernels.py) against the torch path they replace
+(prefill attention: tests/test_prefill_attention.py):
 paged decode attention over random block tables (GQA ratios 1/3/4, head_dim 64/128, contexts on and
 off block boundaries, fp32 and bf16), the fused residual-add + RMSNorm (bit-exact with HF's
 LlamaRMSNorm in bf16), RoPE in place (bit-exact with rotate) and the KV slot write; then the embedded model (head_dim 64, so the kernels run) gives the same
@@ -120,7 +121,8 @@ def test_embedded_model_same_tokens_with_and_without_kernels(kernels):
     llm = LLM(None, dtype="float32", kv_cache_gb=0.25, enable_prefix_caching=False)
     eng = llm.engine
     assert eng.model.kernels is kernels and eng.runner.attn.kernels is kernels
-    prompts = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,"]
+    # the long prompt spans several query and key tiles of the prefill kernel
+    prompts = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,", ", ".join(map(str, range(90)))]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
     with_k = llm.generate(prompts, params)
     eng.model.kernels = eng.runner.attn.kernels = None

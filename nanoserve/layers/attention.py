@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 
 @dataclass
@@ -58,17 +59,21 @@ class _Prefill:
 
 
 class TorchAttention(AttentionBackend):
-    """CPU (and any device) backend. Decodes on CPU: the C++ kernel of layers/cpu_kernels.py reads
-    the blocks in place; without it (no compiler, another device, NANOSERVE_CPU_KERNELS=0) one
-    gather per layer fetches K and V of every decoding sequence together, then two bmm calls (for a
-    single query, CPU SDPA is no faster). Prefill chunks: SDPA per sequence, on the chunk itself or
-    on its gathered context."""
+    """CPU (and any device) backend. On CPU the C++ kernels of layers/cpu_kernels.py read the
+    blocks in place: one call attends all decodes, one all prefill chunks (fresh prompts, prefix
+    hits and continuations alike: their new K/V are written to the cache first). Without them (no
+    compiler, another device, NANOSERVE_CPU_KERNELS=0): decodes by one gather per layer of K and V
+    of every decoding sequence, then two bmm calls (for a single query, CPU SDPA is no faster);
+    prefill chunks by SDPA per sequence, on the chunk itself or on its gathered context."""
 
     def __init__(self, kv_cache: torch.Tensor, num_heads: int, scale: float, kernels=None) -> None:
         """`kernels`: layers/cpu_kernels.py's module (CPU caches only), or None for the torch path."""
         super().__init__(kv_cache, num_heads, scale)
-        # the kernel is built for head_dim 64 and 128 (the Llama family's)
+        # the kernels are built for head_dim 64 and 128 (the Llama family's)
         self.kernels = kernels if kv_cache.shape[-1] in (64, 128) else None
+        self.amx = True  # prefill GEMMs on AMX tiles where the CPU has them (tests turn it off)
+        # chunks over cached context: CPU SDPA takes the bool mask with GQA; CUDA needs the bias
+        self.causal_bias = kv_cache.device.type != "cpu"
 
     @staticmethod
     def block_shape(block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, int, int]:
@@ -90,8 +95,16 @@ class TorchAttention(AttentionBackend):
             else:
                 self._prepare_gather(table, batch.context_lens[:nd])
         self.prefills: list[_Prefill] = []
+        self.pre_args: tuple[torch.Tensor, ...] | None = None
+        lens, ctxs, tables = batch.query_lens[nd:], batch.context_lens[nd:], batch.block_tables[nd:]
+        if self.kernels is not None and lens:  # one kernel call attends every prefill chunk in place
+            nblk = [-(-c // bs) for c in ctxs]
+            table = torch.tensor([bt[:n] + [0] * (max(nblk) - n) for bt, n in zip(tables, nblk)])
+            starts = torch.tensor([0] + lens[:-1]).cumsum(0)
+            self.pre_args = (table, starts, torch.tensor(lens), torch.tensor(ctxs))
+            return
         start = nd
-        for qlen, ctx, bt in zip(batch.query_lens[nd:], batch.context_lens[nd:], batch.block_tables[nd:]):
+        for qlen, ctx, bt in zip(lens, ctxs, tables):
             blocks = None if ctx == qlen else torch.tensor(bt[:-(-ctx // bs)], device=dev)
             self.prefills.append(_Prefill(start, start + qlen, ctx, blocks))
             start += qlen
@@ -123,6 +136,9 @@ class TorchAttention(AttentionBackend):
         nd = b.num_decodes
         if nd:
             out[:nd] = self._decode(q[:nd], layer)
+        if self.pre_args is not None:
+            out[nd:] = self.kernels.paged_prefill_attention(q[nd:].contiguous(), self.kv_cache, layer,
+                                                            *self.pre_args, self.scale, self.amx)
         for p in self.prefills:
             qp = q[p.start:p.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             if p.blocks is None:
@@ -131,15 +147,23 @@ class TorchAttention(AttentionBackend):
                 o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale,
                                                    enable_gqa=True)
             else:
-                kp = self._gather_context(k_cache, p)
-                vp = self._gather_context(v_cache, p)
-                n = p.end - p.start
-                # query i (absolute position ctx-n+i) sees keys 0..ctx-n+i
-                mask = torch.ones(n, p.context_len, dtype=torch.bool, device=q.device).tril(p.context_len - n)
-                o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=self.scale,
-                                                   enable_gqa=True)
+                o = self._attend_context(qp, self._gather_context(k_cache, p), self._gather_context(v_cache, p))
             out[p.start:p.end] = o.squeeze(0).transpose(0, 1)
         return out
+
+    def _attend_context(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """A chunk q [1, H, n, D] over its whole context k/v [1, kh, ctx, D]: query i (absolute
+        position ctx-n+i) sees keys 0..ctx-n+i."""
+        n, ctx = q.shape[2], k.shape[2]
+        if self.causal_bias:
+            # a bool mask, or GQA, makes SDPA on CUDA fall back to its math kernel (at 32k, tens of
+            # GB of temporaries); the lower-right causal bias over expanded heads keeps the
+            # efficient kernels
+            g = q.shape[1] // k.shape[1]
+            return F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1),
+                                                  attn_mask=causal_lower_right(n, ctx), scale=self.scale)
+        mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
 
     @staticmethod
     def _gather_context(cache: torch.Tensor, p: _Prefill) -> torch.Tensor:

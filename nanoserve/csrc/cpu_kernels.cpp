@@ -1,0 +1,569 @@
+// nanoserve's C++ CPU kernels, built on first use by nanoserve/layers/cpu_kernels.py
+// (torch.utils.cpp_extension, -march=native; cached by a hash of this file, the CPU flags and torch).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+// rows of K or V to fp32: bf16 is the high half of an fp32, a shift the compiler vectorizes
+static inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;
+}
+static inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+static inline void to_float(const c10::Half* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+// 16 elements to fp32 lanes
+static inline __m512 load16(const c10::BFloat16* p) {
+  __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+// fp32 lanes rounded to bf16 (nearest-even, NaN kept quiet: c10's rule), as 32-bit patterns
+static inline __m512i bf16_bits(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
+}
+// round to the storage dtype and back: what an eager op's result holds
+static inline __m512 round16(c10::BFloat16*, __m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16)); }
+static inline __m512 round16(float*, __m512 v) { return v; }
+static inline void store16(c10::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(v)));
+}
+static inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+template <typename T> constexpr bool kVec16 = std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, float>;
+#endif
+
+// q [nd, h, d]; cache [N, layers, 2, kh, bs, d] (contiguous); tables [nd, max_blocks]; ctx [nd]
+template <typename T, int64_t d>
+static torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& cache, int64_t layer,
+                            const torch::Tensor& tables, const torch::Tensor& ctx, float scale) {
+  const int64_t nd = q.size(0), h = q.size(1);
+  const int64_t layers = cache.size(1), kh = cache.size(3), bs = cache.size(4), g = h / kh;
+  const int64_t max_blocks = tables.size(1), block_stride = layers * 2 * kh * bs * d;
+  const int64_t layer_off = layer * 2 * kh * bs * d, v_off = kh * bs * d;
+  const int64_t* tab = tables.data_ptr<int64_t>();
+  const int64_t* lens = ctx.data_ptr<int64_t>();
+  const T* qp = q.data_ptr<T>();
+  const T* kv = cache.data_ptr<T>();
+  const int64_t width = max_blocks * bs;
+  auto scores = torch::full({nd * kh, g, width}, -std::numeric_limits<float>::infinity(),
+                            torch::dtype(torch::kFloat));
+  float* sc = scores.data_ptr<float>();
+  at::parallel_for(0, nd * kh, 1, [&](int64_t begin, int64_t end) {  // pass 1: scaled q.k
+    std::vector<float> qf(g * d), blk(bs * d);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t s = i / kh, hk = i % kh, n = lens[s];
+      to_float(qp + (s * h + hk * g) * d, qf.data(), g * d);
+      for (int64_t x = 0; x < g * d; ++x) qf[x] *= scale;
+#if defined(__AVX512F__)
+      if (g <= 8) {  // K rows read straight into registers, each shared by the g query heads
+        constexpr int64_t V = d / 16;
+        __m512 qv[8][V];
+        for (int64_t j = 0; j < g; ++j)
+          for (int64_t c = 0; c < V; ++c) qv[j][c] = _mm512_loadu_ps(qf.data() + j * d + c * 16);
+        for (int64_t t = 0; t < n; ++t) {
+          const T* k = kv + tab[s * max_blocks + t / bs] * block_stride + layer_off + (hk * bs + t % bs) * d;
+          __m512 kr[V];
+          for (int64_t c = 0; c < V; ++c) kr[c] = load16(k + c * 16);
+          for (int64_t j = 0; j < g; ++j) {
+            __m512 a = _mm512_mul_ps(qv[j][0], kr[0]);
+            for (int64_t c = 1; c < V; ++c) a = _mm512_fmadd_ps(qv[j][c], kr[c], a);
+            sc[(i * g + j) * width + t] = _mm512_reduce_add_ps(a);
+          }
+        }
+        continue;
+      }
+#endif
+      for (int64_t b = 0; b * bs < n; ++b) {
+        const int64_t cnt = std::min(bs, n - b * bs);
+        to_float(kv + tab[s * max_blocks + b] * block_stride + layer_off + hk * bs * d, blk.data(), cnt * d);
+        for (int64_t j = 0; j < g; ++j) {
+          const float* qj = qf.data() + j * d;
+          float* out = sc + (i * g + j) * width + b * bs;
+          for (int64_t t = 0; t < cnt; ++t) {
+            const float* k = blk.data() + t * d;
+            float dot = 0.f;
+#pragma omp simd reduction(+:dot)
+            for (int64_t x = 0; x < d; ++x) dot += qj[x] * k[x];
+            out[t] = dot;
+          }
+        }
+      }
+    }
+  });
+  scores = scores.softmax(-1);  // ATen's vectorized softmax; masked tail -> 0
+  sc = scores.data_ptr<float>();
+  auto out = torch::empty_like(q);
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, nd * kh, 1, [&](int64_t begin, int64_t end) {  // pass 2: probabilities x V
+    std::vector<float> acc(g * d), blk(bs * d);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t s = i / kh, hk = i % kh, n = lens[s];
+#if defined(__AVX512F__)
+      if (g <= 8) {  // accumulators stay in registers across the whole context
+        constexpr int64_t V = d / 16;
+        __m512 av[8][V];
+        for (int64_t j = 0; j < g; ++j)
+          for (int64_t c = 0; c < V; ++c) av[j][c] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < n; ++t) {
+          const T* v = kv + tab[s * max_blocks + t / bs] * block_stride + layer_off + v_off + (hk * bs + t % bs) * d;
+          __m512 vr[V];
+          for (int64_t c = 0; c < V; ++c) vr[c] = load16(v + c * 16);
+          for (int64_t j = 0; j < g; ++j) {
+            const __m512 p = _mm512_set1_ps(sc[(i * g + j) * width + t]);
+            for (int64_t c = 0; c < V; ++c) av[j][c] = _mm512_fmadd_ps(p, vr[c], av[j][c]);
+          }
+        }
+        for (int64_t j = 0; j < g; ++j)
+          for (int64_t c = 0; c < V; ++c) _mm512_storeu_ps(acc.data() + j * d + c * 16, av[j][c]);
+        T* o = op + (s * h + hk * g) * d;
+        for (int64_t x = 0; x < g * d; ++x) o[x] = static_cast<T>(acc[x]);
+        continue;
+      }
+#endif
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t b = 0; b * bs < n; ++b) {
+        const int64_t cnt = std::min(bs, n - b * bs);
+        to_float(kv + tab[s * max_blocks + b] * block_stride + layer_off + v_off + hk * bs * d, blk.data(), cnt * d);
+        for (int64_t j = 0; j < g; ++j) {
+          const float* p = sc + (i * g + j) * width + b * bs;
+          float* aj = acc.data() + j * d;
+          for (int64_t t = 0; t < cnt; ++t) {
+            const float pt = p[t];
+            const float* v = blk.data() + t * d;
+#pragma omp simd
+            for (int64_t x = 0; x < d; ++x) aj[x] += pt * v[x];
+          }
+        }
+      }
+      T* o = op + (s * h + hk * g) * d;
+      for (int64_t x = 0; x < g * d; ++x) o[x] = static_cast<T>(acc[x]);
+    }
+  });
+  return out;
+}
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache, int64_t layer, torch::Tensor tables,
+                                     torch::Tensor ctx, double scale) {
+  TORCH_CHECK(q.is_contiguous() && cache.is_contiguous() && tables.is_contiguous() && ctx.is_contiguous());
+  TORCH_CHECK(q.scalar_type() == cache.scalar_type() && tables.scalar_type() == torch::kLong &&
+              ctx.scalar_type() == torch::kLong);
+  TORCH_CHECK(cache.dim() == 6 && cache.size(5) == q.size(2) && q.size(1) % cache.size(3) == 0 &&
+              layer >= 0 && layer < cache.size(1) && tables.size(0) == q.size(0) && ctx.size(0) == q.size(0));
+  TORCH_CHECK(q.size(2) == 64 || q.size(2) == 128, "paged_decode_attention: head_dim 64 or 128 only");
+  const bool d64 = q.size(2) == 64;
+  switch (q.scalar_type()) {
+    case torch::kBFloat16: return d64 ? decode<c10::BFloat16, 64>(q, cache, layer, tables, ctx, scale)
+                                      : decode<c10::BFloat16, 128>(q, cache, layer, tables, ctx, scale);
+    case torch::kHalf: return d64 ? decode<c10::Half, 64>(q, cache, layer, tables, ctx, scale)
+                                  : decode<c10::Half, 128>(q, cache, layer, tables, ctx, scale);
+    case torch::kFloat: return d64 ? decode<float, 64>(q, cache, layer, tables, ctx, scale)
+                                   : decode<float, 128>(q, cache, layer, tables, ctx, scale);
+    default: TORCH_CHECK(false, "paged_decode_attention: unsupported dtype");
+  }
+}
+
+// residual += x in place (rounded to the model dtype, as the eager add), then HF's LlamaRMSNorm of
+// it: w * (r / sqrt(mean(r^2) + eps)) rounded to the dtype before the weight. One pass instead of ~8 ops.
+template <typename T>
+static void add_rms_norm_rows(const T* x, T* res, const T* w, T* out, int64_t rows, int64_t n, float eps) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> r(n);
+    for (int64_t i = begin; i < end; ++i) {
+#if defined(__AVX512F__)
+      if constexpr (kVec16<T>) {
+        if (n % 16 == 0) {
+          T* ri = res + i * n;
+          __m512 ss = _mm512_setzero_ps();
+          for (int64_t c = 0; c < n; c += 16) {
+            __m512 v = load16(ri + c);
+            if (x != nullptr) {
+              v = round16(ri, _mm512_add_ps(v, load16(x + i * n + c)));
+              store16(ri + c, v);
+            }
+            _mm512_storeu_ps(r.data() + c, v);
+            ss = _mm512_fmadd_ps(v, v, ss);
+          }
+          const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(n) + eps));
+          T* oi = out + i * n;
+          for (int64_t c = 0; c < n; c += 16)
+            store16(oi + c, _mm512_mul_ps(load16(w + c), round16(oi, _mm512_mul_ps(_mm512_loadu_ps(r.data() + c), inv))));
+          continue;
+        }
+      }
+#endif
+      T* ri = res + i * n;
+      float ss = 0.f;
+      if (x != nullptr) {
+        const T* xi = x + i * n;
+        for (int64_t c = 0; c < n; ++c) {
+          const T v = static_cast<T>(static_cast<float>(ri[c]) + static_cast<float>(xi[c]));
+          ri[c] = v;
+        }
+      }
+      for (int64_t c = 0; c < n; ++c) { r[c] = static_cast<float>(ri[c]); }
+#pragma omp simd reduction(+:ss)
+      for (int64_t c = 0; c < n; ++c) ss += r[c] * r[c];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+      T* oi = out + i * n;
+      for (int64_t c = 0; c < n; ++c)
+        oi[c] = static_cast<T>(static_cast<float>(w[c]) * static_cast<float>(static_cast<T>(r[c] * inv)));
+    }
+  });
+}
+
+// x may be undefined (no add: just the norm of residual)
+torch::Tensor add_rms_norm(c10::optional<torch::Tensor> x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  TORCH_CHECK(residual.is_contiguous() && weight.is_contiguous() && residual.dim() == 2 &&
+              weight.numel() == residual.size(1) && weight.scalar_type() == residual.scalar_type());
+  if (x.has_value()) TORCH_CHECK(x->is_contiguous() && x->sizes() == residual.sizes() &&
+                                 x->scalar_type() == residual.scalar_type());
+  auto out = torch::empty_like(residual);
+  const int64_t rows = residual.size(0), n = residual.size(1);
+  switch (residual.scalar_type()) {
+#define NS_CASE(K, T) case K: add_rms_norm_rows<T>(x.has_value() ? x->data_ptr<T>() : nullptr, \
+    residual.data_ptr<T>(), weight.data_ptr<T>(), out.data_ptr<T>(), rows, n, static_cast<float>(eps)); break;
+    NS_CASE(torch::kBFloat16, c10::BFloat16)
+    NS_CASE(torch::kHalf, c10::Half)
+    NS_CASE(torch::kFloat, float)
+#undef NS_CASE
+    default: TORCH_CHECK(false, "add_rms_norm: unsupported dtype");
+  }
+  return out;
+}
+
+// Rotate-half RoPE in place on the first `heads` heads of each row of qkv [T, width] (Q and K
+// heads, contiguous), with cos/sin [T, d/2]. Every product and sum is rounded to the dtype as the
+// eager `x1*cos - x2*sin` would be, so it is bit-exact with the torch path.
+template <typename T>
+static void rope_rows(T* x, int64_t width, const T* cos, const T* sin, int64_t tokens, int64_t heads, int64_t d) {
+  const int64_t half = d / 2;
+  at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cos + t * half;
+      const T* sn = sin + t * half;
+      for (int64_t j = 0; j < heads; ++j) {
+        T* p = x + t * width + j * d;
+#if defined(__AVX512F__)
+        if constexpr (kVec16<T>) {
+          if (half % 16 == 0) {
+            for (int64_t i = 0; i < half; i += 16) {
+              const __m512 x1 = load16(p + i), x2 = load16(p + i + half), ci = load16(c + i), si = load16(sn + i);
+              store16(p + i, _mm512_sub_ps(round16(p, _mm512_mul_ps(x1, ci)), round16(p, _mm512_mul_ps(x2, si))));
+              store16(p + i + half, _mm512_add_ps(round16(p, _mm512_mul_ps(x2, ci)), round16(p, _mm512_mul_ps(x1, si))));
+            }
+            continue;
+          }
+        }
+#endif
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = p[i], x2 = p[i + half], ci = c[i], si = sn[i];
+          const float a = static_cast<T>(x1 * ci), b = static_cast<T>(x2 * si);
+          const float e = static_cast<T>(x2 * ci), f = static_cast<T>(x1 * si);
+          p[i] = static_cast<T>(a - b);
+          p[i + half] = static_cast<T>(e + f);
+        }
+      }
+    }
+  });
+}
+
+void rope_(torch::Tensor qkv, int64_t heads, int64_t d, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() && qkv.dim() == 2 &&
+              heads * d <= qkv.size(1) && cos.numel() == qkv.size(0) * (d / 2) && sin.numel() == cos.numel() &&
+              cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type());
+  switch (qkv.scalar_type()) {
+#define NS_CASE(K, T) case K: rope_rows<T>(qkv.data_ptr<T>(), qkv.size(1), cos.data_ptr<T>(), sin.data_ptr<T>(), \
+    qkv.size(0), heads, d); break;
+    NS_CASE(torch::kBFloat16, c10::BFloat16)
+    NS_CASE(torch::kHalf, c10::Half)
+    NS_CASE(torch::kFloat, float)
+#undef NS_CASE
+    default: TORCH_CHECK(false, "rope_: unsupported dtype");
+  }
+}
+
+// The step's new K and V rows [T, kh, d] (row stride free, heads contiguous) into their cache slots:
+// one call instead of two index_put.
+void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor cache, int64_t layer, torch::Tensor blocks,
+              torch::Tensor offsets) {
+  TORCH_CHECK(cache.is_contiguous() && cache.dim() == 6 && blocks.is_contiguous() && offsets.is_contiguous() &&
+              blocks.scalar_type() == torch::kLong && offsets.scalar_type() == torch::kLong);
+  const int64_t n = k.size(0), kh = cache.size(3), bs = cache.size(4), d = cache.size(5);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(1) == kh && k.size(2) == d && k.stride(2) == 1 && k.stride(1) == d &&
+              v.stride(2) == 1 && v.stride(1) == d && blocks.numel() == n && offsets.numel() == n &&
+              k.scalar_type() == cache.scalar_type() && v.scalar_type() == cache.scalar_type() &&
+              layer >= 0 && layer < cache.size(1));
+  const int64_t es = cache.element_size(), row = d * es;
+  const int64_t block_stride = cache.size(1) * 2 * kh * bs * d * es, layer_off = layer * 2 * kh * bs * d * es;
+  const int64_t v_off = kh * bs * d * es, num_blocks = cache.size(0);
+  char* base = static_cast<char*>(cache.data_ptr());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t* bl = blocks.data_ptr<int64_t>();
+  const int64_t* of = offsets.data_ptr<int64_t>();
+  for (int64_t t = 0; t < n; ++t) {
+    TORCH_CHECK(bl[t] >= 0 && bl[t] < num_blocks && of[t] >= 0 && of[t] < bs, "write_kv: slot out of range");
+    char* dst = base + bl[t] * block_stride + layer_off + of[t] * row;
+    for (int64_t hh = 0; hh < kh; ++hh) {
+      std::memcpy(dst + hh * bs * row, kp + (t * k.stride(0) + hh * d) * es, row);
+      std::memcpy(dst + v_off + hh * bs * row, vp + (t * v.stride(0) + hh * d) * es, row);
+    }
+  }
+}
+
+// ---- prefill attention over the paged cache ----------------------------------------------------
+// Flash-style. Phase 1 packs each (sequence, KV head)'s context once, KT keys at a time, from its
+// blocks into GEMM-ready tiles (K^T and V; VNNI-packed for AMX): every query tile of that head
+// reuses them. Phase 2, per (sequence, KV head, query tile) task: the tile's query rows of the
+// whole head group (GQA without repeating K/V) against the packed tiles up to the causal edge,
+// online softmax in fp32. Both products are GEMMs through ATen's brgemm (oneDNN's JIT
+// micro-kernels): with AMX, bf16 tiles; elsewhere fp32 (tiles converted while packed; oneDNN's
+// AVX2/AVX-512 kernels, or ATen's gemm where oneDNN has none).
+constexpr int64_t KT = 64;  // keys per tile (oneDNN's AMX packing takes at most 64 columns)
+
+// exp for x <= 0 (fp32, ~1 ulp): 2^n * e^r with |r| <= ln2/2, degree-6 Taylor
+static inline float exp_neg(float x) {
+  x = std::max(x, -87.f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
+  const float p = 1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720))))));
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+#if defined(__AVX512F__)
+static inline __m512 exp_neg16(__m512 x) {  // the same, 16 lanes; scalef applies 2^n
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723e-6f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  for (float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+template <typename C, typename T> static inline C as(T x) { return static_cast<C>(static_cast<float>(x)); }
+template <> inline c10::BFloat16 as<c10::BFloat16, c10::BFloat16>(c10::BFloat16 x) { return x; }
+template <> inline float as<float, float>(float x) { return x; }
+
+// One row of scores s[KT] (unscaled) -> probabilities p[KT] in C, for keys [0, valid) of the tile;
+// updates the row's running max and sum, returns the factor its accumulator must be scaled by.
+template <typename C>
+static inline float softmax_row(float* s, C* p, int64_t valid, float scale, float& mx, float& sum) {
+  float rmax = mx;
+  float rsum = 0.f;
+  int64_t t = 0;
+#if defined(__AVX512F__)
+  if constexpr (kVec16<C>) {
+    // the max as 16 lanes: a scalar max chain costs its latency per key (~4x the whole exp)
+    auto live = [valid](int64_t t) -> __mmask16 {
+      return t >= valid ? 0 : t + 16 <= valid ? 0xFFFF : (1u << (valid - t)) - 1;
+    };
+    __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t u = 0; u < KT; u += 16) vmax = _mm512_mask_max_ps(vmax, live(u), vmax, _mm512_loadu_ps(s + u));
+    rmax = std::max(rmax, _mm512_reduce_max_ps(vmax) * scale);  // scale > 0
+    const __m512 sc = _mm512_set1_ps(scale), mneg = _mm512_set1_ps(-rmax);
+    __m512 acc = _mm512_setzero_ps();
+    for (; t < KT; t += 16) {
+      const __m512 e = _mm512_maskz_mov_ps(live(t), exp_neg16(_mm512_fmadd_ps(_mm512_loadu_ps(s + t), sc, mneg)));
+      acc = _mm512_add_ps(acc, e);
+      store16(p + t, e);
+    }
+    rsum = _mm512_reduce_add_ps(acc);
+  }
+#endif
+  if (t < KT)
+    for (int64_t u = 0; u < valid; ++u) rmax = std::max(rmax, s[u] * scale);
+  for (; t < KT; ++t) {
+    const float e = t < valid ? exp_neg(s[t] * scale - rmax) : 0.f;
+    rsum += e;
+    p[t] = as<C>(e);
+  }
+  const float alpha = mx == rmax ? 1.f : exp_neg(mx - rmax);  // exp(-inf) -> 0 on the first tile
+  sum = sum * alpha + rsum;
+  mx = rmax;
+  return alpha;
+}
+
+// T: storage dtype; C: GEMM input dtype (T itself with AMX packing, else float)
+template <typename T, typename C>
+static void prefill(const T* q, T* out, const T* kv, int64_t h, int64_t kh, int64_t bs, int64_t d,
+                    int64_t block_stride, int64_t layer_off, const int64_t* tab, int64_t max_blocks,
+                    const int64_t* start, const int64_t* len, const int64_t* ctx, int64_t seqs, float scale) {
+  constexpr bool amx = !std::is_same_v<C, float>;
+  constexpr auto dt = c10::CppTypeToScalarType<C>::value;
+  const int64_t g = h / kh, qt = std::max<int64_t>(1, 128 / g), v_off = kh * bs * d, tile = KT * d;
+  // phase 1: pack. tile0[s]: index of sequence s's first tile; its head hk's tiles follow at hk * ntiles
+  std::vector<int64_t> tile0(seqs + 1, 0);
+  for (int64_t s = 0; s < seqs; ++s) tile0[s + 1] = tile0[s] + kh * ((ctx[s] + KT - 1) / KT);
+  const torch::Tensor kbuf = torch::empty({tile0[seqs], tile}, torch::dtype(dt));
+  const torch::Tensor vbuf = torch::empty({tile0[seqs], tile}, torch::dtype(dt));
+  C* kp = kbuf.data_ptr<C>();
+  C* vp = vbuf.data_ptr<C>();
+  at::parallel_for(0, tile0[seqs], 1, [&](int64_t begin, int64_t end) {
+    std::vector<C> kt(tile), vt(tile);
+    int64_t s = 0;
+    for (int64_t i = begin; i < end; ++i) {
+      while (tile0[s + 1] <= i) ++s;
+      const int64_t nt = (ctx[s] + KT - 1) / KT, hk = (i - tile0[s]) / nt, k0 = (i - tile0[s]) % nt * KT;
+      const int64_t cnt = std::min(KT, ctx[s] - k0);
+      C* kd = amx ? kt.data() : kp + i * tile;  // K^T [d, KT] and V [KT, d], zero past the end
+      C* vd = amx ? vt.data() : vp + i * tile;
+      for (int64_t t = 0; t < KT; ++t) {
+        if (t < cnt) {
+          const int64_t tok = k0 + t;
+          const T* kr = kv + tab[s * max_blocks + tok / bs] * block_stride + layer_off + (hk * bs + tok % bs) * d;
+          for (int64_t x = 0; x < d; ++x) { kd[x * KT + t] = as<C>(kr[x]); vd[t * d + x] = as<C>(kr[v_off + x]); }
+        } else {
+          for (int64_t x = 0; x < d; ++x) { kd[x * KT + t] = C(0); vd[t * d + x] = C(0); }
+        }
+      }
+      if constexpr (amx) {
+        at::native::cpublas::pack(d, KT, KT, KT, dt, dt, kt.data(), kp + i * tile);
+        for (int64_t c0 = 0; c0 < d; c0 += 64)  // at most 64 columns per packed block
+          at::native::cpublas::pack(KT, 64, d, 64, dt, dt, vt.data() + c0, vp + i * tile + c0 * KT);
+      }
+    }
+  });
+  // phase 2: attend
+  struct Task { int64_t s, hk, r0, r1, work; };
+  std::vector<Task> tasks;
+  for (int64_t s = 0; s < seqs; ++s)
+    for (int64_t r0 = 0; r0 < len[s]; r0 += qt) {
+      const int64_t r1 = std::min(len[s], r0 + qt), keys = ctx[s] - len[s] + r1;
+      for (int64_t hk = 0; hk < kh; ++hk) tasks.push_back({s, hk, r0, r1, keys * (r1 - r0)});
+    }
+  // heaviest first, handed out one at a time: causal tiles differ in cost by up to the context/tile ratio
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.work > b.work; });
+  std::atomic<int64_t> next{0};
+  const int64_t nthreads = std::min<int64_t>(at::get_num_threads(), tasks.size());
+  at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
+    const int64_t mmax = (qt * g + 15) / 16 * 16;
+    std::vector<C> qb(mmax * d), pb(mmax * KT);
+    std::vector<float> sc(mmax * KT), acc(mmax * d), mx(mmax), sum(mmax);
+    std::vector<int64_t> pos(mmax);
+    for (int64_t i = next++; i < static_cast<int64_t>(tasks.size()); i = next++) {
+      const Task& w = tasks[i];
+      const int64_t off = ctx[w.s] - len[w.s], rows = (w.r1 - w.r0) * g, m = (rows + 15) / 16 * 16;
+      for (int64_t r = 0; r < m; ++r) {  // row r: query token r0 + r / g, head hk * g + r % g
+        C* dst = qb.data() + r * d;
+        if (r < rows) {
+          const T* src = q + ((start[w.s] + w.r0 + r / g) * h + w.hk * g + r % g) * d;
+          for (int64_t x = 0; x < d; ++x) dst[x] = as<C>(src[x]);
+          pos[r] = off + w.r0 + r / g;
+        } else {  // padding rows (to whole AMX tiles): zeros that see every key, output dropped
+          std::fill(dst, dst + d, C(0));
+          pos[r] = std::numeric_limits<int64_t>::max() / 2;
+        }
+      }
+      std::fill(acc.begin(), acc.begin() + m * d, 0.f);
+      std::fill(mx.begin(), mx.begin() + m, -std::numeric_limits<float>::infinity());
+      std::fill(sum.begin(), sum.begin() + m, 0.f);
+      const int64_t nt = (ctx[w.s] + KT - 1) / KT, first = tile0[w.s] + w.hk * nt;
+      for (int64_t j = 0, k0 = 0; k0 < off + w.r1; ++j, k0 += KT) {
+        const int64_t cnt = std::min(KT, off + w.r1 - k0);
+        at::native::cpublas::brgemm(m, KT, d, d, KT, KT, false, qb.data(), kp + (first + j) * tile, sc.data(), amx);
+        for (int64_t r = 0; r < m; ++r) {  // keys k0 .. pos[r] are visible to row r (causal)
+          const float alpha = softmax_row(sc.data() + r * KT, pb.data() + r * KT, std::min(cnt, pos[r] - k0 + 1),
+                                          scale, mx[r], sum[r]);
+          if (alpha != 1.f) {
+            float* a = acc.data() + r * d;
+#pragma omp simd
+            for (int64_t x = 0; x < d; ++x) a[x] *= alpha;
+          }
+        }
+        const C* vt = vp + (first + j) * tile;
+        if constexpr (amx) {
+          for (int64_t c0 = 0; c0 < d; c0 += 64)
+            at::native::cpublas::brgemm(m, 64, KT, KT, 64, d, true, pb.data(), vt + c0 * KT, acc.data() + c0, true);
+        } else {
+          at::native::cpublas::brgemm(m, d, KT, KT, d, d, true, pb.data(), vt, acc.data(), false);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        T* o = out + ((start[w.s] + w.r0 + r / g) * h + w.hk * g + r % g) * d;
+        const float inv = 1.f / sum[r];
+        for (int64_t x = 0; x < d; ++x) o[x] = static_cast<T>(acc[r * d + x] * inv);
+      }
+    }
+    if constexpr (amx) at::native::cpublas::brgemm_release(true);
+  });
+}
+
+// q [T, h, d]: the step's prefill rows; sequence i's are q[start[i] : start[i] + len[i]], the last
+// len[i] of its ctx[i] tokens, whose K/V (the new ones included) are in the cache at tables[i].
+torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor cache, int64_t layer, torch::Tensor tables,
+                                      torch::Tensor start, torch::Tensor len, torch::Tensor ctx, double scale,
+                                      bool allow_amx) {
+  TORCH_CHECK(q.is_contiguous() && cache.is_contiguous() && tables.is_contiguous() && start.is_contiguous() &&
+              len.is_contiguous() && ctx.is_contiguous() && q.dim() == 3 && cache.dim() == 6);
+  TORCH_CHECK(q.scalar_type() == cache.scalar_type() && tables.scalar_type() == torch::kLong &&
+              start.scalar_type() == torch::kLong && len.scalar_type() == torch::kLong &&
+              ctx.scalar_type() == torch::kLong);
+  const int64_t seqs = tables.size(0), h = q.size(1), d = q.size(2), kh = cache.size(3), bs = cache.size(4);
+  TORCH_CHECK(cache.size(5) == d && h % kh == 0 && layer >= 0 && layer < cache.size(1) && start.numel() == seqs &&
+              len.numel() == seqs && ctx.numel() == seqs);
+  const int64_t* st = start.data_ptr<int64_t>();
+  const int64_t* ln = len.data_ptr<int64_t>();
+  const int64_t* cx = ctx.data_ptr<int64_t>();
+  const int64_t* tab = tables.data_ptr<int64_t>();
+  for (int64_t i = 0; i < seqs; ++i) {  // every row and block the kernel will touch is in range
+    TORCH_CHECK(ln[i] >= 1 && ln[i] <= cx[i] && st[i] >= 0 && st[i] + ln[i] <= q.size(0) &&
+                (cx[i] + bs - 1) / bs <= tables.size(1), "paged_prefill_attention: bad sequence ", i);
+    for (int64_t b = 0; b < (cx[i] + bs - 1) / bs; ++b)
+      TORCH_CHECK(tab[i * tables.size(1) + b] >= 0 && tab[i * tables.size(1) + b] < cache.size(0),
+                  "paged_prefill_attention: block out of range");
+  }
+  auto out = torch::empty_like(q);
+  const int64_t block_stride = cache.size(1) * 2 * kh * bs * d, layer_off = layer * 2 * kh * bs * d;
+#define NS_ARGS(T) q.data_ptr<T>(), out.data_ptr<T>(), cache.data_ptr<T>(), h, kh, bs, d, block_stride, layer_off, \
+    tab, tables.size(1), st, ln, cx, seqs, static_cast<float>(scale)
+  switch (q.scalar_type()) {
+    case torch::kBFloat16:
+      if (allow_amx && at::native::cpublas::could_pack(torch::kBFloat16)) prefill<c10::BFloat16, c10::BFloat16>(NS_ARGS(c10::BFloat16));
+      else prefill<c10::BFloat16, float>(NS_ARGS(c10::BFloat16));
+      break;
+    case torch::kHalf: prefill<c10::Half, float>(NS_ARGS(c10::Half)); break;
+    case torch::kFloat: prefill<float, float>(NS_ARGS(float)); break;
+    default: TORCH_CHECK(false, "paged_prefill_attention: unsupported dtype");
+  }
+#undef NS_ARGS
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_prefill_attention", &paged_prefill_attention);
+  m.def("amx", []() { return at::native::cpublas::could_pack(torch::kBFloat16); });
+  m.def("paged_decode_attention", &paged_decode_attention);
+  m.def("add_rms_norm", &add_rms_norm);
+  m.def("rope_", &rope_);
+  m.def("write_kv", &write_kv);
+#if defined(__AVX512F__)
+  m.attr("vectorized") = true;   // the norm and RoPE kernels run 16 lanes at a time (bf16, fp32)
+#else
+  m.attr("vectorized") = false;  // element by element: only worth it on decode-sized batches
+#endif
+}
