@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 
 @dataclass
@@ -159,6 +158,9 @@ class TorchAttention(AttentionBackend):
             # a bool mask, or GQA, makes SDPA on CUDA fall back to its math kernel (at 32k, tens of
             # GB of temporaries); the lower-right causal bias over expanded heads keeps the
             # efficient kernels
+            # imported here: torch.nn.attention.bias pulls in torch._dynamo (and with it triton), a
+            # second of start-up the CPU path never needs
+            from torch.nn.attention.bias import causal_lower_right
             g = q.shape[1] // k.shape[1]
             return F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1),
                                                   attn_mask=causal_lower_right(n, ctx), scale=self.scale)
