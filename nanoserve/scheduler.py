@@ -39,8 +39,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 inline_loads: bool = False) -> None:
+        """`inline_loads` (CPU): wait for a new admission's host copy right away and run it in the same
+        step; the copy is a memcpy of a few ms on a worker thread, a step is tens of ms. On CUDA the
+        copy overlaps the step instead (no host-side wait in the step)."""
         self.kv = kv
+        self.inline_loads = inline_loads
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -117,6 +122,8 @@ class Scheduler:
             if not self.kv.admit(seq, budget, reserve=len(self.running)):
                 break
             self.waiting.popleft()
+            if self.inline_loads and self.kv.load_state(seq) is LoadState.LOADING:
+                self.kv.complete_loads(seq)
             if self.kv.load_state(seq) is not LoadState.READY:
                 seq.status = SeqStatus.LOADING  # holds its blocks, takes no budget this step
                 self.loading.append(seq)

@@ -190,6 +190,27 @@ def test_cleaner_target_follows_demand_and_the_watermark_overrides_it():
     assert kv3.offload_cold_blocks(demand=8) == 2  # the override wins over demand
 
 
+def test_inline_loads_run_a_host_hit_in_the_step_that_admits_it():
+    """CPU engines wait for a new admission's host copy (a memcpy on the worker thread) and schedule
+    it at once; without inline loads it joins a step later."""
+    for inline in (False, True):
+        eng = FakeEngine(dev_blocks=8, host_blocks=16, watermark=0)
+        eng.put_doc_on_host(0)
+        eng.host.copier = ThreadCopier()
+        eng.sched.inline_loads = inline
+        eng.add(0, [1, 2], 1)
+        seq = eng.seqs[-1]
+        out = eng.sched.schedule()
+        assert [s.seq for s in out.scheduled] == ([seq] if inline else [])
+        if inline:
+            assert seq.num_host_cached_tokens == 8 and eng.kv.host_stats.hits == 8
+            assert out.scheduled[0].num_tokens == seq.num_tokens - 8  # only what the host did not hold
+        else:
+            assert eng.sched.loading == [seq]
+        eng.check()
+        eng.kv.drain_transfers()
+
+
 def test_waiting_host_hits_count_in_the_demand():
     eng = FakeEngine(dev_blocks=8, host_blocks=16, watermark=0)
     eng.put_doc_on_host(0)

@@ -82,7 +82,8 @@ class LLMEngine:
         # the cleaner sizes its target from demand; a watermark only overrides it
         self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching, host,
                                  config.host_offload_watermark)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   inline_loads=self.device.type == "cpu")
         self.sampler = Sampler(config.seed, self.device)
         self.eos_token_ids = self._eos_ids()
         # the longest text one token can stand for: a prompt longer than max_model_len times this

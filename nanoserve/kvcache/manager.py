@@ -409,6 +409,13 @@ class KVCacheManager:
                 if stats is not None and sid not in self._failed:
                     self._count_hits(*stats)  # every load it was promised has landed
 
+    def complete_loads(self, seq: Sequence, timeout: float = 1.0) -> None:
+        """Wait (up to `timeout` each) for the loads `seq` waits on, then end what is done: its
+        state is then READY, FAILED, or still LOADING if a copy is slow."""
+        for ld in list(self._waiting_on.get(seq.seq_id, ())):
+            ld.copy.handle.wait(timeout)
+        self.poll_transfers()
+
     def wait_for_transfer(self, timeout: float | None = None) -> None:
         """Block until the oldest load (else save) completes, or `timeout`: for an engine with
         nothing it can run, instead of spinning."""
