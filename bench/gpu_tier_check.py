@@ -47,7 +47,7 @@ def check_round_trip(device: str, dtype: torch.dtype, num_blocks: int = 16,
                      block_shape: tuple[int, ...] = (4, 2, 8, 16, 64), seed: int = 0) -> int:
     """Save random blocks to host through the tier and load them back into other device blocks;
     every element must match and no other block may change. Returns the bytes moved each way.
-    (The same check as tests/test_transfer.py's, kept here so the device needs no test code.)"""
+    Lives here so the device needs no test code; tests/test_transfer.py runs it on CPU."""
     g = torch.Generator().manual_seed(seed)
     cache = torch.randn((num_blocks, *block_shape), generator=g).to(dtype).to(device)
     original = cache.clone()

@@ -19,32 +19,12 @@ from nanoserve.kvcache.manager import KVCacheManager, LoadState
 from nanoserve.kvcache.transfer import Copier, ThreadCopier, Transfer
 from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence, SeqStatus
+from bench.gpu_tier_check import check_round_trip
 from tests.conftest import hf_greedy, make_tiny_model
 from tests.test_host_tier import GatedCopy
 
 
-# ---- exact round trip (also run on CUDA by bench/gpu_tier_check.py) ---------------------------
-def check_round_trip(device: str, dtype: torch.dtype = torch.bfloat16, num_blocks: int = 16,
-                     block_shape: tuple[int, ...] = (4, 2, 8, 16, 64), seed: int = 0) -> int:
-    """Save random blocks to host through the tier and load them back into other device blocks;
-    every element must match, and no other block may change. Returns the bytes moved each way."""
-    g = torch.Generator().manual_seed(seed)
-    cache = torch.randn((num_blocks, *block_shape), generator=g).to(dtype).to(device)
-    original = cache.clone()
-    tier = HostTier(num_blocks, cache)
-    half = num_blocks // 2
-    src = random.Random(seed).sample(range(num_blocks), half)
-    assert tier.save([(b, bytes([i]) * 32, (None, (i,))) for i, b in enumerate(src)]) == half
-    host_ids = [tier.lookup(bytes([i]) * 32, (None, (i,))) for i in range(half)]
-    for i, b in enumerate(src):
-        assert torch.equal(tier.cache[host_ids[i]], original[b].cpu()), f"save of block {b}"
-    dst = [b for b in range(num_blocks) if b not in src]
-    cache[dst] = 0
-    assert tier.load(host_ids, dst)
-    for i, b in enumerate(src):
-        assert torch.equal(cache[dst[i]], original[b]), f"load into block {dst[i]}"
-        assert torch.equal(cache[b], original[b]), f"block {b} changed"
-    return half * tier.block_bytes
+# ---- exact round trip (the same check bench/gpu_tier_check.py runs on CUDA) ----------------------
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
