@@ -117,6 +117,12 @@ def _first(llm: LLM, prompt: list[int]) -> dict:
                 host_cached=out.num_host_cached_tokens)
 
 
+def forget_device_cache(pool) -> None:
+    """Unpublish every cached-free device block: a prefix saved to host is then on host only."""
+    for block in pool.lru():
+        pool.unpublish(block)
+
+
 def _push_to_host(llm: LLM) -> None:
     """Save every cached device block to host and forget the device copies."""
     kv = llm.engine.kv
@@ -125,7 +131,7 @@ def _push_to_host(llm: LLM) -> None:
         kv.drain_transfers()
     kv.drain_transfers()
     kv.offload_watermark = saved
-    kv.pool.reset_cache()
+    forget_device_cache(kv.pool)
 
 
 def tier_ttft(shapes, device, kw, tmp, put, write_model) -> None:

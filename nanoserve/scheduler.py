@@ -33,10 +33,6 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     num_preempted: int = 0
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
@@ -55,9 +51,6 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.loading)
 
     def _promote_loaded(self) -> None:
         self.kv.poll_transfers()
@@ -78,8 +71,7 @@ class Scheduler:
     def wait_for_transfers(self, timeout: float) -> None:
         """Nothing could be scheduled: block (up to `timeout`) on the oldest copy instead of
         spinning (a load someone waits for, or a save a deferred sequence needs)."""
-        if self.kv.loads or self.kv.saves:
-            self.kv.wait_for_transfer(timeout)
+        self.kv.wait_for_transfer(timeout)
 
     def kv_demand(self, lookahead: int = 8) -> int:
         """Device blocks the next step is expected to take beyond recent allocations: a block per

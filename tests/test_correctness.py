@@ -28,7 +28,7 @@ def test_matches_hf_mixed_batch(tiny_case):
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert sum(o.num_cached_tokens for o in outs) > 0
     llm.engine.check_invariants()
-    assert llm.engine.kv.stats().in_use == 0
+    assert llm.engine.kv.pool.stats().in_use == 0
 
 
 def test_matches_hf_chunked_prefill(tiny_case):
@@ -44,7 +44,7 @@ def test_matches_hf_under_preemption(tiny_case):
     assert run(llm, prompts) == expected
     assert llm.engine.scheduler.num_preemptions > 0
     llm.engine.check_invariants()
-    assert llm.engine.kv.stats().in_use == 0
+    assert llm.engine.kv.pool.stats().in_use == 0
 
 
 def test_matches_hf_without_prefix_caching(tiny_case):

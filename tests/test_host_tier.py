@@ -111,7 +111,7 @@ def test_outputs_identical_from_device_host_and_recompute(tiny_setup):
         assert o.num_cached_tokens == o.num_device_cached_tokens + o.num_host_cached_tokens
     device, host = eng.kv.reports()
     assert host.hit_tokens > 0 and host.bytes_out > 0 and host.bytes_in > 0
-    assert eng.kv.stats().in_use == 0 and host.blocks_in_use == 0
+    assert eng.kv.pool.stats().in_use == 0 and host.blocks_in_use == 0
     assert eng.kv.host.num_bytes <= 0.01 * (1 << 30)
     # device only: the same workload finds (almost) nothing after the first round
     dev_only = make_llm(path)

@@ -94,7 +94,7 @@ def test_prefix_matching_reuses_only_equal_prefixes(prompts):
         kv.publish_computed(s)
         kv.free(s)
         kv.check_invariants()
-    assert kv.stats().in_use == 0
+    assert kv.pool.stats().in_use == 0
 
 
 def test_forced_digest_collision_never_shares_kv(monkeypatch):
@@ -171,7 +171,7 @@ def test_engine_invariants_random_workload_with_aborts(tiny_llm):
     while eng.has_unfinished():
         eng.step()
         eng.check_invariants()
-    assert eng.kv.stats().in_use == 0
+    assert eng.kv.pool.stats().in_use == 0
     assert eng.scheduler.num_preemptions > 0  # the budget was tight enough to exercise preemption
 
 

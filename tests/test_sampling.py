@@ -135,7 +135,7 @@ def test_n_shares_prompt_and_logprobs(llm):
             assert lp.token_id == tok and lp.logprob <= 0 and len(lp.top) == 2
             assert lp.top[0][1] >= lp.top[1][1] and lp.top[0][1] >= lp.logprob
     llm.engine.check_invariants()
-    assert llm.engine.kv.stats().in_use == 0
+    assert llm.engine.kv.pool.stats().in_use == 0
 
 
 def test_chat_uses_template(llm):

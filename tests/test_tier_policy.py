@@ -21,6 +21,7 @@ from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence
 from tests.conftest import hf_greedy
 from tests.test_host_tier import GatedCopy
+from bench.gpu_tier_check import forget_device_cache
 from tests.test_transfer import ADD, FakeEngine, ManualCopier, run_ops
 
 
@@ -82,11 +83,11 @@ def test_admission_defers_and_saves_instead_of_dropping_uncopied_kv():
     assert kv.pool.stats().cached_free == 6 and not kv.pool.clean
     seq = Sequence(1, "1", 0, [50, 51, 52, 53, 54], SamplingParams(), 1, frozenset())
     assert not kv.admit(seq, 5)  # would need 3 dirty evictions: defer, and save them
-    assert kv.num_deferred == 1 and len(kv.saves) == 1 and len(kv.saves[0].dev_ids) == 3
+    assert kv.num_deferred == 1 and len(kv.copies.saves) == 1 and len(kv.copies.saves[0].dev_ids) == 3
     assert kv.pool.num_evictions == 0 and not seq.block_table
     kv.check_invariants()
     assert not kv.admit(seq, 5)  # the saves are still running: defer again, start nothing more
-    assert len(kv.saves) == 1
+    assert len(kv.copies.saves) == 1
     copier.pending[0].run()
     assert kv.admit(seq, 5)
     assert kv.pool.num_evictions == 3 and kv.pool.num_lossy_evictions == 0
@@ -130,7 +131,7 @@ def test_host_hits_survive_the_saves_their_own_admission_starts():
         copier.pending[0].run()
     kv.poll_transfers()
     kv.offload_watermark = 0
-    kv.pool.reset_cache()  # the document is on host only (3 blocks, host-only: the host LRU tail)
+    forget_device_cache(kv.pool)  # the document is on host only (3 blocks, host-only: the host LRU tail)
     _fill_device_with_dirty(kv, [20, 21, 22, 23, 24, 25, 26, 27], seq_id=101)  # four dirty device blocks
     seq = Sequence(1, "1", 0, doc + [9], SamplingParams(), 1, frozenset())
     assert not kv.admit(seq, 7)  # 3 host hits + 1 block: defer; the save has room for one block only
@@ -166,7 +167,7 @@ def test_running_sequence_sits_out_a_step_rather_than_drop_kv():
     seq.num_computed_tokens = 2
     seq.token_ids += [3]  # its next token needs a new block: only dirty ones are left
     out = sched.schedule()
-    assert not out.scheduled and not out.num_preempted and kv.saves and kv.num_deferred == 1
+    assert not out.scheduled and not out.num_preempted and kv.copies.saves and kv.num_deferred == 1
     sched.wait_for_transfers(timeout=5)  # nothing was scheduled: the engine waits on the save
     assert not copier.pending
     assert sched.schedule().scheduled and kv.pool.num_lossy_evictions == 0
@@ -248,7 +249,7 @@ class PolicyEngine(FakeEngine):
         """As FakeEngine's, but also: with every copy completed at once, no request waits at the
         head of the queue for more than a few steps (deferral always ends)."""
         for _ in range(1000):
-            if not self.sched.has_work():
+            if not self.sched_busy():
                 break
             while self.copier.pending:
                 self.complete(0, False)
@@ -271,7 +272,7 @@ def test_property_policy_random_workloads(host_blocks):
     def prop(ops):
         eng = PolicyEngine(host_blocks)
         run_ops(eng, ops)
-        if host_blocks >= 40 and not eng.copier.fail_next_submit and eng.kv._save_failures_in_row == 0 \
+        if host_blocks >= 40 and not eng.copier.fail_next_submit and eng.kv.copies.save_failures_in_row == 0 \
                 and not eng.counts["failed_copies"] and not eng.kv.num_save_submit_failures:
             assert eng.kv.pool.num_lossy_evictions == 0, "host holds everything: nothing may be lost"
         totals.update(eng.counts)

@@ -19,7 +19,7 @@ from nanoserve.kvcache.manager import KVCacheManager, LoadState
 from nanoserve.kvcache.transfer import Copier, ThreadCopier, Transfer
 from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence, SeqStatus
-from bench.gpu_tier_check import check_round_trip
+from bench.gpu_tier_check import check_round_trip, forget_device_cache
 from tests.conftest import hf_greedy, make_tiny_model
 from tests.test_host_tier import GatedCopy
 
@@ -82,9 +82,13 @@ class ManualCopier(Copier):
     its copy completed, or overwritten while a copy used it, shows up as wrong KV content."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.pending: list[ManualTransfer] = []
         self.fail_next_submit = False
         self.checks: list = []  # callables run just before a copy executes
+
+    def _open_lane(self, name: str) -> None:
+        return None  # copies run when the test completes them, in any order: no lanes
 
     def submit(self, lane, src, src_ids, dst, dst_ids) -> Transfer:
         if self.fail_next_submit:
@@ -174,7 +178,7 @@ class FakeEngine:
             if self.sched.waiting:
                 self.sched.finish(self.sched.waiting[0])
             return
-        loading = {b for ld in self.kv.loads for b in ld.copy.dev_ids}
+        loading = {b for ld in self.kv.copies.loads for b in ld.copy.dev_ids}
         bs = self.bs
         for s in out.scheduled:
             seq, start = s.seq, s.seq.num_computed_tokens
@@ -206,20 +210,23 @@ class FakeEngine:
         self.kv.offload_cold_blocks()
         self.kv.drain_transfers()
         self.kv.offload_watermark = self.watermark
-        self.kv.pool.reset_cache()
+        forget_device_cache(self.kv.pool)
 
     def check(self) -> None:
         self.sched.check_invariants()
 
+    def sched_busy(self) -> bool:
+        return bool(self.sched.waiting or self.sched.running or self.sched.loading)
+
     def finish_all(self) -> None:
         for _ in range(1000):
-            if not self.sched.has_work():
+            if not self.sched_busy():
                 break
             while self.copier.pending:
                 self.complete(0, False)
             self.step()
             self.check()
-        assert not self.sched.has_work(), "workload never drained"
+        assert not self.sched_busy(), "workload never drained"
         self.kv.drain_transfers()
         self.check()
         dev, host = self.kv.reports()
@@ -312,7 +319,7 @@ def test_fake_engine_scripted_host_hit_shared_load_and_abort():
     eng.add(0, [4], 2)
     eng.add(0, [5], 2)
     eng.step()  # all three admitted: one copy-in, shared
-    assert len(eng.sched.loading) == 3 and len(eng.kv.loads) == 1
+    assert len(eng.sched.loading) == 3 and len(eng.kv.copies.loads) == 1
     assert eng.kv.host_stats.hits == 0  # hits count once the load has landed, not before
     eng.abort(2)  # the third live one: seqs[3], while loading
     eng.check()
@@ -339,7 +346,7 @@ def _manager_with_prefix_on_host(copier: Copier | None = None):
     kv.free(seq)
     kv.offload_cold_blocks()
     kv.drain_transfers()
-    kv.pool.reset_cache()  # device forgets: the prefix is on host only
+    forget_device_cache(kv.pool)  # device forgets: the prefix is on host only
     return kv
 
 
@@ -386,7 +393,7 @@ def test_failed_copy_submission_is_a_host_miss_or_a_skipped_save():
     copier.submit = broken
     seq = Sequence(1, "1", 0, [1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(), 4, frozenset())
     assert kv.admit(seq, 8)
-    assert kv.load_state(seq) is LoadState.READY and seq.num_computed_tokens == 0 and not kv.loads
+    assert kv.load_state(seq) is LoadState.READY and seq.num_computed_tokens == 0 and not kv.copies.loads
     assert kv.num_load_submit_failures == 1 and kv.host_stats.hits == 0 and seq.num_host_cached_tokens == 0
     kv.check_invariants()
     kv.free(seq)
@@ -400,7 +407,7 @@ def test_failed_copy_submission_is_a_host_miss_or_a_skipped_save():
     kv.free(s2)
     assert kv.offload_cold_blocks() == 0 and kv.num_save_submit_failures == 1
     kv.check_invariants()
-    assert not kv.saves and kv.pool.stats().in_flight == 0 and kv.host.pool.stats().in_flight == 0
+    assert not kv.copies.saves and kv.pool.stats().in_flight == 0 and kv.host.pool.stats().in_flight == 0
     copier.submit = real  # and saving works again afterwards
     assert kv.offload_cold_blocks() > 0
     kv.drain_transfers()
@@ -484,7 +491,7 @@ def test_other_requests_keep_decoding_while_a_host_prefix_loads(one_tiny):
     assert outs["loader"].num_host_cached_tokens > 0
     eng.kv.drain_transfers()
     eng.check_invariants()
-    assert eng.kv.stats().in_use == 0
+    assert eng.kv.pool.stats().in_use == 0
 
 
 def test_abort_while_loading_frees_everything_after_the_copy(one_tiny):

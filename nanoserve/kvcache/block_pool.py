@@ -207,14 +207,6 @@ class BlockPool:
         self.block_key[block] = None
         self.is_clean[block] = False
 
-    def reset_cache(self) -> None:
-        """Forget every cached-free block (e.g. when prefix caching is turned off); blocks a copy
-        is using are left alone."""
-        for block in self.lru():
-            self._unpark(block)
-            self._unpublish(block, evicted=False)
-            self.free.append(block)
-
     def stats(self) -> PoolStats:
         in_use = sum(1 for r in self.ref_count if r > 0)
         return PoolStats(self.num_blocks, in_use, len(self.clean) + len(self.dirty), len(self.free),

@@ -162,20 +162,24 @@ class HostTier:
             raise
         return HostCopy(handle, host_ids, list(dev_ids[:n]), list(keys[:n]))
 
+    def _count(self, copy: HostCopy, direction: str) -> bool:
+        """Transfer counters for an ended copy ("in": a save, "out": a load); True if it succeeded."""
+        t, n = self.transfers, len(copy.host_ids)
+        if copy.handle.error is not None:
+            t.failed += 1
+            return False
+        for name, v in (("blocks", n), ("bytes", n * self.block_bytes), ("seconds", copy.handle.seconds)):
+            setattr(t, f"{name}_{direction}", getattr(t, f"{name}_{direction}") + v)
+        return True
+
     def end_save(self, copy: HostCopy) -> bool:
         """Publish a completed save (if it succeeded) and release its host blocks."""
-        ok = copy.handle.error is None
+        ok = self._count(copy, "in")
         for hb, (h, key) in zip(copy.host_ids, copy.keys):
             if ok:
                 self.pool.publish(hb, h, key)
             self.pool.unpin(hb)  # unpublished (failed or duplicate): back to the free list
-        t = self.transfers
-        if ok:
-            t.blocks_in += len(copy.host_ids)
-            t.bytes_in += len(copy.host_ids) * self.block_bytes
-            t.seconds_in += copy.handle.seconds
-        else:
-            t.failed += 1
+        if not ok:
             log.error("KV save to host failed; %d blocks dropped", len(copy.host_ids), exc_info=copy.handle.error)
         return ok
 
@@ -197,19 +201,13 @@ class HostTier:
     def end_load(self, copy: HostCopy) -> bool:
         """Release a completed load's host blocks (most recently used now). A failed load also
         unpublishes them, so the prefix is recomputed rather than retried forever."""
-        ok = copy.handle.error is None
+        ok = self._count(copy, "out")
         for hb in copy.host_ids:
             if not ok:
                 self.pool.unpublish(hb)
             self.pool.unpin(hb)
             self.pool.touch(hb)  # a hit: most recently used
-        t = self.transfers
-        if ok:
-            t.blocks_out += len(copy.host_ids)
-            t.bytes_out += len(copy.host_ids) * self.block_bytes
-            t.seconds_out += copy.handle.seconds
-        else:
-            t.failed += 1
+        if not ok:
             log.error("KV load from host failed; %d blocks will be recomputed", len(copy.host_ids),
                       exc_info=copy.handle.error)
         return ok

@@ -5,44 +5,37 @@ With a host tier, the prompt's chain of full blocks is matched block by block ag
 index, then the blocks being loaded, then the host index. Host hits start a copy into newly
 allocated device blocks; the sequence is LOADING until every copy it needs has completed
 (`load_state`), and only then are those device blocks published. Concurrent requests on the same
-host prefix share the copy in flight.
+host prefix share the copy in flight. The copies and the clean/dirty flags are `copies.TierCopies`.
 
-The policy, lossless by design: a cached device block is *clean* when the host holds its KV too
-(a save completed, a load landed, or it was computed again while on host) and *dirty* otherwise;
-the host clears it when it evicts that chain. Allocation takes free, then clean blocks (LRU, O(1)).
-When only dirty blocks are left, the host has room and no save has been failing, nothing evicts
-them: admission *defers* (starts saves for the shortfall, oldest dirty first, and answers False:
-the request is asked again next step while the running ones keep decoding), and a running
-sequence sits out the step (`Supply.DEFER`); only without room on host is KV dropped
-(`Supply.LOSSY`, counted in `lossy_evictions`). After each step's scheduling the engine calls
+The policy, lossless by design: allocation takes free, then clean blocks (LRU, O(1)). When only
+dirty blocks are left, the host has room and no save has been failing, nothing evicts them:
+admission *defers* (starts saves for the shortfall, oldest dirty first, and answers False: the
+request is asked again next step while the running ones keep decoding), and a running sequence
+sits out the step (`Supply.DEFER`); only without room on host is KV dropped (`Supply.LOSSY`,
+counted in `lossy_evictions`). After each step's scheduling the engine calls
 `offload_cold_blocks`, which saves the oldest dirty blocks until a demand-sized target of blocks
 is reusable without loss (recent allocations per step plus what the next waiting requests need;
 `offload_watermark` overrides it), so those saves overlap the forward and deferral stays rare.
-Nothing here ever waits for a copy: copies are ended by `poll_transfers`, which never blocks.
-
-Who holds what while a copy runs (all released when the copy is ended, whatever happened to the
-sequences meanwhile):
-  load  host source blocks: pinned (host pool);  device destination blocks: pinned (device pool),
-        plus one reference per sequence whose table holds them
-  save  device source blocks: pinned;  host destination blocks: pinned, unpublished
-Copies are ended by `poll_transfers`, which never blocks.
+Nothing here ever waits for a copy except `complete_loads`, `wait_for_transfer` and `close`.
 """
 from __future__ import annotations
 
 import enum
 import logging
 import os
-import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import NamedTuple
 
-from nanoserve.kvcache.block_pool import BlockHash, BlockKey, BlockPool, PoolStats, chain_hash
-from nanoserve.kvcache.host_tier import HostCopy, HostTier
+from nanoserve.kvcache.block_pool import BlockHash, BlockKey, BlockPool, chain_hash
+from nanoserve.kvcache.copies import Load, LoadState, TierCopies
+from nanoserve.kvcache.host_tier import HostTier
 from nanoserve.kvcache.report import TierReport
 from nanoserve.sequence import Sequence
 
 log = logging.getLogger("nanoserve")
+__all__ = ["KVCacheManager", "LoadState", "PrefixHit", "Supply", "Tier"]
 
 
 class Supply(enum.Enum):
@@ -53,17 +46,15 @@ class Supply(enum.Enum):
     SHORT = "short"        # not at all: the blocks are in use
 
 
-class LoadState(enum.Enum):
-    READY = "ready"      # every block the sequence holds has its KV on device
-    LOADING = "loading"  # a copy from host it depends on is still running
-    FAILED = "failed"    # a copy it depended on failed: free it and recompute
+class Tier(str, enum.Enum):
+    DEVICE = "device"    # cached on device
+    LOADING = "loading"  # a device block a load in flight is filling
+    HOST = "host"        # cached on host only
 
 
-@dataclass(eq=False)
-class _Load:
-    copy: HostCopy
-    keys: list[tuple[BlockHash, BlockKey]]
-    waiters: set[int] = field(default_factory=set)  # seq ids holding its destination blocks
+class PrefixHit(NamedTuple):
+    tier: Tier
+    block: int  # a host block for Tier.HOST, else a device block
 
 
 @dataclass
@@ -84,32 +75,27 @@ class KVCacheManager:
         self.device_stats = PrefixCacheStats()
         self.host = host
         self.host_stats = PrefixCacheStats()
+        self.copies = TierCopies(self.pool, host) if host is not None else None
         # override of the cleaner's target (device blocks reusable without loss); 0 = from demand
         self.offload_watermark = min(offload_watermark, num_blocks)
-        self.saves: list[HostCopy] = []
-        self.loads: list[_Load] = []
-        self.loading: dict[BlockHash, tuple[int, BlockKey, _Load]] = {}  # device block being loaded
-        self._waiting_on: dict[int, set[_Load]] = {}  # seq id -> loads it still needs
-        self._failed: set[int] = set()                # seq ids whose load failed
         # first admission's cache stats, counted once its loads have landed: seq id -> (cached, host)
         self._unconfirmed: dict[int, tuple[Sequence, int, int]] = {}
         self._allocs = 0                               # device blocks allocated, ever
         self._allocs_seen = 0
         self._recent_allocs: deque[int] = deque(maxlen=16)  # per cleaner call (= per step)
-        self._save_failures_in_row = 0  # failed submits/copies since the last save that landed
         self.num_deferred = 0               # admissions / running steps deferred for saves
-        self.num_save_submit_failures = 0   # optional saves that could not start (skipped)
         self.num_load_submit_failures = 0   # loads that could not start (treated as host misses)
         self.num_lossy_with_room = 0        # lossy evictions while the host had room (saves failing)
         self.num_avoidable_lossy = 0        # ... and saves were not failing: the policy says never
         self._warned_lossy = False
-        if host is not None:  # each tier tells the other when a chain stops being findable in it
-            self.pool.on_unpublish = self._device_dropped
-            host.pool.on_unpublish = self._host_dropped
 
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
+
+    @property
+    def num_save_submit_failures(self) -> int:
+        return self.copies.num_save_submit_failures if self.copies is not None else 0
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -129,23 +115,22 @@ class KVCacheManager:
                                      self.hash_salt))
         return hashes[:num_blocks]
 
-    def match_prefix(self, seq: Sequence, use_host: bool = True) -> list[tuple[str, int]]:
-        """(tier, block) for the sequence's leading cached full blocks, each looked up on device,
-        then on host. At least one token is left to compute, so the last prompt position always
-        produces logits."""
+    def match_prefix(self, seq: Sequence, use_host: bool = True) -> list[PrefixHit]:
+        """The sequence's leading cached full blocks, each looked up on device, then among the
+        loads in flight, then on host. At least one token is left to compute, so the last prompt
+        position always produces logits."""
         if not self.enable_prefix_caching or seq.wants_prompt_logprobs:
             return []  # prompt logprobs need logits at every prompt position: compute them all
         max_blocks = (seq.num_tokens - 1) // self.block_size
-        hits: list[tuple[str, int]] = []
+        hits: list[PrefixHit] = []
         for i, h in enumerate(self._hashes(seq, max_blocks)):
             key = self._block_key(seq, i)
-            block = self.pool.lookup(h, key)
-            if block is not None:
-                hits.append(("device", block))
-            elif (ld := self.loading.get(h)) is not None and ld[1] == key:
-                hits.append(("loading", ld[0]))
-            elif use_host and self.host is not None and (hb := self.host.lookup(h, key)) is not None:
-                hits.append(("host", hb))
+            if (block := self.pool.lookup(h, key)) is not None:
+                hits.append(PrefixHit(Tier.DEVICE, block))
+            elif self.copies is not None and (block := self.copies.loading_block(h, key)) is not None:
+                hits.append(PrefixHit(Tier.LOADING, block))
+            elif use_host and self.host is not None and (block := self.host.lookup(h, key)) is not None:
+                hits.append(PrefixHit(Tier.HOST, block))
             else:
                 break
         return hits
@@ -162,62 +147,64 @@ class KVCacheManager:
         hits = self.match_prefix(seq, use_host)
         num_cached = len(hits) * self.block_size
         num_new = min(num_new_tokens, seq.num_tokens - num_cached)
-        need = self.blocks_needed(num_cached + num_new) - sum(1 for t, _ in hits if t != "host")
-        host_hits = [b for t, b in hits if t == "host"]
+        host_hits = [b for t, b in hits if t is Tier.HOST]
+        need = self.blocks_needed(num_cached + num_new) - len(hits) + len(host_hits)
         # device hits sitting in an LRU: acquiring them takes them out of what allocation can use
-        supply = self._supply(need, reserve, [b for t, b in hits if t == "device"], host_hits)
+        supply = self._supply(need, reserve, [b for t, b in hits if t is Tier.DEVICE], host_hits)
         if supply is Supply.SHORT or supply is Supply.DEFER:
             self.num_deferred += supply is Supply.DEFER
             return False
-        lossy_ok = supply is Supply.LOSSY
-        table: list[int | None] = [None] * len(hits)
-        loads: list[tuple[int, int]] = []  # (block index, host block)
-        shared: set[_Load] = set()
         # host room for saves, not counting this request's own host hits (they stay)
         room = self._host_room() - sum(1 for hb in host_hits if hb in self.host.pool.dirty) if host_hits else \
             self._host_room()
         lossy_before = self.pool.num_lossy_evictions
-        try:
-            # hits on device first: allocating could otherwise evict one of them from the LRU
-            for i, (tier, b) in enumerate(hits):
-                if tier == "host":
-                    loads.append((i, b))
-                else:
-                    self.pool.acquire(b)
-                    table[i] = b
-                    if tier == "loading":
-                        shared.add(self.loading[seq.block_hashes[i]][2])
-            for i, _ in loads:
-                table[i] = self._allocate(lossy_ok)
-            while len(table) < len(hits) + need - len(loads):
-                table.append(self._allocate(lossy_ok))
-        except BaseException:
-            self._release(table)
-            raise
-        if loads:
+        table, shared = self._take_blocks(seq, hits, need, supply is Supply.LOSSY)
+        if host_hits:
             # the host hits are still the ones matched: nothing since the match touched the host
             # pool but `_supply`, which pinned them around the saves it started
             try:
-                shared.add(self._begin_load(seq, [(i, hb, table[i]) for i, hb in loads]))
+                shared.add(self.copies.begin_load(
+                    [(seq.block_hashes[i], self._block_key(seq, i), b, table[i])
+                     for i, (t, b) in enumerate(hits) if t is Tier.HOST]))
             except Exception:
                 self._release(table)
                 self.num_load_submit_failures += 1
                 log.exception("KV load from host could not start; recomputing the prefix instead")
                 return self.admit(seq, num_new_tokens, reserve, use_host=False)
         self._note_lossy(lossy_before, room)
-        for ld in shared:  # registered right after the match: no copy has ended in between
-            ld.waiters.add(seq.seq_id)
-        if shared:
-            self._waiting_on[seq.seq_id] = shared
+        if shared:  # registered right after the match: no copy has ended in between
+            self.copies.wait_on(seq.seq_id, shared)
         seq.block_table = table
         seq.num_computed_tokens = num_cached
         if not seq.admitted:
-            host_tokens = len(loads) * self.block_size
             if shared:
-                self._unconfirmed[seq.seq_id] = (seq, num_cached, host_tokens)
+                self._unconfirmed[seq.seq_id] = (seq, num_cached, len(host_hits) * self.block_size)
             else:
-                self._count_hits(seq, num_cached, host_tokens)
+                self._count_hits(seq, num_cached, len(host_hits) * self.block_size)
         return True
+
+    def _take_blocks(self, seq: Sequence, hits: list[PrefixHit], need: int,
+                     lossy_ok: bool) -> tuple[list[int], set[Load]]:
+        """The block table for `hits` plus `need` new blocks (host hits get fresh destination
+        blocks), and the loads in flight it shares. All or nothing."""
+        table: list[int | None] = [None] * len(hits)
+        shared: set[Load] = set()
+        try:
+            # hits on device first: allocating could otherwise evict one of them from the LRU
+            for i, (tier, b) in enumerate(hits):
+                if tier is not Tier.HOST:
+                    self.pool.acquire(b)
+                    table[i] = b
+                    if tier is Tier.LOADING:
+                        shared.add(self.copies.load_of(seq.block_hashes[i]))
+            for i, (tier, _) in enumerate(hits):
+                if tier is Tier.HOST:
+                    table[i] = self._allocate(lossy_ok)
+            table.extend(self._allocate(lossy_ok) for _ in range(need - sum(t is Tier.HOST for t, _ in hits)))
+        except BaseException:
+            self._release(table)
+            raise
+        return table, shared
 
     def _count_hits(self, seq: Sequence, num_cached: int, host_tokens: int) -> None:
         """A sequence's first admission, once every block it was promised is on device: its usage
@@ -250,196 +237,48 @@ class KVCacheManager:
         n = self.pool.num_lossy_evictions - before
         if n and room:
             self.num_lossy_with_room += n
-            self.num_avoidable_lossy += n * (self._save_failures_in_row < 3)
+            self.num_avoidable_lossy += n * (self.copies.save_failures_in_row < 3)
             if not self._warned_lossy:
                 self._warned_lossy = True
                 log.warning("dropped %d uncopied KV block(s) while the host tier had room (saves to host "
                             "kept failing); nanoserve:kv_lossy_evictions_total counts every such block", n)
 
     # ---- the lossless policy ----------------------------------------------------------------
-    def _pending_saves(self, exclude: Collection[int] = ()) -> int:
-        """Device blocks that saves in flight will make clean and reusable (unreferenced now)."""
-        return sum(1 for c in self.saves for b in c.dev_ids if not self.pool.ref_count[b] and b not in exclude)
-
     def _supply(self, need: int, reserve: int = 0, hits: Collection[int] = (),
                 protect: Collection[int] = ()) -> Supply:
         """How `need` more device blocks can be had; `hits`: device blocks the caller acquires
         first; `reserve`: blocks to leave lossless beyond `need`. Starts saves when they turn a
         lossy allocation into a lossless one next step (`protect`: host blocks they must not evict,
         pinned meanwhile)."""
-        pool = self.pool
+        pool, copies = self.pool, self.copies
         lossless = pool.num_available(lossless=True) - sum(1 for b in hits if b in pool.clean)
         total = lossless + len(pool.dirty) - sum(1 for b in hits if b in pool.dirty)
         if need + reserve <= lossless:
             return Supply.LOSSLESS
-        if self.host is None:  # a single tier: dropping the oldest cached KV is the only way
+        if copies is None:  # a single tier: dropping the oldest cached KV is the only way
             return Supply.LOSSY if need <= total else Supply.SHORT
-        pending = self._pending_saves(hits)
+        pending = copies.pending_saves(hits)
         if need > total + pending:
             return Supply.SHORT
-        started, failures = 0, self.num_save_submit_failures
+        started, failures = 0, copies.num_save_submit_failures
         # after 3 failed saves in a row only the cleaner tries again (a success re-enables this)
-        if need + reserve > lossless + pending and self._save_failures_in_row < 3:
-            started = self._save_dirty(need + reserve - lossless - pending, protect)
+        if need + reserve > lossless + pending and copies.save_failures_in_row < 3:
+            started = copies.save_dirty(need + reserve - lossless - pending, protect)
             lossless = pool.num_available(lossless=True) - sum(1 for b in hits if b in pool.clean)
         if need <= lossless:
             return Supply.LOSSLESS  # only the reserve is short: its saves (if any) are under way
         if started or pending:
             return Supply.DEFER
-        if self.num_save_submit_failures > failures:
+        if copies.num_save_submit_failures > failures:
             return Supply.DEFER  # a save could not start just now: try again next step
         return Supply.LOSSY if need <= total else Supply.SHORT
-
-    def _save_dirty(self, n: int, protect: Collection[int] = ()) -> int:
-        """Start saving up to `n` of the oldest dirty device blocks (marking clean, without a copy,
-        those the host already holds). Returns how many copies were started. A save that cannot
-        start is logged, counted and skipped: it was optional."""
-        host, pool = self.host, self.pool
-        dev_ids, keys, already = [], [], []
-        for block in pool.dirty:  # oldest first: the next to be evicted
-            if len(dev_ids) + len(already) >= n:
-                break
-            h, key = pool.block_hash[block], pool.block_key[block]
-            if host.lookup(h, key) is not None:
-                already.append(block)
-            else:
-                dev_ids.append(block)
-                keys.append((h, key))
-        for block in already:
-            self._twin(block)
-        if not dev_ids or not host.room():
-            return 0
-        for hb in protect:
-            host.pool.pin(hb)
-        try:
-            copy = host.begin_save(dev_ids, keys)
-        except Exception:
-            self.num_save_submit_failures += 1
-            self._save_failures_in_row += 1
-            log.exception("KV save to host could not start; skipped")
-            return 0
-        finally:
-            for hb in protect:
-                host.pool.unpin(hb)
-        if copy is None:
-            return 0
-        for db in copy.dev_ids:
-            pool.pin(db)
-        self.saves.append(copy)
-        return len(copy.dev_ids)
-
-    def _twin(self, block: int) -> None:
-        """Device block `block` and the host block of the same chain hold the same KV."""
-        h = self.pool.block_hash[block]
-        hb = self.host.pool.index.get(h)
-        if hb is not None:
-            self.pool.mark_clean(block, True)
-            self.host.pool.mark_clean(hb, True)
-
-    def _device_dropped(self, h: BlockHash, evicted: bool) -> None:
-        if (hb := self.host.pool.index.get(h)) is not None:
-            self.host.pool.mark_clean(hb, False)  # the host copy is the only one now
-
-    def _host_dropped(self, h: BlockHash, evicted: bool) -> None:
-        if (b := self.pool.index.get(h)) is not None:
-            self.pool.mark_clean(b, False)  # the device copy is the only one now
 
     def demand_of(self, seq: Sequence, budget: int) -> int:
         """Device blocks admitting `seq` now would take: its host hits plus its first chunk."""
         hits = self.match_prefix(seq)
-        on_host = sum(1 for t, _ in hits if t == "host")
+        on_host = sum(1 for t, _ in hits if t is Tier.HOST)
         cached = len(hits) * self.block_size
         return on_host + self.blocks_needed(min(budget, seq.num_tokens - cached))
-
-    def _begin_load(self, seq: Sequence, blocks: list[tuple[int, int, int]]) -> _Load:
-        """Start copying (block index, host block, device block) for `seq`; the device blocks are
-        pinned until the copy ends (they survive the sequence being freed meanwhile)."""
-        assert self.host is not None
-        keys = [(seq.block_hashes[i], self._block_key(seq, i)) for i, _, _ in blocks]
-        copy = self.host.begin_load([hb for _, hb, _ in blocks], [db for _, _, db in blocks])
-        ld = _Load(copy, keys)
-        for db, (h, key) in zip(copy.dev_ids, keys):
-            self.pool.pin(db)
-            self.loading[h] = (db, key, ld)
-        self.loads.append(ld)
-        return ld
-
-    def load_state(self, seq: Sequence) -> LoadState:
-        if seq.seq_id in self._failed:
-            return LoadState.FAILED
-        return LoadState.LOADING if self._waiting_on.get(seq.seq_id) else LoadState.READY
-
-    def poll_transfers(self) -> None:
-        """End every copy whose handle is done (never blocks)."""
-        if self.saves:
-            done = [c for c in self.saves if c.handle.done()]
-            for c in done:
-                self._end_save(c)
-        if self.loads:
-            for ld in [ld for ld in self.loads if ld.copy.handle.done()]:
-                self._end_load(ld)
-
-    def _end_save(self, copy: HostCopy) -> None:
-        self.saves.remove(copy)
-        ok = self.host.end_save(copy)
-        self._save_failures_in_row = 0 if ok else self._save_failures_in_row + 1
-        for db, (h, key) in zip(copy.dev_ids, copy.keys):
-            if ok and self.pool.block_hash[db] == h:
-                self._twin(db)  # now clean: evicting it loses nothing
-            self.pool.unpin(db)
-
-    def _end_load(self, ld: _Load) -> None:
-        self.loads.remove(ld)
-        ok = self.host.end_load(ld.copy)
-        if ok:
-            ld.copy.handle.order_compute_after()
-        for db, (h, key) in zip(ld.copy.dev_ids, ld.keys):
-            del self.loading[h]
-            if ok and self.pool.publish(db, h, key):  # the KV is on device only now: findable from here on
-                self._twin(db)
-            self.pool.unpin(db)
-        for sid in ld.waiters:
-            pending = self._waiting_on[sid]
-            pending.discard(ld)
-            if not ok:
-                self._failed.add(sid)
-            if not pending:
-                del self._waiting_on[sid]
-                stats = self._unconfirmed.pop(sid, None)
-                if stats is not None and sid not in self._failed:
-                    self._count_hits(*stats)  # every load it was promised has landed
-
-    def complete_loads(self, seq: Sequence, timeout: float = 1.0) -> None:
-        """Wait (up to `timeout` each) for the loads `seq` waits on, then end what is done: its
-        state is then READY, FAILED, or still LOADING if a copy is slow."""
-        for ld in list(self._waiting_on.get(seq.seq_id, ())):
-            ld.copy.handle.wait(timeout)
-        self.poll_transfers()
-
-    def wait_for_transfer(self, timeout: float | None = None) -> None:
-        """Block until the oldest load (else save) completes, or `timeout`: for an engine with
-        nothing it can run, instead of spinning."""
-        if self.loads:
-            self.loads[0].copy.handle.wait(timeout)
-        elif self.saves:
-            self.saves[0].handle.wait(timeout)
-        self.poll_transfers()
-
-    def drain_transfers(self) -> None:
-        """Wait for every copy in flight and end it (tests, benchmarks, shutdown)."""
-        while self.saves or self.loads:
-            self.wait_for_transfer()
-
-    def close(self, timeout: float = 30.0) -> None:
-        """Engine shutdown: end every copy, then release the host pool (unpinning it on CUDA). A
-        copy still running after `timeout` leaves the pool registered: a leak, not a corruption."""
-        deadline = time.monotonic() + timeout
-        while (self.saves or self.loads) and time.monotonic() < deadline:
-            self.wait_for_transfer(max(0.0, deadline - time.monotonic()))
-        if self.saves or self.loads:
-            log.error("KV copies still running at shutdown; the host pool is left as it is")
-        elif self.host is not None:
-            self.host.close()
 
     def offload_cold_blocks(self, demand: int = 0) -> int:
         """The cleaner: start saving the oldest dirty cached device blocks until the target number
@@ -448,13 +287,50 @@ class KVCacheManager:
         `demand` (what the caller expects the next step to need). Returns the copies started."""
         self._recent_allocs.append(self._allocs - self._allocs_seen)
         self._allocs_seen = self._allocs
-        if self.host is None:
+        if self.copies is None:
             return 0
         self.poll_transfers()
         target = self.offload_watermark or min(self.num_blocks, max(self._recent_allocs) + demand)
-        short = target - self.pool.num_available(lossless=True) - self._pending_saves()
-        return self._save_dirty(short) if short > 0 else 0
+        short = target - self.pool.num_available(lossless=True) - self.copies.pending_saves()
+        return self.copies.save_dirty(short) if short > 0 else 0
 
+    # ---- copies in flight ---------------------------------------------------------------------
+    def load_state(self, seq: Sequence) -> LoadState:
+        return self.copies.state(seq.seq_id) if self.copies is not None else LoadState.READY
+
+    def poll_transfers(self) -> None:
+        """End every copy whose handle is done (never blocks)."""
+        if self.copies is not None:
+            for sid in self.copies.poll():
+                stats = self._unconfirmed.pop(sid, None)
+                if stats is not None and sid not in self.copies.failed:
+                    self._count_hits(*stats)  # every load it was promised has landed
+
+    def complete_loads(self, seq: Sequence, timeout: float = 1.0) -> None:
+        """Wait (up to `timeout` each) for the loads `seq` waits on, then end what is done: its
+        state is then READY, FAILED, or still LOADING if a copy is slow."""
+        if self.copies is not None:
+            self.copies.wait_for(seq.seq_id, timeout)
+            self.poll_transfers()
+
+    def wait_for_transfer(self, timeout: float | None = None) -> None:
+        """Block until the oldest load (else save) completes, or `timeout`: for an engine with
+        nothing it can run, instead of spinning."""
+        if self.copies is not None:
+            self.copies.wait_oldest(timeout)
+            self.poll_transfers()
+
+    def drain_transfers(self) -> None:
+        """Wait for every copy in flight and end it (tests, benchmarks, shutdown)."""
+        while self.copies is not None and (self.copies.saves or self.copies.loads):
+            self.wait_for_transfer()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Engine shutdown: end every copy, then release the host pool."""
+        if self.copies is not None:
+            self.copies.close(timeout)
+
+    # ---- running sequences --------------------------------------------------------------------
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> Supply:
         """Grow a running sequence's block table to hold `num_new_tokens` more tokens. LOSSLESS or
         LOSSY: done; DEFER: nothing taken, saves will free blocks (skip it this step); SHORT:
@@ -479,8 +355,8 @@ class KVCacheManager:
         for i, h in enumerate(self._hashes(seq, num_full)):
             block = seq.block_table[i]
             if self.pool.block_hash[block] is None:
-                if self.pool.publish(block, h, self._block_key(seq, i)) and self.host is not None:
-                    self._twin(block)  # computed again while its KV was on host: clean already
+                if self.pool.publish(block, h, self._block_key(seq, i)) and self.copies is not None:
+                    self.copies.twin(block)  # computed again while its KV was on host: clean already
 
     def free(self, seq: Sequence) -> None:
         """Release every block; tail blocks first so the LRU evicts them before shared prefixes."""
@@ -488,16 +364,9 @@ class KVCacheManager:
             self.pool.release(block)  # a block still loading stays pinned by its copy
         seq.block_table = []
         seq.num_computed_tokens = 0
-        for ld in self._waiting_on.pop(seq.seq_id, ()):
-            ld.waiters.discard(seq.seq_id)
-        self._failed.discard(seq.seq_id)
+        if self.copies is not None:
+            self.copies.forget(seq.seq_id)
         self._unconfirmed.pop(seq.seq_id, None)
-
-    def usage(self) -> float:
-        return self.pool.stats().in_use / max(1, self.pool.num_blocks)
-
-    def stats(self) -> PoolStats:
-        return self.pool.stats()
 
     def reports(self) -> list[TierReport]:
         st = self.pool.stats()
@@ -513,30 +382,10 @@ class KVCacheManager:
         return out
 
     def check_invariants(self) -> None:
-        """Pool accounting per tier, and every pin accounted for by a copy in flight."""
+        """Pool accounting per tier, pins and clean flags (copies.py), and held hit stats."""
         self.pool.check_invariants()
-        dev_pins = Counter(b for c in self.saves for b in c.dev_ids)
-        dev_pins.update(b for ld in self.loads for b in ld.copy.dev_ids)
-        assert all(self.pool.pins[b] == dev_pins[b] for b in range(self.pool.num_blocks)), (
-            "device block pinned without a copy in flight (or the reverse)")
-        assert {db for db, _, _ in self.loading.values()} == {b for ld in self.loads for b in ld.copy.dev_ids}
-        assert all(ld in self.loads for lds in self._waiting_on.values() for ld in lds), "waiting on an ended load"
-        assert set(self._unconfirmed) <= set(self._waiting_on), "hit stats held for a sequence not loading"
-        if self.host is not None:
-            self.host.pool.check_invariants()
-            dev, host = self.pool, self.host.pool
-            for b in range(dev.num_blocks):  # clean <=> the other tier holds the same chain
-                h = dev.block_hash[b]
-                if h is not None and dev.index.get(h) == b:
-                    assert dev.is_clean[b] == (h in host.index), f"device block {b} clean flag is wrong"
-            for hb in range(host.num_blocks):
-                h = host.block_hash[hb]
-                if h is not None and host.index.get(h) == hb:
-                    assert host.is_clean[hb] == (h in dev.index), f"host block {hb} clean flag is wrong"
-            assert self.host.pool.stats().in_use == 0, "host blocks are held by copies (pins), never referenced"
-            host_pins = Counter(b for c in self.saves for b in c.host_ids)
-            host_pins.update(b for ld in self.loads for b in ld.copy.host_ids)
-            assert all(self.host.pool.pins[b] == host_pins[b] for b in range(self.host.pool.num_blocks)), (
-                "host block pinned without a copy in flight (or the reverse)")
+        if self.copies is not None:
+            self.copies.check_invariants()
+            assert set(self._unconfirmed) <= set(self.copies.waiting_on), "hit stats held for a sequence not loading"
         else:
-            assert not (self.saves or self.loads)
+            assert not any(self.pool.pins) and not self._unconfirmed

@@ -65,6 +65,18 @@ class Transfer(ABC):
 
 
 class Copier(ABC):
+    def __init__(self) -> None:
+        self._lanes: dict[str, object] = {}
+
+    def _lane(self, name: str):
+        if (lane := self._lanes.get(name)) is None:
+            lane = self._lanes[name] = self._open_lane(name)
+        return lane
+
+    @abstractmethod
+    def _open_lane(self, name: str):
+        """What runs one lane's copies in order (a worker's queue, a CUDA stream)."""
+
     @abstractmethod
     def submit(self, lane: str, src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor,
                dst_ids: Sequence[int]) -> Transfer:
@@ -109,25 +121,26 @@ class ThreadCopier(Copier):
     """`block_copy` is injectable so tests can slow or fail copies without sleeps in this code."""
 
     def __init__(self, block_copy: BlockCopy = copy_block) -> None:
+        super().__init__()
         self.block_copy = block_copy
-        self._lanes: dict[str, queue.SimpleQueue] = {}
         self._last: dict[str, Transfer] = {}  # lanes are FIFO: the last one done means all are
 
     def drain(self) -> None:
         for handle in self._last.values():
             handle.wait()
 
+    def _open_lane(self, name: str) -> queue.SimpleQueue:
+        jobs: queue.SimpleQueue = queue.SimpleQueue()
+        worker = threading.Thread(target=_worker, args=(jobs,), daemon=True, name=f"nanoserve-kv-{name}")
+        worker.start()
+        # the thread ends with its copier, and is joined at interpreter exit: a daemon thread
+        # killed inside a torch copy aborts the process ("terminate called ...")
+        weakref.finalize(self, _stop_worker, jobs, worker)
+        return jobs
+
     def submit(self, lane, src, src_ids, dst, dst_ids) -> Transfer:
-        jobs = self._lanes.get(lane)
-        if jobs is None:
-            jobs = self._lanes[lane] = queue.SimpleQueue()
-            worker = threading.Thread(target=_worker, args=(jobs,), daemon=True, name=f"nanoserve-kv-{lane}")
-            worker.start()
-            # the thread ends with its copier, and is joined at interpreter exit: a daemon thread
-            # killed inside a torch copy aborts the process ("terminate called ...")
-            weakref.finalize(self, _stop_worker, jobs, worker)
         handle = self._last[lane] = ThreadTransfer()
-        jobs.put((handle, self.block_copy, src, list(src_ids), dst, list(dst_ids)))
+        self._lane(lane).put((handle, self.block_copy, src, list(src_ids), dst, list(dst_ids)))
         return handle
 
 
@@ -165,17 +178,18 @@ class CudaTransfer(Transfer):
 
 class CudaCopier(Copier):
     def __init__(self, device: torch.device) -> None:
+        super().__init__()
         self.device = device
-        self._streams: dict[str, torch.cuda.Stream] = {}
+
+    def _open_lane(self, name: str) -> torch.cuda.Stream:
+        return torch.cuda.Stream(self.device)
 
     def drain(self) -> None:
-        for stream in self._streams.values():
+        for stream in self._lanes.values():
             stream.synchronize()
 
     def submit(self, lane, src, src_ids, dst, dst_ids) -> Transfer:
-        stream = self._streams.get(lane)
-        if stream is None:
-            stream = self._streams[lane] = torch.cuda.Stream(self.device)
+        stream = self._lane(lane)
         # after everything compute has enqueued so far: the step that wrote a saved block, and the
         # last reads of a block that is now a load's destination
         ready = torch.cuda.Event()

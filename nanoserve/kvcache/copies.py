@@ -1,0 +1,230 @@
+"""The copies in flight between the device pool and the host tier, who waits for them, and the clean
+flags that tie the two tiers: a cached block is *clean* when the other tier holds the same chain
+(a save landed, a load landed, or it was computed again while on host), so evicting it loses
+nothing. Each tier tells the other when a chain stops being findable in it, so the flags stay exact.
+
+Who holds what while a copy runs (all released when the copy is ended, whatever happened to the
+sequences meanwhile):
+  load  host source blocks: pinned (host pool);  device destination blocks: pinned (device pool),
+        plus one reference per sequence whose table holds them (the manager's)
+  save  device source blocks: pinned;  host destination blocks: pinned, unpublished
+Nothing here waits for a copy except `wait_*` and `close`; copies are ended by `poll`.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections import Counter
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+from nanoserve.kvcache.block_pool import BlockHash, BlockKey, BlockPool
+from nanoserve.kvcache.host_tier import HostCopy, HostTier
+
+log = logging.getLogger("nanoserve")
+
+
+class LoadState(enum.Enum):
+    READY = "ready"      # every block the sequence holds has its KV on device
+    LOADING = "loading"  # a copy from host it depends on is still running
+    FAILED = "failed"    # a copy it depended on failed: free it and recompute
+
+
+@dataclass(eq=False)
+class Load:
+    copy: HostCopy
+    keys: list[tuple[BlockHash, BlockKey]]
+    waiters: set[int] = field(default_factory=set)  # seq ids holding its destination blocks
+
+
+class TierCopies:
+    def __init__(self, pool: BlockPool, host: HostTier) -> None:
+        self.pool, self.host = pool, host
+        self.saves: list[HostCopy] = []
+        self.loads: list[Load] = []
+        self.loading: dict[BlockHash, tuple[int, BlockKey, Load]] = {}  # device block being loaded
+        self.waiting_on: dict[int, set[Load]] = {}  # seq id -> loads it still needs
+        self.failed: set[int] = set()                # seq ids whose load failed
+        self.save_failures_in_row = 0  # failed submits/copies since the last save that landed
+        self.num_save_submit_failures = 0   # optional saves that could not start (skipped)
+        pool.on_unpublish = self._device_dropped
+        host.pool.on_unpublish = self._host_dropped
+
+    # ---- clean flags ------------------------------------------------------------------------------
+    def twin(self, block: int) -> None:
+        """Device block `block` and the host block of the same chain hold the same KV."""
+        hb = self.host.pool.index.get(self.pool.block_hash[block])
+        if hb is not None:
+            self.pool.mark_clean(block, True)
+            self.host.pool.mark_clean(hb, True)
+
+    def _device_dropped(self, h: BlockHash, evicted: bool) -> None:
+        if (hb := self.host.pool.index.get(h)) is not None:
+            self.host.pool.mark_clean(hb, False)  # the host copy is the only one now
+
+    def _host_dropped(self, h: BlockHash, evicted: bool) -> None:
+        if (b := self.pool.index.get(h)) is not None:
+            self.pool.mark_clean(b, False)  # the device copy is the only one now
+
+    # ---- saves --------------------------------------------------------------------------------------
+    def pending_saves(self, exclude: Collection[int] = ()) -> int:
+        """Device blocks that saves in flight will make clean and reusable (unreferenced now)."""
+        return sum(1 for c in self.saves for b in c.dev_ids if not self.pool.ref_count[b] and b not in exclude)
+
+    def save_dirty(self, n: int, protect: Collection[int] = ()) -> int:
+        """Start saving up to `n` of the oldest dirty device blocks (marking clean, without a copy,
+        those the host already holds); `protect`: host blocks the save must not evict. Returns how
+        many copies were started. A save that cannot start is logged, counted and skipped: it was
+        optional."""
+        host, pool = self.host, self.pool
+        dev_ids, keys, already = [], [], []
+        for block in pool.dirty:  # oldest first: the next to be evicted
+            if len(dev_ids) + len(already) >= n:
+                break
+            h, key = pool.block_hash[block], pool.block_key[block]
+            if host.lookup(h, key) is not None:
+                already.append(block)
+            else:
+                dev_ids.append(block)
+                keys.append((h, key))
+        for block in already:
+            self.twin(block)
+        if not dev_ids or not host.room():
+            return 0
+        for hb in protect:
+            host.pool.pin(hb)
+        try:
+            copy = host.begin_save(dev_ids, keys)
+        except Exception:
+            self.num_save_submit_failures += 1
+            self.save_failures_in_row += 1
+            log.exception("KV save to host could not start; skipped")
+            return 0
+        finally:
+            for hb in protect:
+                host.pool.unpin(hb)
+        if copy is None:
+            return 0
+        for db in copy.dev_ids:
+            pool.pin(db)
+        self.saves.append(copy)
+        return len(copy.dev_ids)
+
+    def _end_save(self, copy: HostCopy) -> None:
+        self.saves.remove(copy)
+        ok = self.host.end_save(copy)
+        self.save_failures_in_row = 0 if ok else self.save_failures_in_row + 1
+        for db, (h, key) in zip(copy.dev_ids, copy.keys):
+            if ok and self.pool.block_hash[db] == h:
+                self.twin(db)  # now clean: evicting it loses nothing
+            self.pool.unpin(db)
+
+    # ---- loads --------------------------------------------------------------------------------------
+    def loading_block(self, h: BlockHash, key: BlockKey) -> int | None:
+        """The device block a load in flight is filling with this chain's KV."""
+        entry = self.loading.get(h)
+        return entry[0] if entry is not None and entry[1] == key else None
+
+    def begin_load(self, blocks: list[tuple[BlockHash, BlockKey, int, int]]) -> Load:
+        """Start copying (hash, key, host block, device block); the device blocks are pinned until
+        the copy ends (they survive their sequence being freed meanwhile)."""
+        copy = self.host.begin_load([hb for _, _, hb, _ in blocks], [db for _, _, _, db in blocks])
+        ld = Load(copy, [(h, key) for h, key, _, _ in blocks])
+        for db, (h, key) in zip(copy.dev_ids, ld.keys):
+            self.pool.pin(db)
+            self.loading[h] = (db, key, ld)
+        self.loads.append(ld)
+        return ld
+
+    def wait_on(self, seq_id: int, loads: set[Load]) -> None:
+        for ld in loads:
+            ld.waiters.add(seq_id)
+        self.waiting_on[seq_id] = loads
+
+    def load_of(self, h: BlockHash) -> Load:
+        return self.loading[h][2]
+
+    def state(self, seq_id: int) -> LoadState:
+        if seq_id in self.failed:
+            return LoadState.FAILED
+        return LoadState.LOADING if self.waiting_on.get(seq_id) else LoadState.READY
+
+    def forget(self, seq_id: int) -> None:
+        for ld in self.waiting_on.pop(seq_id, ()):
+            ld.waiters.discard(seq_id)
+        self.failed.discard(seq_id)
+
+    def _end_load(self, ld: Load) -> list[int]:
+        self.loads.remove(ld)
+        ok = self.host.end_load(ld.copy)
+        if ok:
+            ld.copy.handle.order_compute_after()
+        for db, (h, key) in zip(ld.copy.dev_ids, ld.keys):
+            del self.loading[h]
+            if ok and self.pool.publish(db, h, key):  # the KV is on device only now: findable from here on
+                self.twin(db)
+            self.pool.unpin(db)
+        settled = []
+        for sid in ld.waiters:
+            pending = self.waiting_on[sid]
+            pending.discard(ld)
+            if not ok:
+                self.failed.add(sid)
+            if not pending:
+                del self.waiting_on[sid]
+                settled.append(sid)
+        return settled
+
+    # ---- ending copies ------------------------------------------------------------------------------
+    def poll(self) -> list[int]:
+        """End every copy whose handle is done (never blocks). Returns the sequences that no longer
+        wait for any load (see `state`: READY, or FAILED if one of them failed)."""
+        for c in [c for c in self.saves if c.handle.done()]:
+            self._end_save(c)
+        return [sid for ld in [ld for ld in self.loads if ld.copy.handle.done()] for sid in self._end_load(ld)]
+
+    def wait_for(self, seq_id: int, timeout: float) -> None:
+        """Wait (up to `timeout` each) for the loads `seq_id` waits on; the caller polls after."""
+        for ld in list(self.waiting_on.get(seq_id, ())):
+            ld.copy.handle.wait(timeout)
+
+    def wait_oldest(self, timeout: float | None = None) -> None:
+        """Block until the oldest load (else save) completes, or `timeout`; the caller polls after."""
+        if self.loads:
+            self.loads[0].copy.handle.wait(timeout)
+        elif self.saves:
+            self.saves[0].handle.wait(timeout)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """End every copy, then release the host pool (unpinning it on CUDA). A copy still running
+        after `timeout` leaves the pool registered: a leak, not a corruption."""
+        deadline = time.monotonic() + timeout
+        while (self.saves or self.loads) and time.monotonic() < deadline:
+            self.wait_oldest(max(0.0, deadline - time.monotonic()))
+            self.poll()
+        if self.saves or self.loads:
+            log.error("KV copies still running at shutdown; the host pool is left as it is")
+        else:
+            self.host.close()
+
+    def check_invariants(self) -> None:
+        """Every pin accounted for by a copy in flight; clean <=> the other tier holds the chain."""
+        dev, host = self.pool, self.host.pool
+        dev_pins = Counter(b for c in self.saves for b in c.dev_ids)
+        dev_pins.update(b for ld in self.loads for b in ld.copy.dev_ids)
+        assert all(dev.pins[b] == dev_pins[b] for b in range(dev.num_blocks)), (
+            "device block pinned without a copy in flight (or the reverse)")
+        assert {db for db, _, _ in self.loading.values()} == {b for ld in self.loads for b in ld.copy.dev_ids}
+        assert all(ld in self.loads for lds in self.waiting_on.values() for ld in lds), "waiting on an ended load"
+        host.check_invariants()
+        for a, b, name in ((dev, host, "device"), (host, dev, "host")):
+            for blk in range(a.num_blocks):
+                h = a.block_hash[blk]
+                if h is not None and a.index.get(h) == blk:
+                    assert a.is_clean[blk] == (h in b.index), f"{name} block {blk} clean flag is wrong"
+        assert host.stats().in_use == 0, "host blocks are held by copies (pins), never referenced"
+        host_pins = Counter(b for c in self.saves for b in c.host_ids)
+        host_pins.update(b for ld in self.loads for b in ld.copy.host_ids)
+        assert all(host.pins[b] == host_pins[b] for b in range(host.num_blocks)), (
+            "host block pinned without a copy in flight (or the reverse)")
