@@ -64,8 +64,9 @@ class EngineConfig:
     max_num_seqs: int = opt(128, "most sequences in one batch", group="scheduling")
     max_num_batched_tokens: int = opt(2048, "token budget of one engine step (prefill chunks + decodes)",
                                       group="scheduling")
-    # Python API only: a stand-in for the flash_attn module (tests: FlashReference)
-    flash_module: object | None = None
+    # Python API only: where flash-attn's functions come from, "module" or "module:attribute" (tests
+    # name a pure-torch stand-in, tests.flash_ref); a name, so it crosses to the engine process
+    flash_attn_module: str = "flash_attn"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -4,8 +4,8 @@ plain varlen for fresh prefills, the graph table width, flash_attn import failur
 sampler's one host sync per step."""
 from __future__ import annotations
 
-import builtins
 import contextlib
+import importlib
 import random
 
 import pytest
@@ -16,13 +16,13 @@ from nanoserve.layers import staging as staging_mod
 from nanoserve.layers.attention import AttentionBatch, TorchAttention
 from nanoserve.layers.backend_choice import resolve_attention
 from nanoserve.layers.flash_attention import FlashAttention, import_flash_attn
-from nanoserve.layers.flash_ref import FlashReference
 from nanoserve.layers.sampler import Sampler
 from nanoserve.sampling_params import SamplingParams as SP
 from nanoserve.sequence import Sequence
 from tests.conftest import hf_greedy, make_tiny_model
+from tests.flash_ref import FlashReference
 
-REF = FlashReference(allow_fp32=True, validate=False)
+REF = "tests.flash_ref:FP32_GRAPH_SAFE"
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ class FakeEvent:
 def _fenced_llm(monkeypatch, tiny, stream: FakeStream, **kw) -> LLM:
     real = staging_mod.Staging
     monkeypatch.setattr("nanoserve.runner.Staging", lambda device: real(device, FakeEvent(stream), stream.copy))
-    return LLM(str(tiny), dtype="float32", attention_backend="flash", flash_module=REF, num_kv_blocks=8,
+    return LLM(str(tiny), dtype="float32", attention_backend="flash", flash_attn_module=REF, num_kv_blocks=8,
                max_num_batched_tokens=64, max_num_seqs=4, **kw)
 
 
@@ -104,14 +104,10 @@ def host_sync_errors():
             setattr(torch.Tensor, n, f)
 
 
-class SyncingRef(FlashReference):
-    graph_safe = True  # claims it, but validate=True syncs: the eager check must find out
-
-
-@pytest.mark.parametrize("module,blocked", [(REF, None), (SyncingRef(allow_fp32=True), "syncs"),
-                                            (FlashReference(allow_fp32=True), "not graph-safe")])
+@pytest.mark.parametrize("module,blocked", [(REF, None), ("tests.flash_ref:SYNCING", "syncs"),
+                                            ("tests.flash_ref:FP32", "not graph-safe")])
 def test_capture_safety_is_decided_before_any_capture(tiny, module, blocked):
-    llm = LLM(str(tiny), dtype="float32", attention_backend="flash", flash_module=module, num_kv_blocks=4,
+    llm = LLM(str(tiny), dtype="float32", attention_backend="flash", flash_attn_module=module, num_kv_blocks=4,
               max_num_seqs=4)
     why = llm.engine.runner.graph_blocker(4, host_sync_errors)
     assert (why is None) if blocked is None else (blocked in why)
@@ -121,7 +117,7 @@ def test_capture_safety_is_decided_before_any_capture(tiny, module, blocked):
 
 
 def test_warmup_prefill_and_graph_width(tiny):
-    llm = LLM(str(tiny), dtype="float32", attention_backend="flash", flash_module=REF, num_kv_blocks=4,
+    llm = LLM(str(tiny), dtype="float32", attention_backend="flash", flash_attn_module=REF, num_kv_blocks=4,
               max_model_len=300, max_num_batched_tokens=128)
     runner = llm.engine.runner
     assert runner.attn.max_width == 2  # ceil(300 / 256), not the model's 512 positions
@@ -167,13 +163,13 @@ def test_fresh_prefill_uses_plain_varlen(ctx_extra):
 
 # ---- flash_attn import failures ---------------------------------------------------------------
 def test_broken_flash_attn_build_means_unavailable(monkeypatch):
-    real_import = builtins.__import__
+    real_import = importlib.import_module
 
     def fake(name, *a, **kw):
         if name == "flash_attn":
             raise RuntimeError("undefined symbol: _ZN3c10...")  # a build for another torch
         return real_import(name, *a, **kw)
-    monkeypatch.setattr(builtins, "__import__", fake)
+    monkeypatch.setattr(importlib, "import_module", fake)
     module, why = import_flash_attn()
     assert module is None and "RuntimeError" in why
     assert resolve_attention("auto", torch.device("cpu"), torch.bfloat16, 0)[0] is TorchAttention

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from nanoserve.layers.attention import AttentionBatch, TorchAttention
 from nanoserve.layers.backend_choice import resolve_attention
 from nanoserve.layers.flash_attention import FlashAttention
-from nanoserve.layers.flash_ref import FlashReference, flash_attn_varlen_func, naive_attention
+from tests.flash_ref import FlashReference, flash_attn_varlen_func, naive_attention
 
 REF = FlashReference(allow_fp32=True)
 I32 = dict(dtype=torch.int32)
@@ -192,13 +192,14 @@ def test_backend_choice_and_refusals():
     cpu = torch.device("cpu")
     assert resolve_attention("auto", cpu, torch.float32, 0)[0] is TorchAttention
     assert resolve_attention("torch", cpu, torch.float32, 0)[2] == 16
-    assert resolve_attention("auto", cpu, torch.bfloat16, 0, REF)[0] is TorchAttention  # auto: CUDA only
-    backend, module, bs = resolve_attention("flash", cpu, torch.bfloat16, 0, REF)
-    assert (backend, module, bs) == (FlashAttention, REF, 256)
+    fp32, bf16 = "tests.flash_ref:FP32", "tests.flash_ref:GRAPH_SAFE"
+    assert resolve_attention("auto", cpu, torch.bfloat16, 0, fp32)[0] is TorchAttention  # auto: CUDA only
+    backend, module, bs = resolve_attention("flash", cpu, torch.bfloat16, 0, fp32)
+    assert (backend, type(module), bs) == (FlashAttention, FlashReference, 256) and module.allow_fp32
     with pytest.raises(ValueError, match="multiple of 256"):
-        resolve_attention("flash", cpu, torch.bfloat16, 16, REF)
+        resolve_attention("flash", cpu, torch.bfloat16, 16, fp32)
     with pytest.raises(ValueError, match="fp16/bf16 only"):
-        resolve_attention("flash", cpu, torch.float32, 0, FlashReference())
+        resolve_attention("flash", cpu, torch.float32, 0, bf16)
     with pytest.raises(ValueError, match="flash-attn package"):
         resolve_attention("flash", cpu, torch.bfloat16, 0)  # no flash_attn installed here
 
@@ -226,7 +227,7 @@ def flash_case(embedded_dir):
 
 def _flash_llm(**kw):
     from nanoserve import LLM
-    return LLM(dtype="float32", attention_backend="flash", flash_module=REF, num_kv_blocks=12, **kw)
+    return LLM(dtype="float32", attention_backend="flash", flash_attn_module="tests.flash_ref:FP32", num_kv_blocks=12, **kw)
 
 
 def test_engine_flash_matches_hf(flash_case):

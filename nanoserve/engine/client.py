@@ -77,9 +77,8 @@ class EngineClient:
                  make_engine: Callable[[EngineConfig], object] | None = None) -> None:
         """`in_process`: the core runs in a thread of this process (`make_engine` builds its
         LLMEngine there; tests wrap it), else in its own process."""
-        if not in_process and (config.flash_module is not None or make_engine is not None):
-            raise ValueError("flash_module and make_engine (Python objects) cannot be sent to the engine "
-                             "process; use in_process=True")
+        if not in_process and make_engine is not None:
+            raise ValueError("make_engine (a Python object) cannot be sent to the engine process; use in_process=True")
         self.config = config
         self.observer = observer or MetricsObserver()
         self.placement = placement or CpuPlacement()

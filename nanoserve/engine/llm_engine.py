@@ -69,7 +69,7 @@ class LLMEngine:
             self.model.load_weights(iter_weights(self.source))
         self.model.finalize(cpu_kernels.load() if self.device.type == "cpu" else None)
         backend, flash, block_size = resolve_attention(config.attention_backend, self.device, self.dtype,
-                                                       config.block_size, config.flash_module)
+                                                       config.block_size, config.flash_attn_module)
         self.layout = KVLayout(self.model.num_layers, block_size, self.model.num_kv_heads,
                                self.model.head_dim, self.dtype, backend)
         runner_opts = RunnerOptions(flash, config.max_num_seqs, config.max_num_batched_tokens,

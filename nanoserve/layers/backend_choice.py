@@ -2,7 +2,8 @@
 
 auto: flash-attn when it imports and a test call runs (CUDA only), else the Triton paged backend
 on CUDA, else the torch backend. The flash backend is not tied to CUDA: any module with
-flash-attn 2.8's API works (tests run it on CPU through nanoserve.layers.flash_ref). The Triton
+flash-attn 2.8's API works (tests run it on CPU through the stand-in tests/flash_ref.py,
+selected by name). The Triton
 backend runs on CUDA, and on CPU only under TRITON_INTERPRET=1 (how CI tests its kernels)."""
 from __future__ import annotations
 
@@ -30,15 +31,15 @@ def triton_usable(device: torch.device) -> str | None:
 
 
 def resolve_attention(choice: str, device: torch.device, dtype: torch.dtype, block_size: int,
-                      flash_module=None) -> tuple[type[AttentionBackend], object | None, int]:
+                      flash_name: str = "flash_attn") -> tuple[type[AttentionBackend], object | None, int]:
     """Block size 0 = the backend's default: 256 with flash (its paged kernels need a multiple of
     256), 16 with Triton (fine prefix-cache granularity), 16 with torch on CPU, 256 on CUDA."""
     if choice not in CHOICES:
         raise ValueError(f"attention backend must be {'|'.join(CHOICES)}, got {choice!r}")
-    module, why = flash_module, None
-    if choice in ("auto", "flash") and module is None:
-        module, why = import_flash_attn()
-    if choice == "auto" and module is not None and device.type == "cuda" and flash_module is None:
+    module, why = None, None
+    if choice in ("auto", "flash"):
+        module, why = import_flash_attn(flash_name)
+    if choice == "auto" and module is not None and device.type == "cuda":
         why = flash_works(module, device)
         module = module if why is None else None
     if choice == "flash" or (choice == "auto" and module is not None and device.type == "cuda"):

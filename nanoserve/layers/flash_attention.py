@@ -8,13 +8,14 @@ Per layer: one indexed store of the step's new K/V, then
 - pure-decode steps: one `flash_attn_with_kvcache(q[:, None], ..., cache_seqlens, block_table)`.
 
 The flash functions come from an injected module-like object (`flash_attn` itself, or
-`nanoserve.layers.flash_ref.FlashReference` in tests and wherever flash-attn is absent), so the
+`tests/flash_ref.py` in tests and wherever flash-attn is absent), so the
 index math here runs and is tested on CPU. Metadata is int32 in persistent buffers, filled from
 host staging (pinned on CUDA) with one copy per field per step, so the decode path can be
 captured in a CUDA graph and replayed with new contents.
 """
 from __future__ import annotations
 
+import importlib
 import logging
 from types import ModuleType
 
@@ -29,11 +30,15 @@ log = logging.getLogger("nanoserve")
 FLASH_PAGE_MULTIPLE = 256  # flash-attn 2's paged kernels need page_block_size % 256 == 0
 
 
-def import_flash_attn() -> tuple[ModuleType | None, str | None]:
-    """-> (flash_attn, None), or (None, why not). A build for another torch or CUDA raises
-    RuntimeError/OSError (or worse) at import, not ImportError: any failure means "not available"."""
+def import_flash_attn(name: str = "flash_attn") -> tuple[ModuleType | None, str | None]:
+    """-> (flash_attn, None), or (None, why not); `name` is "module" or "module:attribute". A build
+    for another torch or CUDA raises RuntimeError/OSError (or worse) at import, not ImportError:
+    any failure means "not available"."""
+    module_name, _, attr = name.partition(":")
     try:
-        import flash_attn
+        flash_attn = importlib.import_module(module_name)
+        if attr:
+            flash_attn = getattr(flash_attn, attr)
     except Exception as e:  # noqa: BLE001 - whatever a broken build raises
         if not isinstance(e, ImportError):
             log.warning("flash_attn is installed but does not import (%s: %s): not using it", type(e).__name__, e)

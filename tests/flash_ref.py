@@ -231,3 +231,17 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
             s = (k[:last + 1, kv].double() @ q[i, head].double()) * scale
             out[i, head] = torch.softmax(s, 0) @ v[:last + 1, kv].double()
     return out
+
+
+# Selected by name, as the engine imports flash-attn:
+#   LLM(attention_backend="flash", flash_attn_module="tests.flash_ref:FP32")
+FP32 = FlashReference(allow_fp32=True)                          # validating checks sync: eager only
+FP32_GRAPH_SAFE = FlashReference(allow_fp32=True, validate=False)
+GRAPH_SAFE = FlashReference(validate=False)                     # fp16/bf16 only, as upstream
+
+
+class _ClaimsGraphSafe(FlashReference):
+    graph_safe = True  # but validate=True syncs: the runner's eager check must find out
+
+
+SYNCING = _ClaimsGraphSafe(allow_fp32=True)
