@@ -179,12 +179,15 @@ def iter_weights(src: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
         yield k, h.get_tensor(k)
 
 
-_GGUF_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
+def _gguf_names(cfg) -> dict[str, str]:
+    """GGUF tensor name -> HF name, through the gguf package's own name map, for exactly the
+    tensors our model loads (its weight table, built on the meta device)."""
+    from gguf import MODEL_ARCH, get_tensor_name_map
+    from nanoserve.models.llama import LlamaModel
+    model = LlamaModel(cfg, torch.float32, torch.device("meta"))
+    names = [f"model.{n}" for n in model.weight_targets()] + ["lm_head.weight"]
+    tmap = get_tensor_name_map(MODEL_ARCH[cfg.model_type.upper()], cfg.num_hidden_layers)
+    return {tmap.get_name(n, try_suffixes=(".weight", ".bias")): n for n in names}
 
 
 def _gguf_weights(path: Path, cfg) -> Iterator[tuple[str, torch.Tensor]]:
@@ -194,17 +197,14 @@ def _gguf_weights(path: Path, cfg) -> Iterator[tuple[str, torch.Tensor]]:
     reader = GGUFReader(str(path))
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    names = _gguf_names(cfg)
     for t in tqdm(reader.tensors, desc=f"Converting {path.name} (once)", unit="tensor"):
         w = dequantize(t.data, t.tensor_type)
-        if t.name.startswith("blk."):
-            _, idx, kind, suffix = t.name.split(".")
-            name = f"model.layers.{idx}.{_GGUF_NAMES[kind]}.{suffix}"
-            # llama.cpp's converter permutes Q and K of *llama* models for its interleaved rope;
-            # undo it for rotate-half. Qwen2 uses NeoX rope and is stored unpermuted.
-            if kind in ("attn_q", "attn_k") and cfg.model_type == "llama":
-                n = heads if kind == "attn_q" else kv_heads
-                w = w.reshape(n, w.shape[0] // n // 2, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
-        else:
-            name = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                    "output.weight": "lm_head.weight"}[t.name]
+        if (name := names.get(t.name)) is None:
+            raise InvalidRequest(f"GGUF tensor {t.name!r} is not one this model loads", param="model")
+        # llama.cpp's converter permutes Q and K of *llama* models for its interleaved rope; undo it
+        # for rotate-half. Qwen2 uses NeoX rope and is stored unpermuted.
+        if cfg.model_type == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            n = heads if name.endswith("q_proj.weight") else kv_heads
+            w = w.reshape(n, w.shape[0] // n // 2, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
         yield name, torch.from_numpy(np.array(w, dtype=np.float32))

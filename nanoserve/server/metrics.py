@@ -37,6 +37,26 @@ class _SnapshotCollector:
                               labels=["model_name"])
         g.add_metric([m], s.num_waiting)
         yield g
+        yield from self._tier_metrics()
+        for name, doc, v in (("prompt_tokens", "Prompt tokens admitted (x n choices).", s.prompt_tokens),
+                             ("generation_tokens", "Tokens generated.", s.generation_tokens),
+                             ("num_preemptions", "Sequences preempted for lack of KV blocks.", s.num_preemptions),
+                             ("engine_step_errors", "Engine steps that raised (their requests failed).",
+                              s.step_errors),
+                             ("kv_invariant_violations", "KV block accounting checks that failed (checked "
+                              "whenever the engine goes idle and after a failed step; must stay 0).",
+                              s.invariant_violations)):
+            c = CounterMetricFamily(P + name, doc, labels=["model_name"])
+            c.add_metric([m], v)
+            yield c
+        c = CounterMetricFamily(P + "request_success", "Finished sequences (choices) by finish reason.",
+                                labels=["model_name", "finished_reason"])
+        for reason in sorted(set(s.finished) | {"stop", "length", "abort"}):
+            c.add_metric([m, reason], s.finished.get(reason, 0))
+        yield c
+
+    def _tier_metrics(self):
+        s, m = self.snapshot, self.model_name
         usage = GaugeMetricFamily(P + "kv_cache_usage_perc", "Fraction of KV blocks in use, per tier (0..1).",
                                   labels=["model_name", "tier"])
         blocks = GaugeMetricFamily(P + "kv_cache_blocks", "KV blocks per tier by state "
@@ -72,22 +92,6 @@ class _SnapshotCollector:
             moved_s.add_metric([m, t.tier, "in"], t.seconds_in)
             moved_s.add_metric([m, t.tier, "out"], t.seconds_out)
         yield from (usage, blocks, queries, hits, evictions, clean, lossy, moved, moved_s)
-        for name, doc, v in (("prompt_tokens", "Prompt tokens admitted (x n choices).", s.prompt_tokens),
-                             ("generation_tokens", "Tokens generated.", s.generation_tokens),
-                             ("num_preemptions", "Sequences preempted for lack of KV blocks.", s.num_preemptions),
-                             ("engine_step_errors", "Engine steps that raised (their requests failed).",
-                              s.step_errors),
-                             ("kv_invariant_violations", "KV block accounting checks that failed (checked "
-                              "whenever the engine goes idle and after a failed step; must stay 0).",
-                              s.invariant_violations)):
-            c = CounterMetricFamily(P + name, doc, labels=["model_name"])
-            c.add_metric([m], v)
-            yield c
-        c = CounterMetricFamily(P + "request_success", "Finished sequences (choices) by finish reason.",
-                                labels=["model_name", "finished_reason"])
-        for reason in sorted(set(s.finished) | {"stop", "length", "abort"}):
-            c.add_metric([m, reason], s.finished.get(reason, 0))
-        yield c
 
 
 class ServerMetrics(MetricsObserver):
