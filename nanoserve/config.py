@@ -4,6 +4,7 @@ live in each field's metadata, so a setting is declared in exactly one place."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import typing
 from dataclasses import dataclass, field, fields
@@ -103,6 +104,13 @@ class EngineConfig:
         if device.type == "cuda":
             return torch.bfloat16
         return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+
+def import_by_name(name: str) -> typing.Any:
+    """"module" or "module:attribute": how code is named where it must cross a process boundary."""
+    module_name, _, attr = name.partition(":")
+    obj = importlib.import_module(module_name)
+    return getattr(obj, attr) if attr else obj
 
 
 def cpu_has_fast_bf16() -> bool:

@@ -1,9 +1,8 @@
 """The engine client and the app under faults, on a tiny random Llama (fast to load): an exception
 inside step() fails the affected requests with an error (HTTP 500 / an SSE error event followed by
 [DONE]) and the engine core keeps serving; aborts free blocks; an idle engine core does not spin.
-The core runs in a thread here (`in_process=True`: the same loop, zmq messages and output processing
-as in its own process, over inproc://), so the fault can be injected by wrapping the real
-LLMEngine.step."""
+Both placements of the core: its own process (the default) and a thread (`--no-engine-process`);
+faults come from tests/faulty_engine.py, armed through a file."""
 from __future__ import annotations
 
 import asyncio
@@ -17,49 +16,41 @@ import pytest
 from conftest import make_tiny_model
 from nanoserve.config import EngineConfig
 from nanoserve.engine.client import EngineClient
-from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.protocol import EngineError
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.app import create_app
 from nanoserve.server.metrics import ServerMetrics
+from tests.faulty_engine import PLAN_ENV, FaultPlan
 
 
-class Flaky:
-    """Wraps the real step(); raises on the calls listed in `fail_on` (1-based, counted from arm())."""
-
-    def __init__(self, engine: LLMEngine) -> None:
-        self.real, self.calls, self.fail_on = engine.step, 0, set()
-        engine.step = self
-
-    def arm(self, *fail_on: int) -> None:
-        self.calls, self.fail_on = 0, set(fail_on)
-
-    def __call__(self):
-        self.calls += 1
-        if self.calls in self.fail_on:
-            raise RuntimeError("injected fault")
-        return self.real()
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory, embedded_dir):
-    path = make_tiny_model(tmp_path_factory.mktemp("tiny-server"), "llama-gqa-tied", embedded_dir)
-    made: list[LLMEngine] = []
-
-    def make_engine(config: EngineConfig) -> LLMEngine:
-        made.append(LLMEngine(config))
-        return made[-1]
+@pytest.fixture(scope="module", params=["process", "thread"])
+def setup(request, tmp_path_factory, embedded_dir):
+    tmp = tmp_path_factory.mktemp(f"faults-{request.param}")
+    path = make_tiny_model(tmp, "llama-gqa-tied", embedded_dir)
+    plan = FaultPlan(tmp / "plan.json")
+    plan.arm()
+    os.environ[PLAN_ENV] = str(plan.path)  # read by the engine (inherited by its process)
     aengine = EngineClient(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=64, block_size=16),
-                           ServerMetrics("tiny"), in_process=True, make_engine=make_engine)
+                           ServerMetrics("tiny"), in_process=request.param == "thread",
+                           make_engine="tests.faulty_engine:make")
     aengine.start()
-    engine = made[0]
-    flaky = Flaky(engine)
     app = create_app(aengine, "tiny")
-    yield engine, aengine, flaky, app
+    yield aengine, plan, app
     aengine.stop()
+    del os.environ[PLAN_ENV]
 
 
-async def _collect(aengine, engine, rid, prompt="hello world", **kw):
+async def _settled(aengine):
+    """The snapshot once nothing runs and no block is held (aborts reach the engine asynchronously)."""
+    for _ in range(100):
+        snap = await aengine.snapshot()
+        if snap.num_running == snap.num_waiting == 0 and snap.tiers[0].blocks_in_use == 0:
+            break
+        await asyncio.sleep(0.05)
+    return snap
+
+
+async def _collect(aengine, rid, prompt="hello world", **kw):
     req = aengine.frontend.make_request(rid, prompt, SamplingParams(temperature=0, ignore_eos=True, **kw))
     outs = []
     async for out in aengine.generate(req):
@@ -68,28 +59,26 @@ async def _collect(aengine, engine, rid, prompt="hello world", **kw):
 
 
 def test_step_error_fails_requests_and_engine_keeps_serving(setup):
-    engine, aengine, flaky, _ = setup
+    aengine, plan, _ = setup
 
     async def run():
-        flaky.arm(3)
-        results = await asyncio.gather(_collect(aengine, engine, "a", max_tokens=8),
-                                       _collect(aengine, engine, "b", max_tokens=8), return_exceptions=True)
+        plan.arm(3)
+        results = await asyncio.gather(_collect(aengine, "a", max_tokens=8),
+                                       _collect(aengine, "b", max_tokens=8), return_exceptions=True)
         assert all(isinstance(r, EngineError) for r in results), results
         assert "injected fault" in str(results[0])
-        snap = await aengine.snapshot()
-        assert snap.num_running == snap.num_waiting == 0
-        assert snap.tiers[0].blocks_in_use == 0
-        assert snap.step_errors >= 1
-        outs = await _collect(aengine, engine, "c", max_tokens=5)
+        snap = await _settled(aengine)
+        assert snap.num_running == snap.num_waiting == 0 and snap.tiers[0].blocks_in_use == 0
+        assert snap.step_errors >= 1 and snap.invariant_violations == 0
+        outs = await _collect(aengine, "c", max_tokens=5)
         assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 5
     asyncio.run(run())
     assert aengine.alive
-    engine.check_invariants()
 
 
 def test_leaving_early_aborts_and_frees_blocks(setup):
-    engine, aengine, flaky, _ = setup
-    flaky.arm()
+    aengine, plan, _ = setup
+    plan.arm()
 
     async def run():
         req = aengine.frontend.make_request("early", "a b c d e f g h i j k l m n o p q r s", SamplingParams(
@@ -98,23 +87,19 @@ def test_leaving_early_aborts_and_frees_blocks(setup):
         first = await gen.__anext__()
         assert not first.finished
         await gen.aclose()  # what a client disconnect does
-        for _ in range(100):
-            snap = await aengine.snapshot()
-            if snap.tiers[0].blocks_in_use == 0:
-                break
-            await asyncio.sleep(0.05)
+        snap = await _settled(aengine)
         assert snap.tiers[0].blocks_in_use == 0 and snap.num_running == 0
-        assert snap.finished.get("abort", 0) >= 1
+        assert snap.finished.get("abort", 0) >= 1 and snap.invariant_violations == 0
     asyncio.run(run())
-    engine.check_invariants()
 
 
 def test_idle_engine_core_does_not_spin(setup):
-    _, aengine, _, _ = setup
-    tid = aengine._core_thread.native_id
+    aengine, _, _ = setup
+    stat = (f"/proc/{aengine.proc.pid}/stat" if aengine.proc is not None
+            else f"/proc/self/task/{aengine._core_thread.native_id}/stat")
 
-    def cpu() -> float:
-        with open(f"/proc/self/task/{tid}/stat") as f:
+    def cpu() -> float:  # the core's user + system time (the whole process: it runs nothing else)
+        with open(stat) as f:
             fields = f.read().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     c0 = cpu()
@@ -130,8 +115,8 @@ def _post(app, path, body):
 
 
 def test_error_after_stream_started_is_an_sse_error_event(setup):
-    _, _, flaky, app = setup
-    flaky.arm(3)  # tokens 1 and 2 stream, then the step fails
+    _, plan, app = setup
+    plan.arm(3)  # tokens 1 and 2 stream, then the step fails
     r = _post(app, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10,
                                             "ignore_eos": True, "stream": True})
     assert r.status_code == 200
@@ -146,12 +131,12 @@ def test_error_after_stream_started_is_an_sse_error_event(setup):
 
 
 def test_error_before_response_is_http_500(setup):
-    _, _, flaky, app = setup
-    flaky.arm(2)
+    _, plan, app = setup
+    plan.arm(2)
     r = _post(app, "/v1/completions", {"prompt": "hi", "max_tokens": 6, "ignore_eos": True})
     assert r.status_code == 500
     assert r.json()["error"]["type"] == "server_error"
-    flaky.arm()
+    plan.arm()
     ok = _post(app, "/v1/completions", {"prompt": "hi", "max_tokens": 6, "ignore_eos": True})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 6
 
@@ -159,27 +144,17 @@ def test_error_before_response_is_http_500(setup):
 def test_failed_step_fails_only_its_requests_and_queued_ones_run(setup):
     """A request whose step raises fails alone; one still queued behind it (max_num_seqs = 1) is
     untouched and completes; the KV invariants hold afterwards."""
-    engine, aengine, flaky, _ = setup
-    flaky.arm()
-    real_run = engine.runner.run
-
-    def poisoned(scheduled):
-        if any(s.seq.request_id == "poison" for s in scheduled):
-            raise RuntimeError("poisoned batch")
-        return real_run(scheduled)
-
-    engine.runner.run = poisoned
-    engine.scheduler.max_num_seqs = 1
+    aengine, plan, _ = setup
+    plan.arm(poison="poison", max_num_seqs=1)
     try:
         async def run():
-            return await asyncio.gather(_collect(aengine, engine, "poison", max_tokens=8),
-                                        _collect(aengine, engine, "queued", max_tokens=8), return_exceptions=True)
+            return await asyncio.gather(_collect(aengine, "poison", max_tokens=8),
+                                        _collect(aengine, "queued", max_tokens=8), return_exceptions=True)
         bad, good = asyncio.run(run())
     finally:
-        engine.runner.run = real_run
-        engine.scheduler.max_num_seqs = 128
+        plan.arm()
     assert isinstance(bad, EngineError) and "poisoned batch" in str(bad)
     assert not isinstance(good, BaseException), good
     assert good[-1].finished and len(good[-1].outputs[0].token_ids) == 8
-    snap = asyncio.run(aengine.snapshot())
+    snap = asyncio.run(_settled(aengine))
     assert snap.invariant_violations == 0 and snap.tiers[0].blocks_in_use == 0

@@ -74,11 +74,9 @@ class EngineClient:
     def __init__(self, config: EngineConfig, observer: MetricsObserver | None = None,
                  placement: CpuPlacement | None = None, log_level: str = "info",
                  on_dead: Callable[[str], None] | None = None, in_process: bool = False,
-                 make_engine: Callable[[EngineConfig], object] | None = None) -> None:
-        """`in_process`: the core runs in a thread of this process (`make_engine` builds its
-        LLMEngine there; tests wrap it), else in its own process."""
-        if not in_process and make_engine is not None:
-            raise ValueError("make_engine (a Python object) cannot be sent to the engine process; use in_process=True")
+                 make_engine: str | None = None) -> None:
+        """`in_process`: the core runs in a thread of this process, else in its own process.
+        `make_engine`: "module:function" building the LLMEngine from the config (fault tests wrap it)."""
         self.config = config
         self.observer = observer or MetricsObserver()
         self.placement = placement or CpuPlacement()
@@ -153,7 +151,7 @@ class EngineClient:
             log.info("engine core started in a thread of this process")
             return
         spec = {"config": dataclasses.asdict(self.config), "input": input_addr, "output": output_addr,
-                "parent_pid": os.getpid(), "log_level": self.log_level,
+                "parent_pid": os.getpid(), "log_level": self.log_level, "make_engine": self.make_engine,
                 "placement": dataclasses.asdict(self.placement)}
         self.proc = subprocess.Popen([sys.executable, "-m", "nanoserve.engine.core", json.dumps(spec)])
         log.info("engine process started (pid %d)", self.proc.pid)

@@ -20,11 +20,10 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
 
 import zmq
 
-from nanoserve.config import EngineConfig
+from nanoserve.config import EngineConfig, import_by_name
 from nanoserve.engine.placement import CpuPlacement, apply_engine_placement
 from nanoserve.engine.protocol import (Abort, Add, Batch, DeltaEncoder, EngineDead, EngineSnapshot, FailAll,
                                        Finish, OutputDelta, Ready, RequestError, SnapshotAsk, SnapshotReply,
@@ -220,7 +219,7 @@ class EngineCore:
 
 
 def serve(config: EngineConfig, ctx: zmq.Context, input_addr: str, output_addr: str, parent_pid: int | None,
-          make_engine: Callable[[EngineConfig], object] | None = None) -> int:
+          make_engine: str | None = None) -> int:
     """Load the model, answer the handshake (Ready or StartFailed), then run the loop until Stop."""
     inp, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     for s in (inp, out):
@@ -232,9 +231,7 @@ def serve(config: EngineConfig, ctx: zmq.Context, input_addr: str, output_addr: 
     try:
         t0 = time.monotonic()
         try:
-            if make_engine is None:
-                from nanoserve.engine.llm_engine import LLMEngine as make_engine
-            engine = make_engine(config)
+            engine = import_by_name(make_engine or "nanoserve.engine.llm_engine:LLMEngine")(config)
         except Exception as e:
             log.error("cannot start the engine: %s", e, exc_info=not isinstance(e, (ValueError, OSError)))
             out.send(encode(StartFailed(str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")))
@@ -270,7 +267,8 @@ def main(argv: list[str]) -> int:
     log.info("CPU placement: %s", placement.describe())
     ctx = zmq.Context()
     try:
-        return serve(EngineConfig(**spec["config"]), ctx, spec["input"], spec["output"], spec["parent_pid"])
+        return serve(EngineConfig(**spec["config"]), ctx, spec["input"], spec["output"], spec["parent_pid"],
+                     spec["make_engine"])
     finally:
         ctx.term()
 

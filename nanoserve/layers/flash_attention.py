@@ -15,13 +15,13 @@ captured in a CUDA graph and replayed with new contents.
 """
 from __future__ import annotations
 
-import importlib
 import logging
 from types import ModuleType
 
 import numpy as np
 import torch
 
+from nanoserve.config import import_by_name
 from nanoserve.layers.attention import AttentionBackend, AttentionBatch
 from nanoserve.layers.staging import Staging
 
@@ -34,11 +34,8 @@ def import_flash_attn(name: str = "flash_attn") -> tuple[ModuleType | None, str 
     """-> (flash_attn, None), or (None, why not); `name` is "module" or "module:attribute". A build
     for another torch or CUDA raises RuntimeError/OSError (or worse) at import, not ImportError:
     any failure means "not available"."""
-    module_name, _, attr = name.partition(":")
     try:
-        flash_attn = importlib.import_module(module_name)
-        if attr:
-            flash_attn = getattr(flash_attn, attr)
+        flash_attn = import_by_name(name)
     except Exception as e:  # noqa: BLE001 - whatever a broken build raises
         if not isinstance(e, ImportError):
             log.warning("flash_attn is installed but does not import (%s: %s): not using it", type(e).__name__, e)
