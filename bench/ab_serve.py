@@ -2,9 +2,11 @@
 `git worktree add /tmp/base <rev>`): both servers up at once, each running its own checkout's code,
 the same flags; a warm-up each, then --runs rounds of bench/serve_bench.py alternating the order,
 fresh prompts per round (seed = round). Reports the median of each metric and the ratio.
-With --sequential only one server is up at a time (started, warmed up and measured per round). For
-the one-request-path change the both-up A/B gave 0.89x output tok/s, while one server at a time
-gave parity; why the two differ has not been measured yet, so run both.
+With --sequential only one server is up at a time (started, warmed up and measured per round).
+Both up, the server started first was the slower one whatever its code (same tree pair, Xeon AMX:
+this/base output tok/s 0.908 with this started first, 1.061 with --base-first; 1.016 sequential),
+so a both-up A/B runs both orders (--base-first) and reads their geometric mean, or uses
+--sequential. Why start order matters there has not been measured.
 
     python bench/ab_serve.py --base /tmp/base --runs 3 --json bench/results/ab_serve.json
 """
@@ -32,6 +34,7 @@ def main() -> int:
     ap.add_argument("--max-concurrency", type=int, default=8)
     ap.add_argument("--server-args", default="--kv-cache-gb 1", help="flags for both servers")
     ap.add_argument("--sequential", action="store_true", help="one server up at a time")
+    ap.add_argument("--base-first", action="store_true", help="both up: start the base server first")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     import serve_bench
@@ -50,7 +53,7 @@ def main() -> int:
 
     try:
         if not args.sequential:
-            for name in checkouts:
+            for name in (("base", "this") if args.base_first else ("this", "base")):
                 up(name)
         for r in range(args.runs):
             for name in (("this", "base") if r % 2 == 0 else ("base", "this")):
