@@ -24,7 +24,7 @@ from nanoserve.sampling_params import InvalidRequest
 from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.render import ChatRender, CompletionRender, Render, sse, stream_chunks
 from nanoserve.server.tools import ToolMode, render_tools_into_messages, template_renders_tools
-from nanoserve.server.protocol import (MAX_LOGPROBS, APIError, ChatCompletionRequest, CompletionRequest,
+from nanoserve.server.protocol import (MAX_LOGPROBS, APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                        DetokenizeRequest, TokenizeRequest, new_id, now, parse, parse_json_body)
 
 log = logging.getLogger("nanoserve.server")
@@ -258,7 +258,8 @@ class Server:
         self.check_model(body.model)
         body.check_stream_options()
         tools = body.tool_mode()
-        prompt = await asyncio.to_thread(self._chat_prompt, body, tools)
+        prompt = await asyncio.to_thread(self._chat_prompt, body.messages, tools, body.add_generation_prompt,
+                                         body.continue_final_message)
         spec = await asyncio.to_thread(body.structured_spec, tools.constraint() if tools else None)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = body.sampling(max_tokens, body.num_logprobs(), self.vocab_size, default_max_tokens=None,
@@ -269,15 +270,16 @@ class Server:
         render = ChatRender(cid, now(), self.model_name, params.n, bool(body.logprobs), self.token_str, tools)
         return await self.respond(request, reqs, render, body)
 
-    def _chat_prompt(self, body: ChatCompletionRequest, tools: ToolMode | None) -> str:
+    def _chat_prompt(self, msgs: list[ChatMessage], tools: ToolMode | None, add_generation_prompt: bool,
+                     continue_final_message: bool = False) -> str:
         """The prompt text: the model's template renders the tools (and tool messages) when it knows
         them; otherwise they are written into the messages (tools.render_tools_into_messages)."""
-        messages = [m.as_template_dict(i) for i, m in enumerate(body.messages)]
+        messages = [m.as_template_dict(i) for i, m in enumerate(msgs)]
         tool_list = tools.tools if tools else None
         if not template_renders_tools(self.llm):
             messages, tool_list = render_tools_into_messages(messages, tool_list), None
         try:
-            return render_chat(self.llm, messages, body.add_generation_prompt, body.continue_final_message, tool_list)
+            return render_chat(self.llm, messages, add_generation_prompt, continue_final_message, tool_list)
         except InvalidRequest as e:
             raise APIError.from_invalid(e)
 
@@ -292,13 +294,8 @@ class Server:
         self.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError("give exactly one of 'prompt' or 'messages'", param="prompt")
-        if body.messages is not None:
-            try:
-                text = await asyncio.to_thread(render_chat, self.llm, [m.as_template_dict(i) for i, m in
-                                                                       enumerate(body.messages)],
-                                               body.add_generation_prompt)
-            except InvalidRequest as e:
-                raise APIError.from_invalid(e)
+        if body.messages is not None:  # the prompt a chat request with these messages gets
+            text = await asyncio.to_thread(self._chat_prompt, body.messages, None, body.add_generation_prompt)
             add_special = False
         else:
             text, add_special = body.prompt, body.add_special_tokens
