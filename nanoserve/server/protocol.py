@@ -342,8 +342,7 @@ class DetokenizeRequest(_Base):
 # `user` or `metadata` are still accepted.
 NOT_IMPLEMENTED = {
     "functions": lambda v: not v, "function_call": lambda v: v in (None, "none"),  # legacy: use tools
-    "prediction": lambda v: v is None, "guided_decoding_backend": lambda v: v is None,
-    "guided_whitespace_pattern": lambda v: v is None,
+    "prediction": lambda v: v is None, "guided_whitespace_pattern": lambda v: v is None,
 }
 
 
