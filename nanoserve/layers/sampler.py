@@ -69,7 +69,7 @@ class Sampler:
 
     @torch.inference_mode()  # penalties and biases edit the runner's (inference) logits in place
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
-                 allowed: tuple[torch.Tensor, torch.Tensor] | None = None) -> SampleResult:
+                 allowed: tuple[list[int], torch.Tensor] | None = None) -> SampleResult:
         """One host sync per step, whatever the batch asks for (logprobs, top-k alternatives).
         `allowed`: (rows, bitmask [rows, ceil(V/32)] int32) of grammar-constrained rows (engine/grammar.py)."""
         logits = logits.float()
@@ -100,7 +100,7 @@ class Sampler:
         return out
 
     def _process(self, logits: torch.Tensor, seqs: list[Sequence],
-                 allowed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 allowed: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
         for i, s in enumerate(seqs):
             p = s.params
             if p.logit_bias:
@@ -115,10 +115,11 @@ class Sampler:
                     logits[i, banned] = float("-inf")
             if p.needs_penalties:
                 apply_penalties(logits[i], s)
-        if allowed is not None:
-            rows, words = (_upload(t, logits.device) for t in allowed)
-            logits[rows] = logits.index_select(0, rows).masked_fill(banned_tokens(words, logits.shape[-1]),
-                                                                     float("-inf"))
+        if allowed is not None:  # in place, row by row: the rows are not copied
+            rows, words = allowed
+            banned = banned_tokens(_upload(words, logits.device), logits.shape[-1])
+            for j, r in enumerate(rows):
+                logits[r].masked_fill_(banned[j], float("-inf"))
         return logits
 
     def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -159,9 +160,9 @@ class Sampler:
 
 def banned_tokens(words: torch.Tensor, vocab: int) -> torch.Tensor:
     """[R, ceil(V/32)] int32 allowed-token bitmask (bit j of word w = token 32w+j) -> [R, V] bool, True
-    where the token is not allowed: one shift-and-compare over the batch (~1 ms at 8 x 49k on CPU)."""
-    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
-    return ((words.unsqueeze(-1) >> shifts) & 1).view(words.shape[0], -1)[:, :vocab] == 0
+    where the token is not allowed: one and-and-compare over the batch (~0.1 ms at 8 x 49k on CPU)."""
+    bits = torch.tensor([1 << k for k in range(31)] + [-(1 << 31)], dtype=torch.int32, device=words.device)
+    return (words.unsqueeze(-1) & bits).view(words.shape[0], -1)[:, :vocab] == 0
 
 
 def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:

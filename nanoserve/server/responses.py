@@ -40,15 +40,18 @@ class CompletionChoice(BaseModel):
     stop_reason: Union[str, int, None] = None
 
 
-class Completion(BaseModel):
-    """A whole response (object "text_completion") or one stream chunk (the same shape)."""
+class _Envelope(BaseModel):
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
     system_fingerprint: str | None = None
+    usage: Usage | None = None
+
+
+class Completion(_Envelope):
+    """A whole response (object "text_completion") or one stream chunk (the same shape)."""
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
 
 
 # ---- /v1/chat/completions ---------------------------------------------------------------------------
@@ -89,22 +92,20 @@ class ChatMessageOut(BaseModel):
     tool_calls: list[ToolCall] = []
 
 
-class ChatChoice(BaseModel):
+class _ChatChoiceBase(BaseModel):
     index: int
-    message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: Union[str, int, None] = None
 
 
-class ChatCompletion(BaseModel):
-    id: str
+class ChatChoice(_ChatChoiceBase):
+    message: ChatMessageOut
+
+
+class ChatCompletion(_Envelope):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    system_fingerprint: str | None = None
     choices: list[ChatChoice]
-    usage: Usage | None = None
 
 
 class ChatDelta(BaseModel):
@@ -118,19 +119,10 @@ class ChatDelta(BaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class ChatChunkChoice(BaseModel):
-    index: int
+class ChatChunkChoice(_ChatChoiceBase):
     delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: Union[str, int, None] = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Envelope):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    system_fingerprint: str | None = None
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
