@@ -7,7 +7,7 @@ from nanoserve.sampling_params import InvalidRequest
 
 
 def render_chat(engine, messages: list[dict], add_generation_prompt: bool = True,
-                continue_final_message: bool = False) -> str:
+                continue_final_message: bool = False, tools: list[dict] | None = None) -> str:
     """`continue_final_message` leaves the last (assistant) message open so the model continues it
     (vLLM / transformers semantics); it excludes `add_generation_prompt`."""
     if not isinstance(messages, list) or not messages:
@@ -20,7 +20,7 @@ def render_chat(engine, messages: list[dict], add_generation_prompt: bool = True
     if template is None and not getattr(tok, "chat_template", None):
         raise InvalidRequest("this model has no chat template; pass --chat-template FILE", param="messages")
     try:
-        return tok.apply_chat_template(messages, chat_template=template, tokenize=False,
+        return tok.apply_chat_template(messages, chat_template=template, tools=tools, tokenize=False,
                                        add_generation_prompt=add_generation_prompt,
                                        continue_final_message=continue_final_message)
     except Exception as e:  # the template's own error says what is wrong with the messages

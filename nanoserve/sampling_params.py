@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from nanoserve.structured import StructuredSpec
+
 # Bounds on list-valued fields: each costs work per generated token (stop strings are searched in
 # the held-back text, logit biases are applied per step), so none may grow without limit.
 MAX_STOP_STRINGS = 32
@@ -34,6 +36,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for every prompt token (computes the whole prompt)
     logit_bias: dict[int, float] = field(default_factory=dict)
     include_stop_str_in_output: bool = False
+    structured: StructuredSpec | None = None  # constrained decoding (JSON schema, regex, choice, grammar)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

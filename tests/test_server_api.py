@@ -347,12 +347,21 @@ HOSTILE = [  # (path, body, status, param): raw bodies are bytes; each must be r
                               "continue_final_message": True}, 400, "continue_final_message"),
     ("/v1/completions", {"prompt": "x" * 3_000_000}, 400, "prompt"),
     ("/tokenize", {"prompt": "x" * 3_000_000}, 400, "prompt"),
-    # not implemented yet: refused, never silently ignored
+    # not implemented: refused, never silently ignored
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "response_format": {"type": "json_object"}}, 400, "response_format"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required",
-                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-    ("/v1/completions", {"prompt": "hi", "guided_regex": "[0-9]+"}, 400, "guided_regex"),
+                              "functions": [{"name": "f", "parameters": {}}]}, 400, "functions"),
+    ("/v1/completions", {"prompt": "hi", "prediction": {"type": "content", "content": "x"}}, 400, "prediction"),
+    # constraints that cannot be compiled or make no sense
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "xml"}}, 400, "response_format"),
+    ("/v1/completions", {"prompt": "hi", "guided_regex": "[0-9"}, 400, "guided_regex"),
+    ("/v1/completions", {"prompt": "hi", "guided_choice": []}, 400, "guided_choice"),
+    ("/v1/completions", {"prompt": "hi", "guided_regex": "[0-9]", "guided_choice": ["a"]}, 400, "guided_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "tool_choice": {"type": "function", "function": {"name": "nope"}},
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"},
+     400, "tool_choice"),
 ]
 
 

@@ -14,6 +14,7 @@ from itertools import count
 import torch
 
 from nanoserve.config import EngineConfig
+from nanoserve.engine.grammar import GrammarMatchers
 from nanoserve.engine.protocol import ModelInfo, PromptRequest, check_prompt_request, make_prompt_request
 from nanoserve.kvcache.host_tier import HostTier, host_memory_available
 from nanoserve.kvcache.manager import KVCacheManager
@@ -85,6 +86,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    inline_loads=self.device.type == "cpu")
         self.sampler = Sampler(config.seed, self.device)
+        self.grammars = GrammarMatchers(self.tokenizer, self.model.vocab_size)  # constrained sequences
         self.eos_token_ids = self._eos_ids()
         # the longest text one token can stand for: a prompt longer than max_model_len times this
         # cannot fit, whatever its tokenization
@@ -189,6 +191,7 @@ class LLMEngine:
         the engine trusts no sender)."""
         check_prompt_request(self.info, preq)
         params, ids = preq.params, preq.prompt_token_ids
+        self.grammars.check(params.structured)  # compiled once per distinct grammar, cached
         seqs = []
         for i in range(params.n):
             gen = (torch.Generator(device=self.device).manual_seed((params.seed + i) & 0xFFFF_FFFF_FFFF_FFFF)
@@ -201,6 +204,7 @@ class LLMEngine:
         if req.request_id in self.requests:
             raise InvalidRequest(f"duplicate request id {req.request_id!r}", param="request_id")
         self.requests[req.request_id] = req
+        self.grammars.add(req.seqs)
         self.stats.prompt_tokens += len(req.prompt_token_ids) * len(req.seqs)
         for seq in req.seqs:
             self.scheduler.add(seq)
@@ -255,7 +259,7 @@ class LLMEngine:
             row += pr.count
         touched: dict[str, Request] = {}
         if samplers:
-            result = self.sampler(logits[:len(samplers)], samplers)
+            result = self.sampler(logits[:len(samplers)], samplers, self.grammars.bitmask(samplers))
             now = time.monotonic()
             for seq, tok, lp in zip(samplers, result.token_ids, result.logprobs):
                 req = self.requests[seq.request_id]
@@ -271,7 +275,9 @@ class LLMEngine:
         if lp is not None:
             seq.output_logprobs.append(lp)
         p = seq.params
-        if tok in p.stop_token_ids:
+        if (grammar_end := self.grammars.accept(seq, tok)) is not None:  # complete (or, a bug, refused)
+            self._finish(seq, grammar_end)
+        elif tok in p.stop_token_ids:
             seq.stop_reason = tok
             self._finish(seq, "stop")
         elif tok in seq.eos_token_ids and not p.ignore_eos:
@@ -282,6 +288,7 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
         self.scheduler.finish(seq)
+        self.grammars.free(seq)
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
 
     def _output(self, req: Request) -> RequestOutput:

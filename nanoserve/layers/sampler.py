@@ -68,14 +68,16 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     @torch.inference_mode()  # penalties and biases edit the runner's (inference) logits in place
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-        """One host sync per step, whatever the batch asks for (logprobs, top-k alternatives)."""
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
+                 allowed: tuple[list[int], torch.Tensor] | None = None) -> SampleResult:
+        """One host sync per step, whatever the batch asks for (logprobs, top-k alternatives).
+        `allowed`: (rows, bitmask [rows, ceil(V/32)] int32) of grammar-constrained rows (engine/grammar.py)."""
         logits = logits.float()
         want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         rows_t = _upload(torch.tensor(want, dtype=torch.long), logits.device) if want else None
         # raw distribution, before _process edits logits in place
         raw = torch.log_softmax(logits.index_select(0, rows_t), dim=-1) if want else None
-        tokens = self._choose(self._process(logits, seqs), seqs)
+        tokens = self._choose(self._process(logits, seqs, allowed), seqs)
         lps: list[TokenLogprob | None] = [None] * len(seqs)
         if raw is None:
             return SampleResult(tokens.tolist(), lps)
@@ -97,20 +99,27 @@ class Sampler:
             out += _logprob_rows(lp, tgt[a:a + PROMPT_LOGPROB_ROWS], [top_n] * lp.shape[0])[0]
         return out
 
-    def _process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _process(self, logits: torch.Tensor, seqs: list[Sequence],
+                 allowed: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
         for i, s in enumerate(seqs):
             p = s.params
             if p.logit_bias:
                 ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long, device=logits.device)
                 logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype,
                                                device=logits.device)
-            if s.num_output_tokens < p.min_tokens:
+            # a grammar allows EOS only where its output is complete: banning it there would leave no token
+            if s.num_output_tokens < p.min_tokens and p.structured is None:
                 banned = [t for t in set(p.stop_token_ids) | (set() if p.ignore_eos else s.eos_token_ids)
                           if t < logits.shape[-1]]
                 if banned:
                     logits[i, banned] = float("-inf")
             if p.needs_penalties:
                 apply_penalties(logits[i], s)
+        if allowed is not None:  # in place, row by row: the rows are not copied
+            rows, words = allowed
+            banned = banned_tokens(_upload(words, logits.device), logits.shape[-1])
+            for j, r in enumerate(rows):
+                logits[r].masked_fill_(banned[j], float("-inf"))
         return logits
 
     def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -147,6 +156,13 @@ class Sampler:
         sampled = (probs / noise).argmax(dim=-1)
         greedy_t = _upload(torch.tensor(greedy), dev)
         return torch.where(greedy_t, logits.max(dim=-1).indices, sampled)
+
+
+def banned_tokens(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[R, ceil(V/32)] int32 allowed-token bitmask (bit j of word w = token 32w+j) -> [R, V] bool, True
+    where the token is not allowed: one and-and-compare over the batch (~0.1 ms at 8 x 49k on CPU)."""
+    bits = torch.tensor([1 << k for k in range(31)] + [-(1 << 31)], dtype=torch.int32, device=words.device)
+    return (words.unsqueeze(-1) & bits).view(words.shape[0], -1)[:, :vocab] == 0
 
 
 def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:

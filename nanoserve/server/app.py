@@ -23,7 +23,8 @@ from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import InvalidRequest
 from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.render import ChatRender, CompletionRender, Render, sse, stream_chunks
-from nanoserve.server.protocol import (MAX_LOGPROBS, APIError, ChatCompletionRequest, CompletionRequest,
+from nanoserve.server.tools import ToolMode, render_tools_into_messages, template_renders_tools
+from nanoserve.server.protocol import (MAX_LOGPROBS, APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                        DetokenizeRequest, TokenizeRequest, new_id, now, parse, parse_json_body)
 
 log = logging.getLogger("nanoserve.server")
@@ -210,7 +211,7 @@ class Server:
             return Response(status_code=499)
         except Exception as e:
             raise _engine_error(e)
-        return render.response(finals)
+        return Response(render.response(finals).model_dump_json(), media_type="application/json")
 
     async def _stream(self, reqs: list, render: Render, body):
         fan = _Fanin(self.engine, reqs)
@@ -236,7 +237,8 @@ class Server:
         if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
             raise APIError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {body.logprobs}", param="logprobs")
         prompts = body.prompts()
-        params = body.sampling(body.max_tokens, body.logprobs, self.vocab_size, default_max_tokens=16)
+        params = body.sampling(body.max_tokens, body.logprobs, self.vocab_size, default_max_tokens=16,
+                               structured=await asyncio.to_thread(body.structured_spec))
         if body.echo and body.logprobs is not None:
             params.prompt_logprobs = body.logprobs
         cid = new_id("cmpl")
@@ -255,19 +257,31 @@ class Server:
         body = parse(ChatCompletionRequest, await self.read_json(request))
         self.check_model(body.model)
         body.check_stream_options()
-        messages = [m.as_template_dict(i) for i, m in enumerate(body.messages)]
-        try:
-            prompt = await asyncio.to_thread(render_chat, self.llm, messages, body.add_generation_prompt,
-                                             body.continue_final_message)
-        except InvalidRequest as e:
-            raise APIError.from_invalid(e)
+        tools = body.tool_mode()
+        prompt = await asyncio.to_thread(self._chat_prompt, body.messages, tools, body.add_generation_prompt,
+                                         body.continue_final_message)
+        spec = await asyncio.to_thread(body.structured_spec, tools.constraint() if tools else None)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = body.sampling(max_tokens, body.num_logprobs(), self.vocab_size, default_max_tokens=None)
+        params = body.sampling(max_tokens, body.num_logprobs(), self.vocab_size, default_max_tokens=None,
+                               structured=spec)
         cid = new_id("chatcmpl")
         reqs = await asyncio.to_thread(self.make_requests, cid, [prompt], params, False)
         self.check_capacity(1)
-        render = ChatRender(cid, now(), self.model_name, params.n, bool(body.logprobs), self.token_str)
+        render = ChatRender(cid, now(), self.model_name, params.n, bool(body.logprobs), self.token_str, tools)
         return await self.respond(request, reqs, render, body)
+
+    def _chat_prompt(self, msgs: list[ChatMessage], tools: ToolMode | None, add_generation_prompt: bool,
+                     continue_final_message: bool = False) -> str:
+        """The prompt text: the model's template renders the tools (and tool messages) when it knows
+        them; otherwise they are written into the messages (tools.render_tools_into_messages)."""
+        messages = [m.as_template_dict(i) for i, m in enumerate(msgs)]
+        tool_list = tools.tools if tools else None
+        if not template_renders_tools(self.llm):
+            messages, tool_list = render_tools_into_messages(messages, tool_list), None
+        try:
+            return render_chat(self.llm, messages, add_generation_prompt, continue_final_message, tool_list)
+        except InvalidRequest as e:
+            raise APIError.from_invalid(e)
 
     # ---- the rest -----------------------------------------------------------------------------
     def model_card(self) -> dict:
@@ -280,13 +294,8 @@ class Server:
         self.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError("give exactly one of 'prompt' or 'messages'", param="prompt")
-        if body.messages is not None:
-            try:
-                text = await asyncio.to_thread(render_chat, self.llm, [m.as_template_dict(i) for i, m in
-                                                                       enumerate(body.messages)],
-                                               body.add_generation_prompt)
-            except InvalidRequest as e:
-                raise APIError.from_invalid(e)
+        if body.messages is not None:  # the prompt a chat request with these messages gets
+            text = await asyncio.to_thread(self._chat_prompt, body.messages, None, body.add_generation_prompt)
             add_special = False
         else:
             text, add_special = body.prompt, body.add_special_tokens

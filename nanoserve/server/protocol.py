@@ -1,17 +1,22 @@
-"""OpenAI request bodies (pydantic), the error object, and the conversion to SamplingParams.
+"""OpenAI request bodies (pydantic), the error object, and the conversion to SamplingParams (with the
+structured-output constraint a request asks for: response_format, vLLM's guided_* / structured_outputs,
+or a tool_choice).
 
-Unknown fields are accepted and ignored (`extra="ignore"`); every validation failure becomes an
-HTTP 400 OpenAI error object naming the parameter (never FastAPI's 422)."""
+Unknown fields are accepted and ignored (`extra="ignore"`), except those that would change what the
+client gets back and that nanoserve does not implement (NOT_IMPLEMENTED: refused); every validation
+failure becomes an HTTP 400 OpenAI error object naming the parameter (never FastAPI's 422)."""
 from __future__ import annotations
 
 import json
 import time
 import uuid
-from typing import Any, Union
+from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from nanoserve.sampling_params import InvalidRequest, SamplingParams
+from nanoserve.server.tools import ToolMode
+from nanoserve.structured import StructuredSpec, json_spec
 
 MAX_LOGPROBS = 20
 
@@ -55,6 +60,27 @@ class StreamOptions(_Base):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(_Base):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Base):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Base):
+    """vLLM's `structured_outputs` object: exactly one of these."""
+    json_: Any = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _SamplingFields(_Base):
     model: str | None = None
     max_tokens: StrictInt | None = None
@@ -76,13 +102,58 @@ class _SamplingFields(_Base):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     include_stop_str_in_output: bool = False
+    response_format: ResponseFormat | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+    def structured_spec(self, extra: StructuredSpec | None = None) -> StructuredSpec | None:
+        """The one output constraint this request asks for (`extra`: the tool_choice's), validated (a
+        400 naming the field), or None."""
+        try:
+            found = self._constraints() + ([extra] if extra else [])
+            if len(found) > 1:
+                raise APIError(f"'{found[1].param}' cannot be combined with '{found[0].param}': give one output "
+                               "constraint", param=found[1].param)
+            if found:
+                found[0].validate()
+        except InvalidRequest as e:
+            raise APIError.from_invalid(e)
+        return found[0] if found else None
+
+    def _constraints(self) -> list[StructuredSpec]:
+        found: list[StructuredSpec] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(json_spec({"type": "object"}, "response_format"))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise APIError("response_format.json_schema.schema is required for type json_schema",
+                               param="response_format")
+            found.append(json_spec(rf.json_schema.schema_, "response_format"))
+        so = self.structured_outputs
+        for param, kind, value in (
+                ("guided_json", "json", self.guided_json), ("guided_regex", "regex", self.guided_regex),
+                ("guided_choice", "choice", self.guided_choice), ("guided_grammar", "grammar", self.guided_grammar),
+                ("structured_outputs", "json", so and so.json_), ("structured_outputs", "regex", so and so.regex),
+                ("structured_outputs", "choice", so and so.choice), ("structured_outputs", "grammar", so and so.grammar),
+                ("structured_outputs", "json", {"type": "object"} if so and so.json_object else None)):
+            if value is None:
+                continue
+            if kind == "json":
+                found.append(json_spec(value, param))
+            else:
+                found.append(StructuredSpec(kind, json.dumps(value) if kind == "choice" else value, param))
+        return found
 
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed when stream is true", param="stream_options")
 
     def sampling(self, max_tokens: int | None, logprobs: int | None, vocab_size: int,
-                 default_max_tokens: int | None) -> SamplingParams:
+                 default_max_tokens: int | None, structured: StructuredSpec | None = None) -> SamplingParams:
         bias: dict[int, float] = {}
         for k, v in (self.logit_bias or {}).items():
             try:
@@ -109,7 +180,7 @@ class _SamplingFields(_Base):
             n=self.n, max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
             min_tokens=self.min_tokens, seed=self.seed, stop=self.stop or [],
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, logprobs=logprobs,
-            logit_bias=bias, include_stop_str_in_output=self.include_stop_str_in_output)
+            logit_bias=bias, include_stop_str_in_output=self.include_stop_str_in_output, structured=structured)
         for name, default in (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0),
                               ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
                               ("repetition_penalty", 1.0)):
@@ -147,10 +218,23 @@ class TextPart(_Base):
     text: str | None = None
 
 
+class FunctionIn(_Base):
+    name: str
+    arguments: str | dict = "{}"
+
+
+class ToolCallIn(_Base):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionIn
+
+
 class ChatMessage(_Base):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None             # a tool result answers this call
 
     def as_template_dict(self, i: int) -> dict:
         c = self.content
@@ -165,7 +249,40 @@ class ChatMessage(_Base):
         d = {"role": self.role, "content": c if c is not None else ""}
         if self.name:
             d["name"] = self.name
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:  # templates expect arguments as an object (they serialize it themselves)
+            d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments, i)}} for c in self.tool_calls]
         return d
+
+
+def _arguments(args: str | dict, i: int) -> dict:
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            args = None
+    if not isinstance(args, dict):
+        raise APIError(f"messages[{i}].tool_calls: arguments must be a JSON object", param="messages")
+    return args
+
+
+class FunctionDef(_Base):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Base):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedToolChoice(_Base):
+    type: Literal["function"]
+    function: FunctionIn  # its name
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -175,6 +292,24 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: StrictInt | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    def tool_mode(self) -> ToolMode | None:
+        """How the output relates to the tools (None: no tools, or tool_choice "none")."""
+        choice = self.tool_choice if self.tool_choice is not None else "auto" if self.tools else "none"
+        if choice == "none":
+            return None
+        if not self.tools:
+            raise APIError("tool_choice needs a non-empty 'tools' list", param="tool_choice")
+        tools = [t.model_dump(exclude_none=True) for t in self.tools]
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in {t.function.name for t in self.tools}:
+                raise APIError(f"tool_choice names the function {choice.function.name!r}, which is not in 'tools'",
+                               param="tool_choice")
+            return ToolMode(tools, "named", choice.function.name, self.parallel_tool_calls)
+        return ToolMode(tools, choice, None, self.parallel_tool_calls)
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None:
@@ -201,16 +336,13 @@ class DetokenizeRequest(_Base):
     tokens: list[StrictInt]
 
 
-# Fields that change what the client gets back and that nanoserve does not implement yet: refused
+# Fields that change what the client gets back and that nanoserve does not implement: refused
 # with a 400 naming the field instead of being ignored (the client would get unconstrained text and
 # think it was constrained). Each maps to what its harmless value looks like; harmless extras such as
 # `user` or `metadata` are still accepted.
 NOT_IMPLEMENTED = {
-    "response_format": lambda v: v is None or v == {"type": "text"},
-    "tools": lambda v: not v, "functions": lambda v: not v,
-    "tool_choice": lambda v: v in (None, "none"), "function_call": lambda v: v in (None, "none"),
-    **{name: (lambda v: v is None) for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                                                 "structured_outputs", "prediction")},
+    "functions": lambda v: not v, "function_call": lambda v: v in (None, "none"),  # legacy: use tools
+    "prediction": lambda v: v is None, "guided_whitespace_pattern": lambda v: v is None,
 }
 
 
@@ -220,8 +352,7 @@ def parse(model_cls: type[BaseModel], obj: Any) -> Any:
     if issubclass(model_cls, _SamplingFields):
         for name, harmless in NOT_IMPLEMENTED.items():
             if name in obj and not harmless(obj[name]):
-                raise APIError(f"'{name}' is not supported by this server yet (structured outputs and tool calls "
-                               "are not implemented); the request was not run", param=name,
+                raise APIError(f"'{name}' is not supported by this server; the request was not run", param=name,
                                code="unsupported_parameter")
     try:
         return model_cls.model_validate(obj)

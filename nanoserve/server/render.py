@@ -1,27 +1,36 @@
-"""Engine outputs -> OpenAI response bodies: one streaming loop for both endpoints, each endpoint
-supplying only how a choice, its logprobs and the envelope look (`CompletionRender`, `ChatRender`)."""
+"""Engine outputs -> OpenAI response bodies (typed: server/responses.py): one streaming loop for both
+endpoints, each endpoint supplying only how a choice, its logprobs and the envelope look
+(`CompletionRender`, `ChatRender`). With tools, the chat renderer holds back text that may be a tool
+call and sends the calls whole (`delta.tool_calls`) when the choice ends."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
+from pydantic import BaseModel
+
 from nanoserve.outputs import CompletionOutput, RequestOutput
 from nanoserve.sequence import TokenLogprob
+from nanoserve.server.responses import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta,
+                                        ChatLogprob, ChatLogprobs, ChatMessageOut, Completion, CompletionChoice,
+                                        CompletionLogprobs, DeltaToolCall, PromptTokensDetails, TopLogprob, Usage)
+from nanoserve.server.tools import ToolMode
 
 
-def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+def sse(obj: BaseModel | dict) -> str:
+    data = obj.model_dump(mode="json") if isinstance(obj, BaseModel) else obj
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"  # the same text as before typed chunks
 
 
-def usage(finals: list[RequestOutput]) -> dict:
+def usage(finals: list[RequestOutput]) -> Usage:
     prompt = sum(len(o.prompt_token_ids) for o in finals)
     completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {
-                "cached_tokens": sum(o.num_cached_tokens for o in finals),
-                "device_cached_tokens": sum(o.num_device_cached_tokens for o in finals),
-                "host_cached_tokens": sum(o.num_host_cached_tokens for o in finals)}}
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(
+                     cached_tokens=sum(o.num_cached_tokens for o in finals),
+                     device_cached_tokens=sum(o.num_device_cached_tokens for o in finals),
+                     host_cached_tokens=sum(o.num_host_cached_tokens for o in finals)))
 
 
 @dataclass
@@ -33,39 +42,44 @@ class Render:
     n: int                                  # choices per prompt
     logprobs: bool                          # the client asked for logprobs
     token_str: Callable[[int], str]
-    object: str = ""                        # "text_completion" | "chat.completion" (+ ".chunk")
-    envelope_extra: dict = field(default_factory=dict)
 
-    def envelope(self, choices: list[dict], streaming: bool) -> dict:
-        obj = "chat.completion.chunk" if streaming and self.object == "chat.completion" else self.object
-        return {"id": self.cid, "object": obj, "created": self.created, "model": self.model,
-                **self.envelope_extra, "choices": choices}
+    def head(self) -> dict[str, Any]:
+        return {"id": self.cid, "created": self.created, "model": self.model}
 
-    def opening(self, idx: int, out: RequestOutput) -> tuple[dict | None, str]:
+    def chunk(self, choices: list, usage: Usage | None = None) -> BaseModel: ...
+
+    def opening(self, idx: int, out: RequestOutput) -> tuple[BaseModel | None, str]:
         """When choice `idx` first streams: a choice sent as its own chunk first, and a text prefix."""
         return None, ""
 
-    def render_logprobs(self, lps: list[TokenLogprob], prompt: RequestOutput | None) -> dict: ...
+    def render_logprobs(self, lps: list[TokenLogprob], prompt: RequestOutput | None) -> BaseModel: ...
 
-    def delta(self, idx: int, text: str, lp: dict | None, c: CompletionOutput) -> dict: ...
+    def delta(self, idx: int, text: str, lp: BaseModel | None, c: CompletionOutput) -> BaseModel | None:
+        """The streamed choice for this new text (None: nothing to send yet)."""
 
-    def final(self, idx: int, out: RequestOutput, c: CompletionOutput) -> dict: ...
+    def final(self, idx: int, out: RequestOutput, c: CompletionOutput) -> BaseModel: ...
 
-    def response(self, finals: list[RequestOutput]) -> dict:
-        choices = [self.final(pi * self.n + c.index, out, c) for pi, out in enumerate(finals) for c in out.outputs]
-        return {**self.envelope(choices, False), "usage": usage(finals), "system_fingerprint": None}
+    def response(self, finals: list[RequestOutput]) -> BaseModel: ...
+
+    def _choices(self, finals: list[RequestOutput]) -> list:
+        return [self.final(pi * self.n + c.index, out, c) for pi, out in enumerate(finals) for c in out.outputs]
 
 
 @dataclass
 class CompletionRender(Render):
     echo: bool = False
     prompt_text: Callable[[RequestOutput], str] = lambda out: ""
-    object: str = "text_completion"
 
-    def opening(self, idx: int, out: RequestOutput) -> tuple[dict | None, str]:
+    def chunk(self, choices: list, usage: Usage | None = None) -> Completion:
+        return Completion(**self.head(), choices=choices, usage=usage)
+
+    def response(self, finals: list[RequestOutput]) -> Completion:
+        return Completion(**self.head(), choices=self._choices(finals), usage=usage(finals))
+
+    def opening(self, idx: int, out: RequestOutput) -> tuple[BaseModel | None, str]:
         return None, self.prompt_text(out) if self.echo else ""
 
-    def render_logprobs(self, lps: list[TokenLogprob], prompt: RequestOutput | None) -> dict:
+    def render_logprobs(self, lps: list[TokenLogprob], prompt: RequestOutput | None) -> CompletionLogprobs:
         """OpenAI `logprobs` of a completion choice; with `prompt` (echo) the prompt tokens come first,
         the first of them with null logprobs as nothing precedes it."""
         tokens, token_lps, tops, offsets = [], [], [], []
@@ -86,13 +100,13 @@ class CompletionRender(Render):
             tops.append(top)
             offsets.append(off)
             off += len(s)
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+        return CompletionLogprobs(tokens=tokens, token_logprobs=token_lps, top_logprobs=tops, text_offset=offsets)
 
-    def delta(self, idx: int, text: str, lp: dict | None, c: CompletionOutput) -> dict:
-        return {"index": idx, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason}
+    def delta(self, idx: int, text: str, lp: BaseModel | None, c: CompletionOutput) -> CompletionChoice:
+        return CompletionChoice(index=idx, text=text, logprobs=lp, finish_reason=c.finish_reason,
+                                stop_reason=c.stop_reason)
 
-    def final(self, idx: int, out: RequestOutput, c: CompletionOutput) -> dict:
+    def final(self, idx: int, out: RequestOutput, c: CompletionOutput) -> CompletionChoice:
         prefix = self.opening(idx, out)[1]
         lp = self.render_logprobs(c.logprobs or [], out if self.echo else None) if self.logprobs else None
         return self.delta(idx, prefix + c.text, lp, c)
@@ -100,31 +114,58 @@ class CompletionRender(Render):
 
 @dataclass
 class ChatRender(Render):
-    object: str = "chat.completion"
-    envelope_extra: dict = field(default_factory=lambda: {"system_fingerprint": None})
+    tools: ToolMode | None = None
+    held: dict[int, str] = field(default_factory=dict)  # streamed choice -> text held back (a possible call)
+    started: set[int] = field(default_factory=set)      # streamed choices that sent content already
 
-    def opening(self, idx: int, out: RequestOutput) -> tuple[dict | None, str]:
+    def chunk(self, choices: list, usage: Usage | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(**self.head(), choices=choices, usage=usage)
+
+    def response(self, finals: list[RequestOutput]) -> ChatCompletion:
+        return ChatCompletion(**self.head(), choices=self._choices(finals), usage=usage(finals))
+
+    def opening(self, idx: int, out: RequestOutput) -> tuple[BaseModel | None, str]:
         # the role chunk, sent when the choice's first token is ready
-        return {"index": idx, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                "finish_reason": None}, ""
+        return ChatChunkChoice(index=idx, delta=ChatDelta(role="assistant", content="")), ""
 
     def _entry(self, tid: int, logprob: float) -> dict:
         s = self.token_str(tid)
         return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
 
-    def render_logprobs(self, lps: list[TokenLogprob], prompt: RequestOutput | None) -> dict:
-        return {"content": [dict(self._entry(lp.token_id, lp.logprob),
-                                 top_logprobs=[self._entry(t, l) for t, l in lp.top]) for lp in lps],
-                "refusal": None}
+    def render_logprobs(self, lps: list[TokenLogprob], prompt: RequestOutput | None) -> ChatLogprobs:
+        return ChatLogprobs(content=[ChatLogprob(**self._entry(lp.token_id, lp.logprob),
+                                                 top_logprobs=[TopLogprob(**self._entry(t, l)) for t, l in lp.top])
+                                     for lp in lps])
 
-    def delta(self, idx: int, text: str, lp: dict | None, c: CompletionOutput) -> dict:
-        return {"index": idx, "delta": {"content": text} if text else {}, "logprobs": lp,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+    def _outcome(self, text: str, c: CompletionOutput):
+        """(content, tool calls, finish reason) of a finished choice's text."""
+        content, calls = (self.tools.extract(text) if self.tools is not None and c.finish_reason == "stop"
+                          else (text, []))
+        return content, calls, "tool_calls" if calls else c.finish_reason
 
-    def final(self, idx: int, out: RequestOutput, c: CompletionOutput) -> dict:
-        return {"index": idx, "message": {"role": "assistant", "content": c.text, "refusal": None},
-                "logprobs": self.render_logprobs(c.logprobs or [], None) if self.logprobs else None,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+    def delta(self, idx: int, text: str, lp: BaseModel | None, c: CompletionOutput) -> ChatChunkChoice | None:
+        if self.tools is not None:
+            held = self.held.pop(idx, "") + text
+            if c.finish_reason is None:
+                k = self.tools.streamable(held, idx in self.started)
+                text, self.held[idx] = held[:k], held[k:]
+                if text.strip():
+                    self.started.add(idx)
+                if not text and lp is None:
+                    return None
+            else:
+                content, calls, reason = self._outcome(held, c)
+                tcs = [DeltaToolCall(index=k, **call.model_dump()) for k, call in enumerate(calls)]
+                return ChatChunkChoice(index=idx, delta=ChatDelta(content=content or None, tool_calls=tcs or None),
+                                       logprobs=lp, finish_reason=reason, stop_reason=c.stop_reason)
+        return ChatChunkChoice(index=idx, delta=ChatDelta(content=text or None), logprobs=lp,
+                               finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+
+    def final(self, idx: int, out: RequestOutput, c: CompletionOutput) -> ChatChoice:
+        content, calls, reason = self._outcome(c.text, c)
+        return ChatChoice(index=idx, message=ChatMessageOut(content=content, tool_calls=calls),
+                          logprobs=self.render_logprobs(c.logprobs or [], None) if self.logprobs else None,
+                          finish_reason=reason, stop_reason=c.stop_reason)
 
 
 async def stream_chunks(outputs: AsyncIterator[tuple[int, RequestOutput]], num_prompts: int, render: Render,
@@ -135,11 +176,8 @@ async def stream_chunks(outputs: AsyncIterator[tuple[int, RequestOutput]], num_p
     done: set[int] = set()
     finals: list[RequestOutput | None] = [None] * num_prompts  # the latest output of each prompt
 
-    def chunk(choices: list[dict]) -> str:
-        obj = render.envelope(choices, True)
-        if continuous_usage:
-            obj["usage"] = usage([f for f in finals if f is not None])
-        return sse(obj)
+    def chunk(choices: list) -> str:
+        return sse(render.chunk(choices, usage([f for f in finals if f is not None]) if continuous_usage else None))
 
     async for pi, out in outputs:
         finals[pi] = out
@@ -165,10 +203,11 @@ async def stream_chunks(outputs: AsyncIterator[tuple[int, RequestOutput]], num_p
                 lp = render.render_logprobs((c.logprobs or [])[state[1]:ntok], out if prefix else None)
                 state[1] = ntok
             state[0] = max(state[0], len(new))
-            choices.append(render.delta(idx, prefix + delta, lp, c))
+            if (choice := render.delta(idx, prefix + delta, lp, c)) is not None:
+                choices.append(choice)
             if c.finish_reason is not None:
                 done.add(idx)
         if choices:
             yield chunk(choices)
     if include_usage:
-        yield sse({**render.envelope([], True), "usage": usage([f for f in finals if f is not None])})
+        yield sse(render.chunk([], usage([f for f in finals if f is not None])))

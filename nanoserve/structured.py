@@ -1,0 +1,71 @@
+"""Structured-output constraints as they travel with a request: a small serialisable spec (what the
+client asked for, as text), its translation into an llguidance grammar, and its validation.
+
+The spec, not a compiled grammar, crosses the API -> engine boundary: a compiled matcher is a native
+object that cannot be sent over zmq. The API side validates the grammar (no tokenizer needed, ~0.5 ms
+for a realistic schema) so that a bad schema is an HTTP 400 before any stream starts; the engine
+compiles each distinct grammar once (engine/grammar.py). (SamplingParams holds a spec, so this module
+imports InvalidRequest lazily.)"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+KINDS = ("json", "regex", "choice", "grammar")
+MAX_SPEC_CHARS = 256 << 10  # a grammar is compiled and matched per token: bounded like other lists
+
+
+@dataclass(frozen=True)
+class StructuredSpec:
+    """`kind` "json": `value` is a JSON schema (JSON text); "regex": a regular expression; "choice": a
+    JSON list of strings; "grammar": a Lark grammar (llguidance's syntax, as vLLM's guided_grammar).
+    `param` is the request field it came from (named in errors)."""
+    kind: str
+    value: str
+    param: str = "response_format"
+
+    def grammar(self) -> str:
+        """The llguidance grammar (a string) for this spec. Raises InvalidRequest naming `param`."""
+        from llguidance import LLMatcher
+        try:
+            if self.kind == "json":
+                # flexible whitespace would let a small model pad forever; compact JSON as OpenAI emits it
+                return LLMatcher.grammar_from_json_schema(self.value, defaults={"whitespace_flexible": False})
+            if self.kind == "regex":
+                return LLMatcher.grammar_from_regex(self.value)
+            if self.kind == "grammar":
+                return LLMatcher.grammar_from_lark(self.value)
+            if self.kind == "choice":
+                choices = json.loads(self.value)
+                if not (isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices)):
+                    raise ValueError("must be a non-empty list of strings")
+                return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+        except (ValueError, TypeError) as e:
+            raise _invalid(f"{self.param}: invalid {self.kind} constraint: {e}", self.param) from e
+        raise _invalid(f"{self.param}: unknown constraint kind {self.kind!r}", self.param)
+
+    def validate(self) -> None:
+        """Raises InvalidRequest naming `param` if the grammar cannot be compiled."""
+        if len(self.value) > MAX_SPEC_CHARS:
+            raise _invalid(f"{self.param}: the constraint is longer than {MAX_SPEC_CHARS} characters", self.param)
+        from llguidance import LLMatcher
+        err = LLMatcher.validate_grammar(self.grammar())
+        if err:
+            raise _invalid(f"{self.param}: the {self.kind} constraint cannot be compiled: {err}", self.param)
+
+
+def json_spec(schema: object, param: str) -> StructuredSpec:
+    """A JSON-schema spec from a schema given as an object (or JSON text)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise _invalid(f"{param}: the schema is not valid JSON: {e}", param) from e
+    if not isinstance(schema, (dict, bool)):
+        raise _invalid(f"{param}: a JSON schema must be an object", param)
+    return StructuredSpec("json", json.dumps(schema, sort_keys=True), param)
+
+
+def _invalid(message: str, param: str) -> Exception:
+    from nanoserve.sampling_params import InvalidRequest
+    return InvalidRequest(message, param=param)
