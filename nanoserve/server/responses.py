@@ -32,12 +32,15 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
-class CompletionChoice(BaseModel):
+class _Choice(BaseModel):
     index: int
+    finish_reason: str | None = None
+    stop_reason: Union[str, int, None] = None   # vLLM's: the stop string or token that ended it
+
+
+class CompletionChoice(_Choice):
     text: str
     logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: Union[str, int, None] = None
 
 
 class _Envelope(BaseModel):
@@ -92,11 +95,8 @@ class ChatMessageOut(BaseModel):
     tool_calls: list[ToolCall] = []
 
 
-class _ChatChoiceBase(BaseModel):
-    index: int
+class _ChatChoiceBase(_Choice):
     logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: Union[str, int, None] = None
 
 
 class ChatChoice(_ChatChoiceBase):
