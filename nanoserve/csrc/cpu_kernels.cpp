@@ -11,6 +11,8 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+#include <map>
+#include <string>
 
 // rows of K or V to fp32: bf16 is the high half of an fp32, a shift the compiler vectorizes
 static inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
@@ -341,6 +343,26 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor cache, int64_t lay
 // AVX2/AVX-512 kernels, or ATen's gemm where oneDNN has none).
 constexpr int64_t KT = 64;  // keys per tile (oneDNN's AMX packing takes at most 64 columns)
 
+// Per-phase time of the prefill kernel, summed over threads: only in the build that
+// bench/attention_phases.py makes with -DNS_PHASE_TIMES (a clock read per phase per tile).
+#if defined(NS_PHASE_TIMES)
+#include <chrono>
+enum Phase { kPack, kQload, kQK, kSoftmax, kPV, kStore, kPhases };
+static std::atomic<int64_t> phase_ns[kPhases];
+struct PhaseClock {
+  std::chrono::steady_clock::time_point t = std::chrono::steady_clock::now();
+  void lap(Phase p) {
+    const auto now = std::chrono::steady_clock::now();
+    phase_ns[p] += std::chrono::duration_cast<std::chrono::nanoseconds>(now - t).count();
+    t = now;
+  }
+};
+#define NS_LAP(clock, phase) clock.lap(phase)
+#else
+struct PhaseClock {};
+#define NS_LAP(clock, phase) (void)clock
+#endif
+
 // exp for x <= 0 (fp32, ~1 ulp): 2^n * e^r with |r| <= ln2/2, degree-6 Taylor
 static inline float exp_neg(float x) {
   x = std::max(x, -87.f);
@@ -369,10 +391,11 @@ template <typename C, typename T> static inline C as(T x) { return static_cast<C
 template <> inline c10::BFloat16 as<c10::BFloat16, c10::BFloat16>(c10::BFloat16 x) { return x; }
 template <> inline float as<float, float>(float x) { return x; }
 
-// One row of scores s[KT] (unscaled) -> probabilities p[KT] in C, for keys [0, valid) of the tile;
-// updates the row's running max and sum, returns the factor its accumulator must be scaled by.
+// One row of scores s[n] (unscaled; n a multiple of 16) -> probabilities p[n] in C, for keys
+// [0, valid) (the rest 0); updates the row's running max and sum, returns the factor its accumulator
+// must be scaled by.
 template <typename C>
-static inline float softmax_row(float* s, C* p, int64_t valid, float scale, float& mx, float& sum) {
+static inline float softmax_row(const float* s, C* p, int64_t n, int64_t valid, float scale, float& mx, float& sum) {
   float rmax = mx;
   float rsum = 0.f;
   int64_t t = 0;
@@ -383,21 +406,26 @@ static inline float softmax_row(float* s, C* p, int64_t valid, float scale, floa
       return t >= valid ? 0 : t + 16 <= valid ? 0xFFFF : (1u << (valid - t)) - 1;
     };
     __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t u = 0; u < KT; u += 16) vmax = _mm512_mask_max_ps(vmax, live(u), vmax, _mm512_loadu_ps(s + u));
+    for (int64_t u = 0; u < valid; u += 16) vmax = _mm512_mask_max_ps(vmax, live(u), vmax, _mm512_loadu_ps(s + u));
     rmax = std::max(rmax, _mm512_reduce_max_ps(vmax) * scale);  // scale > 0
     const __m512 sc = _mm512_set1_ps(scale), mneg = _mm512_set1_ps(-rmax);
     __m512 acc = _mm512_setzero_ps();
-    for (; t < KT; t += 16) {
+    for (; t < n; t += 16) {
       const __m512 e = _mm512_maskz_mov_ps(live(t), exp_neg16(_mm512_fmadd_ps(_mm512_loadu_ps(s + t), sc, mneg)));
       acc = _mm512_add_ps(acc, e);
-      store16(p + t, e);
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<C, c10::BFloat16>)  // one instruction, nearest-even (e is never NaN)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
+      else
+#endif
+        store16(p + t, e);
     }
     rsum = _mm512_reduce_add_ps(acc);
   }
 #endif
-  if (t < KT)
+  if (t < n)
     for (int64_t u = 0; u < valid; ++u) rmax = std::max(rmax, s[u] * scale);
-  for (; t < KT; ++t) {
+  for (; t < n; ++t) {
     const float e = t < valid ? exp_neg(s[t] * scale - rmax) : 0.f;
     rsum += e;
     p[t] = as<C>(e);
@@ -408,45 +436,53 @@ static inline float softmax_row(float* s, C* p, int64_t valid, float scale, floa
   return alpha;
 }
 
-// T: storage dtype; C: GEMM input dtype (T itself with AMX packing, else float)
+// T: storage dtype; C: GEMM input dtype (T itself with AMX packing, else float).
+// Keys go in tiles of KS: one softmax pass per row and one PV GEMM per tile (K = the tile's keys:
+// with AMX a longer accumulation per C tile load/store), QK^T in KT-key GEMMs (the packing limit).
+constexpr int64_t KS = 4 * KT;
 template <typename T, typename C>
 static void prefill(const T* q, T* out, const T* kv, int64_t h, int64_t kh, int64_t bs, int64_t d,
                     int64_t block_stride, int64_t layer_off, const int64_t* tab, int64_t max_blocks,
                     const int64_t* start, const int64_t* len, const int64_t* ctx, int64_t seqs, float scale) {
   constexpr bool amx = !std::is_same_v<C, float>;
   constexpr auto dt = c10::CppTypeToScalarType<C>::value;
-  const int64_t g = h / kh, qt = std::max<int64_t>(1, 128 / g), v_off = kh * bs * d, tile = KT * d;
-  // phase 1: pack. tile0[s]: index of sequence s's first tile; its head hk's tiles follow at hk * ntiles
+  const int64_t g = h / kh, qt = std::max<int64_t>(1, 128 / g), v_off = kh * bs * d, tile = KS * d;
+  // phase 1: pack. tile0[s]: index of sequence s's first tile; its head hk's tiles follow at hk * ntiles.
+  // A tile: K^T as KS / KT blocks [d, KT] (each VNNI-packed with AMX), then V [KS, d] (packed per 64 columns)
   std::vector<int64_t> tile0(seqs + 1, 0);
-  for (int64_t s = 0; s < seqs; ++s) tile0[s + 1] = tile0[s] + kh * ((ctx[s] + KT - 1) / KT);
+  for (int64_t s = 0; s < seqs; ++s) tile0[s + 1] = tile0[s] + kh * ((ctx[s] + KS - 1) / KS);
   const torch::Tensor kbuf = torch::empty({tile0[seqs], tile}, torch::dtype(dt));
   const torch::Tensor vbuf = torch::empty({tile0[seqs], tile}, torch::dtype(dt));
   C* kp = kbuf.data_ptr<C>();
   C* vp = vbuf.data_ptr<C>();
   at::parallel_for(0, tile0[seqs], 1, [&](int64_t begin, int64_t end) {
+    PhaseClock clock;
     std::vector<C> kt(tile), vt(tile);
     int64_t s = 0;
     for (int64_t i = begin; i < end; ++i) {
       while (tile0[s + 1] <= i) ++s;
-      const int64_t nt = (ctx[s] + KT - 1) / KT, hk = (i - tile0[s]) / nt, k0 = (i - tile0[s]) % nt * KT;
-      const int64_t cnt = std::min(KT, ctx[s] - k0);
-      C* kd = amx ? kt.data() : kp + i * tile;  // K^T [d, KT] and V [KT, d], zero past the end
+      const int64_t nt = (ctx[s] + KS - 1) / KS, hk = (i - tile0[s]) / nt, k0 = (i - tile0[s]) % nt * KS;
+      const int64_t cnt = std::min(KS, ctx[s] - k0);
+      C* kd = amx ? kt.data() : kp + i * tile;  // K^T blocks and V [KS, d], zero past the end
       C* vd = amx ? vt.data() : vp + i * tile;
-      for (int64_t t = 0; t < KT; ++t) {
+      for (int64_t t = 0; t < KS; ++t) {
+        C* kb = kd + t / KT * KT * d + t % KT;  // column t % KT of block t / KT
         if (t < cnt) {
           const int64_t tok = k0 + t;
           const T* kr = kv + tab[s * max_blocks + tok / bs] * block_stride + layer_off + (hk * bs + tok % bs) * d;
-          for (int64_t x = 0; x < d; ++x) { kd[x * KT + t] = as<C>(kr[x]); vd[t * d + x] = as<C>(kr[v_off + x]); }
+          for (int64_t x = 0; x < d; ++x) { kb[x * KT] = as<C>(kr[x]); vd[t * d + x] = as<C>(kr[v_off + x]); }
         } else {
-          for (int64_t x = 0; x < d; ++x) { kd[x * KT + t] = C(0); vd[t * d + x] = C(0); }
+          for (int64_t x = 0; x < d; ++x) { kb[x * KT] = C(0); vd[t * d + x] = C(0); }
         }
       }
       if constexpr (amx) {
-        at::native::cpublas::pack(d, KT, KT, KT, dt, dt, kt.data(), kp + i * tile);
+        for (int64_t b = 0; b < KS; b += KT)
+          at::native::cpublas::pack(d, KT, KT, KT, dt, dt, kt.data() + b * d, kp + i * tile + b * d);
         for (int64_t c0 = 0; c0 < d; c0 += 64)  // at most 64 columns per packed block
-          at::native::cpublas::pack(KT, 64, d, 64, dt, dt, vt.data() + c0, vp + i * tile + c0 * KT);
+          at::native::cpublas::pack(KS, 64, d, 64, dt, dt, vt.data() + c0, vp + i * tile + c0 * KS);
       }
     }
+    NS_LAP(clock, kPack);
   });
   // phase 2: attend
   struct Task { int64_t s, hk, r0, r1, work; };
@@ -462,9 +498,10 @@ static void prefill(const T* q, T* out, const T* kv, int64_t h, int64_t kh, int6
   const int64_t nthreads = std::min<int64_t>(at::get_num_threads(), tasks.size());
   at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
     const int64_t mmax = (qt * g + 15) / 16 * 16;
-    std::vector<C> qb(mmax * d), pb(mmax * KT);
-    std::vector<float> sc(mmax * KT), acc(mmax * d), mx(mmax), sum(mmax);
+    std::vector<C> qb(mmax * d), pb(mmax * KS);
+    std::vector<float> sc(mmax * KS), acc(mmax * d), mx(mmax), sum(mmax);
     std::vector<int64_t> pos(mmax);
+    PhaseClock clock;
     for (int64_t i = next++; i < static_cast<int64_t>(tasks.size()); i = next++) {
       const Task& w = tasks[i];
       const int64_t off = ctx[w.s] - len[w.s], rows = (w.r1 - w.r0) * g, m = (rows + 15) / 16 * 16;
@@ -482,12 +519,16 @@ static void prefill(const T* q, T* out, const T* kv, int64_t h, int64_t kh, int6
       std::fill(acc.begin(), acc.begin() + m * d, 0.f);
       std::fill(mx.begin(), mx.begin() + m, -std::numeric_limits<float>::infinity());
       std::fill(sum.begin(), sum.begin() + m, 0.f);
-      const int64_t nt = (ctx[w.s] + KT - 1) / KT, first = tile0[w.s] + w.hk * nt;
-      for (int64_t j = 0, k0 = 0; k0 < off + w.r1; ++j, k0 += KT) {
-        const int64_t cnt = std::min(KT, off + w.r1 - k0);
-        at::native::cpublas::brgemm(m, KT, d, d, KT, KT, false, qb.data(), kp + (first + j) * tile, sc.data(), amx);
+      const int64_t nt = (ctx[w.s] + KS - 1) / KS, first = tile0[w.s] + w.hk * nt;
+      NS_LAP(clock, kQload);
+      for (int64_t j = 0, k0 = 0; k0 < off + w.r1; ++j, k0 += KS) {
+        const int64_t cnt = std::min(KS, off + w.r1 - k0), kk = (cnt + KT - 1) / KT * KT;  // keys any row sees
+        const C* kt = kp + (first + j) * tile;
+        for (int64_t b = 0; b < kk; b += KT)
+          at::native::cpublas::brgemm(m, KT, d, d, KT, KS, false, qb.data(), kt + b * d, sc.data() + b, amx);
+        NS_LAP(clock, kQK);
         for (int64_t r = 0; r < m; ++r) {  // keys k0 .. pos[r] are visible to row r (causal)
-          const float alpha = softmax_row(sc.data() + r * KT, pb.data() + r * KT, std::min(cnt, pos[r] - k0 + 1),
+          const float alpha = softmax_row(sc.data() + r * KS, pb.data() + r * KS, kk, std::min(cnt, pos[r] - k0 + 1),
                                           scale, mx[r], sum[r]);
           if (alpha != 1.f) {
             float* a = acc.data() + r * d;
@@ -495,19 +536,22 @@ static void prefill(const T* q, T* out, const T* kv, int64_t h, int64_t kh, int6
             for (int64_t x = 0; x < d; ++x) a[x] *= alpha;
           }
         }
+        NS_LAP(clock, kSoftmax);
         const C* vt = vp + (first + j) * tile;
-        if constexpr (amx) {
+        if constexpr (amx) {  // the first kk rows of each packed column block
           for (int64_t c0 = 0; c0 < d; c0 += 64)
-            at::native::cpublas::brgemm(m, 64, KT, KT, 64, d, true, pb.data(), vt + c0 * KT, acc.data() + c0, true);
+            at::native::cpublas::brgemm(m, 64, kk, KS, 64, d, true, pb.data(), vt + c0 * KS, acc.data() + c0, true);
         } else {
-          at::native::cpublas::brgemm(m, d, KT, KT, d, d, true, pb.data(), vt, acc.data(), false);
+          at::native::cpublas::brgemm(m, d, kk, KS, d, d, true, pb.data(), vt, acc.data(), false);
         }
+        NS_LAP(clock, kPV);
       }
       for (int64_t r = 0; r < rows; ++r) {
         T* o = out + ((start[w.s] + w.r0 + r / g) * h + w.hk * g + r % g) * d;
         const float inv = 1.f / sum[r];
         for (int64_t x = 0; x < d; ++x) o[x] = static_cast<T>(acc[r * d + x] * inv);
       }
+      NS_LAP(clock, kStore);
     }
     if constexpr (amx) at::native::cpublas::brgemm_release(true);
   });
@@ -555,6 +599,14 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor cache, int6
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+#if defined(NS_PHASE_TIMES)
+  m.def("phase_times", []() {  // {phase: seconds} since the last call, summed over threads
+    std::map<std::string, double> r;
+    const char* names[kPhases] = {"pack K/V", "load Q", "QK^T GEMM", "softmax", "PV GEMM", "store O"};
+    for (int p = 0; p < kPhases; ++p) r[names[p]] = phase_ns[p].exchange(0) * 1e-9;
+    return r;
+  });
+#endif
   m.def("paged_prefill_attention", &paged_prefill_attention);
   m.def("amx", []() { return at::native::cpublas::could_pack(torch::kBFloat16); });
   m.def("paged_decode_attention", &paged_decode_attention);
