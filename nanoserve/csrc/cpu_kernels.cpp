@@ -452,7 +452,7 @@ static inline float softmax_row(const float* s, C* p, int64_t n, int64_t valid, 
 // with AMX a longer accumulation per C tile load/store), QK^T in KT-key GEMMs (the packing limit).
 constexpr int64_t KS = 4 * KT;
 template <typename T, typename C>
-static void prefill(const T* q, T* out, const T* kv, int64_t h, int64_t kh, int64_t bs, int64_t d,
+static void prefill(const T* q, int64_t q_row, T* out, const T* kv, int64_t h, int64_t kh, int64_t bs, int64_t d,
                     int64_t block_stride, int64_t layer_off, const int64_t* tab, int64_t max_blocks,
                     const int64_t* start, const int64_t* len, const int64_t* ctx, int64_t seqs, float scale) {
   constexpr bool amx = !std::is_same_v<C, float>;
@@ -519,7 +519,7 @@ static void prefill(const T* q, T* out, const T* kv, int64_t h, int64_t kh, int6
       for (int64_t r = 0; r < m; ++r) {  // row r: query token r0 + r / g, head hk * g + r % g
         C* dst = qb.data() + r * d;
         if (r < rows) {
-          const T* src = q + ((start[w.s] + w.r0 + r / g) * h + w.hk * g + r % g) * d;
+          const T* src = q + (start[w.s] + w.r0 + r / g) * q_row + (w.hk * g + r % g) * d;
           for (int64_t x = 0; x < d; ++x) dst[x] = as<C>(src[x]);
           pos[r] = off + w.r0 + r / g;
         } else {  // padding rows (to whole AMX tiles): zeros that see every key, output dropped
@@ -570,10 +570,14 @@ static void prefill(const T* q, T* out, const T* kv, int64_t h, int64_t kh, int6
 
 // q [T, h, d]: the step's prefill rows; sequence i's are q[start[i] : start[i] + len[i]], the last
 // len[i] of its ctx[i] tokens, whose K/V (the new ones included) are in the cache at tables[i].
-torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor cache, int64_t layer, torch::Tensor tables,
+// q's rows may be strided (a view of the fused QKV output: no copy); the result goes to `out`
+// (contiguous, q's shape).
+void paged_prefill_attention(torch::Tensor q, torch::Tensor out, torch::Tensor cache, int64_t layer, torch::Tensor tables,
                                       torch::Tensor start, torch::Tensor len, torch::Tensor ctx, double scale,
                                       bool allow_amx) {
-  TORCH_CHECK(q.is_contiguous() && cache.is_contiguous() && tables.is_contiguous() && start.is_contiguous() &&
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2) && q.stride(0) >= q.size(1) * q.size(2) &&
+              out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type());
+  TORCH_CHECK(cache.is_contiguous() && tables.is_contiguous() && start.is_contiguous() &&
               len.is_contiguous() && ctx.is_contiguous() && q.dim() == 3 && cache.dim() == 6);
   TORCH_CHECK(q.scalar_type() == cache.scalar_type() && tables.scalar_type() == torch::kLong &&
               start.scalar_type() == torch::kLong && len.scalar_type() == torch::kLong &&
@@ -592,9 +596,8 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor cache, int6
       TORCH_CHECK(tab[i * tables.size(1) + b] >= 0 && tab[i * tables.size(1) + b] < cache.size(0),
                   "paged_prefill_attention: block out of range");
   }
-  auto out = torch::empty_like(q);
   const int64_t block_stride = cache.size(1) * 2 * kh * bs * d, layer_off = layer * 2 * kh * bs * d;
-#define NS_ARGS(T) q.data_ptr<T>(), out.data_ptr<T>(), cache.data_ptr<T>(), h, kh, bs, d, block_stride, layer_off, \
+#define NS_ARGS(T) q.data_ptr<T>(), q.stride(0), out.data_ptr<T>(), cache.data_ptr<T>(), h, kh, bs, d, block_stride, layer_off, \
     tab, tables.size(1), st, ln, cx, seqs, static_cast<float>(scale)
   switch (q.scalar_type()) {
     case torch::kBFloat16:
@@ -606,7 +609,6 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor cache, int6
     default: TORCH_CHECK(false, "paged_prefill_attention: unsupported dtype");
   }
 #undef NS_ARGS
-  return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
