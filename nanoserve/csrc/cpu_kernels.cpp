@@ -44,12 +44,19 @@ static inline __m512i bf16_bits(__m512 v) {
   __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb), 16);
   return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
 }
+#if defined(__AVX512BF16__)
+// the same rounding in one instruction (VCVTNEPS2BF16: nearest-even; it flushes fp32 denormals,
+// which activations never are)
+static inline __m256i bf16_packed(__m512 v) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)); }
+#else
+static inline __m256i bf16_packed(__m512 v) { return _mm512_cvtepi32_epi16(bf16_bits(v)); }
+#endif
 // round to the storage dtype and back: what an eager op's result holds
-static inline __m512 round16(c10::BFloat16*, __m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16)); }
-static inline __m512 round16(float*, __m512 v) { return v; }
-static inline void store16(c10::BFloat16* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(v)));
+static inline __m512 round16(c10::BFloat16*, __m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_packed(v)), 16));
 }
+static inline __m512 round16(float*, __m512 v) { return v; }
+static inline void store16(c10::BFloat16* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_packed(v)); }
 static inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 template <typename T> constexpr bool kVec16 = std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, float>;
 #endif
@@ -424,12 +431,7 @@ static inline float softmax_row(const float* s, C* p, int64_t n, int64_t valid, 
     for (; t < n; t += 16) {
       const __m512 e = _mm512_maskz_mov_ps(live(t), exp2_16<C>(_mm512_fmadd_ps(_mm512_loadu_ps(s + t), sc, mneg)));
       acc = _mm512_add_ps(acc, e);
-#if defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<C, c10::BFloat16>)  // one instruction, nearest-even (e is never NaN)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
-      else
-#endif
-        store16(p + t, e);
+      store16(p + t, e);
     }
     rsum = _mm512_reduce_add_ps(acc);
   }
