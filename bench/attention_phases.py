@@ -31,6 +31,7 @@ def main() -> int:
     ap.add_argument("--heads", default="9,3,64", help="query heads, KV heads, head_dim (default: the embedded model)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--define", default="", help="extra -D flags for the timed build (A/B of a variant), e.g. NS_QROWS=256")
     ap.add_argument("--json", default=None, metavar="FILE")
     args = ap.parse_args()
     import torch
@@ -43,9 +44,10 @@ def main() -> int:
     dtype = getattr(torch, args.dtype)
     fast = cpu_kernels.load()
     assert fast is not None, "the C++ kernels did not build"
-    timed = build("nanoserve_cpu_phases", sources=[str(cpu_kernels.SOURCE)],
+    defines = [f"-D{x}" for x in args.define.split(",") if x]
+    timed = build("nanoserve_cpu_phases" + "".join(x.replace("=", "_")[1:] for x in defines), sources=[str(cpu_kernels.SOURCE)],
                   extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off",
-                                "-fopenmp", "-fopenmp-simd", "-DNS_PHASE_TIMES"], extra_ldflags=["-fopenmp"])
+                                "-fopenmp", "-fopenmp-simd", "-DNS_PHASE_TIMES", *defines], extra_ldflags=["-fopenmp"])
     h, kh, d = (int(x) for x in args.heads.split(","))
     bs = args.block_size
     cases = {"fresh 1024": (1024, 1024), "fresh 2048": (2048, 2048), "1952 over 4000": (1952, 4000)}

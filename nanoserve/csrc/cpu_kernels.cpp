@@ -421,15 +421,19 @@ static inline float softmax_row(const float* s, C* p, int64_t n, int64_t valid, 
     auto live = [valid](int64_t t) -> __mmask16 {
       return t >= valid ? 0 : t + 16 <= valid ? 0xFFFF : (1u << (valid - t)) - 1;
     };
+    // whole vectors of visible keys unmasked; the causal edge's vector and the rest masked
+    const int64_t full = std::clamp<int64_t>(valid, 0, n) / 16 * 16;
     __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t u = 0; u < valid; u += 16) vmax = _mm512_mask_max_ps(vmax, live(u), vmax, _mm512_loadu_ps(s + u));
+    for (int64_t u = 0; u < full; u += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + u));
+    if (full < valid) vmax = _mm512_mask_max_ps(vmax, live(full), vmax, _mm512_loadu_ps(s + full));
     rmax = std::max(rmax, _mm512_reduce_max_ps(vmax) * scale);  // scale > 0
     // e^(s * scale - max) as 2^x: one FMA to x, then 2^frac(x) by a polynomial and scalef
     constexpr float log2e = 1.44269504088896341f;
     const __m512 sc = _mm512_set1_ps(scale * log2e), mneg = _mm512_set1_ps(-rmax * log2e);
     __m512 acc = _mm512_setzero_ps();
     for (; t < n; t += 16) {
-      const __m512 e = _mm512_maskz_mov_ps(live(t), exp2_16<C>(_mm512_fmadd_ps(_mm512_loadu_ps(s + t), sc, mneg)));
+      __m512 e = exp2_16<C>(_mm512_fmadd_ps(_mm512_loadu_ps(s + t), sc, mneg));
+      if (t >= full) e = _mm512_maskz_mov_ps(live(t), e);
       acc = _mm512_add_ps(acc, e);
       store16(p + t, e);
     }
