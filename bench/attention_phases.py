@@ -9,7 +9,9 @@ the same random paged cache: `kernel` is the normal build's wall time per call (
 counts), `timed build` the instrumented one's, whose phases add up to it. Also PyTorch's SDPA on
 the same query/keys (the torch path: the chunk itself causally, or its gathered context with a
 mask). Cases: a fresh 1024-token prompt, a fresh 2048-token chunk, and the 1952-token chunk that
-completes a 4000-token prompt over its cached first 2048 (nanoserve's default chunking).
+completes a 4000-token prompt over its cached first 2048 (nanoserve's default chunking); and one
+decode step's attention for --decode-seqs sequences of --decode-ctx tokens (the decode kernel:
+phases q.k, softmax, p.V; torch path: gather + bmm), with the K/V bytes it reads per second.
 Useful FLOPs: 4 * head_dim * heads * visible (query, key) pairs. Medians of --runs calls."""
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ def main() -> int:
     ap.add_argument("--heads", default="9,3,64", help="query heads, KV heads, head_dim (default: the embedded model)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--decode-seqs", type=int, default=32)
+    ap.add_argument("--decode-ctx", type=int, default=270)
     ap.add_argument("--define", default="", help="extra -D flags for the timed build (A/B of a variant), e.g. NS_QROWS=256")
     ap.add_argument("--json", default=None, metavar="FILE")
     args = ap.parse_args()
@@ -50,20 +54,25 @@ def main() -> int:
                                 "-fopenmp", "-fopenmp-simd", "-DNS_PHASE_TIMES", *defines], extra_ldflags=["-fopenmp"])
     h, kh, d = (int(x) for x in args.heads.split(","))
     bs = args.block_size
-    cases = {"fresh 1024": (1024, 1024), "fresh 2048": (2048, 2048), "1952 over 4000": (1952, 4000)}
+    cases = {"fresh 1024": [(1024, 1024)], "fresh 2048": [(2048, 2048)], "1952 over 4000": [(1952, 4000)],
+             f"decode {args.decode_seqs} x {args.decode_ctx}": [(1, args.decode_ctx)] * args.decode_seqs}
     g = torch.Generator().manual_seed(0)
     res: dict[str, dict] = {}
-    for name, (n, ctx) in cases.items():
-        nblk = -(-ctx // bs)
-        cache = torch.randn(nblk + 1, 1, 2, kh, bs, d, generator=g).to(dtype)
-        table = torch.randperm(nblk + 1, generator=g)[:nblk].tolist()
-        pos = range(ctx - n, ctx)
-        batch = AttentionBatch([n], [ctx], [table], 0, torch.tensor([table[p // bs] for p in pos]),
-                               torch.tensor([p % bs for p in pos]))
-        q = torch.randn(n, h, d, generator=g).to(dtype)
-        k = cache[:, 0, 0].permute(0, 2, 1, 3)[torch.tensor([table[p // bs] for p in pos]), torch.tensor([p % bs for p in pos])]
-        v = cache[:, 0, 1].permute(0, 2, 1, 3)[torch.tensor([table[p // bs] for p in pos]), torch.tensor([p % bs for p in pos])]
-        flops = 4 * d * h * (n * ctx - n * (n - 1) / 2)
+    for name, seqs in cases.items():
+        nblk = [-(-ctx // bs) for _, ctx in seqs]
+        cache = torch.randn(sum(nblk) + 1, 1, 2, kh, bs, d, generator=g).to(dtype)
+        perm = torch.randperm(sum(nblk) + 1, generator=g).tolist()
+        tables = [[perm.pop() for _ in range(b)] for b in nblk]
+        blocks = torch.tensor([t[p // bs] for (n, ctx), t in zip(seqs, tables) for p in range(ctx - n, ctx)])
+        offs = torch.tensor([p % bs for n, ctx in seqs for p in range(ctx - n, ctx)])
+        lens, ctxs = [n for n, _ in seqs], [c for _, c in seqs]
+        decode = all(n == 1 for n in lens)
+        batch = AttentionBatch(lens, ctxs, tables, len(seqs) if decode else 0, blocks, offs)
+        q = torch.randn(sum(lens), h, d, generator=g).to(dtype)
+        k = cache[:, 0, 0].permute(0, 2, 1, 3)[blocks, offs]
+        v = cache[:, 0, 1].permute(0, 2, 1, 3)[blocks, offs]
+        kv_bytes = 2 * sum(ctxs) * kh * d * cache.element_size()
+        flops = sum(4 * d * h * (n * ctx - n * (n - 1) / 2) for n, ctx in seqs)
         times: dict[str, list[float]] = {"kernel": [], "timed build": [], "torch SDPA": []}
         phases: list[dict[str, float]] = []
         outs = {}
@@ -82,11 +91,12 @@ def main() -> int:
         torch.testing.assert_close(outs["kernel"].float(), outs["torch SDPA"].float(), atol=3e-2, rtol=3e-2)
         med = {m: statistics.median(t) * 1e3 for m, t in times.items()}
         ph = {p: statistics.median(x[p] for x in phases) * 1e3 for p in phases[0]}
-        res[name] = {"query": n, "context": ctx, "gflop": flops / 1e9, "ms": times, "medians_ms": med,
+        ph = {p: v for p, v in ph.items() if any(x[p] for x in phases)}
+        res[name] = {"sequences": seqs, "kv_gb_per_s": {m: kv_bytes / t / 1e6 for m, t in med.items()}, "gflop": flops / 1e9, "ms": times, "medians_ms": med,
                      "gflops": {m: flops / t / 1e6 for m, t in med.items()}, "phases_ms": ph}
         print(f"{name}: kernel {med['kernel']:.1f} ms ({flops / med['kernel'] / 1e6:.0f} GFLOP/s), timed build "
-              f"{med['timed build']:.1f} ms, SDPA {med['torch SDPA']:.1f} ms ({flops / med['torch SDPA'] / 1e6:.0f} GFLOP/s)",
-              flush=True)
+              f"{med['timed build']:.1f} ms, torch path {med['torch SDPA']:.1f} ms ({flops / med['torch SDPA'] / 1e6:.0f} "
+              f"GFLOP/s); kernel reads K/V at {kv_bytes / med['kernel'] / 1e6:.1f} GB/s", flush=True)
         print("   " + ", ".join(f"{p} {v:.1f} ms ({100 * v / sum(ph.values()):.0f}%)" for p, v in ph.items()), flush=True)
     print(f"\n{cpu_name()}; {args.dtype}; heads {h}/{kh}, head_dim {d}; {args.threads} thread(s); "
           f"AMX {'on' if fast.amx() else 'off'}; medians of {args.runs}")

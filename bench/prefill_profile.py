@@ -9,7 +9,12 @@ attention kernel, the LM head; `engine` is the rest of the generate call (schedu
 building, sampling, detokenization, Python between the parts). Then one run per length under
 torch.profiler lists the ATen ops outside those parts (embedding, copies, ...). Medians of --runs
 fresh prompts; nanoserve's default chunking (2048 tokens: a 4000-token prompt is a fresh chunk,
-then a chunk over cached context)."""
+then a chunk over cached context).
+
+With --decode N: the same parts for one decode step of N sequences instead (N fresh prompts of
+--decode-input tokens generated with max_tokens 1+K minus max_tokens 1, over K=--decode-steps).
+
+    python bench/prefill_profile.py --decode 32 --runs 3"""
 from __future__ import annotations
 
 import argparse
@@ -55,6 +60,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--top", type=int, default=12, help="ATen ops listed from the profiler run")
+    ap.add_argument("--decode", type=int, default=0, metavar="N", help="profile a decode step of N sequences")
+    ap.add_argument("--decode-input", type=int, default=256)
+    ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--json", default=None, metavar="FILE")
     args = ap.parse_args()
     import torch
@@ -65,7 +73,8 @@ def main() -> int:
     if args.threads == 1:  # vLLM's worker and nanoserve's engine each get one core of two
         os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
     torch.set_num_threads(args.threads)
-    llm = LLM(None, dtype=args.dtype, enable_prefix_caching=False, kv_cache_gb=1)
+    llm = LLM(None, dtype=args.dtype, enable_prefix_caching=False, kv_cache_gb=1,
+              **({"max_num_seqs": args.decode} if args.decode else {}))
     eng = llm.engine
     model, attn = eng.model, eng.runner.attn
     acc: dict[str, float] = defaultdict(float)
@@ -92,33 +101,44 @@ def main() -> int:
     model.forward = timed(model_fwd, "_model")
     eng.runner.run = timed(runner_run, "_runner")
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    lens = [int(x) for x in args.lens.split(",")]
+    lens = [int(x) for x in args.lens.split(",")] if not args.decode else [args.decode]
     llm.generate(make_prompts(1, max(lens), -3), params)  # warm-up: kernel build, oneDNN / brgemm JIT
+
+    def measure(prompts, max_tokens: int) -> dict[str, float]:
+        acc.clear()
+        t = time.perf_counter()
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        total = time.perf_counter() - t
+        parts = {k: v for k, v in acc.items() if not k.startswith("_")}
+        inner = sum(v for k, v in parts.items() if k not in ("attention", "kv write"))
+        parts["attention backend: Python, copies"] = acc["_attn_forward"] - parts.get("attention", 0.0) - parts.get("kv write", 0.0)
+        parts["model: other (embed, views, Python)"] = acc["_model"] - inner - acc["_attn_forward"]
+        parts["runner: batch building"] = acc["_runner"] - acc["_model"]
+        parts["engine: schedule, sample, output"] = total - acc["_runner"]
+        parts["total"] = total
+        return parts
     rows: dict[int, list[dict[str, float]]] = {n: [] for n in lens}
     for r in range(args.runs):
         for n in lens:
-            acc.clear()
-            t = time.perf_counter()
-            llm.generate(make_prompts(1, n, 900 + 10 * r + lens.index(n)), params)
-            total = time.perf_counter() - t
-            parts = {k: v for k, v in acc.items() if not k.startswith("_")}
-            inner = sum(v for k, v in parts.items() if k not in ("attention", "kv write"))
-            parts["attention backend: Python, copies"] = acc["_attn_forward"] - parts.get("attention", 0.0) - parts.get("kv write", 0.0)
-            parts["model: other (embed, views, Python)"] = acc["_model"] - inner - acc["_attn_forward"]
-            parts["runner: batch building"] = acc["_runner"] - acc["_model"]
-            parts["engine: schedule, sample, output"] = total - acc["_runner"]
-            parts["total"] = total
+            if args.decode:  # (1 + K tokens) - (1 token), over K: one decode step's parts
+                one = measure(make_prompts(n, args.decode_input, 900 + 10 * r), 1)
+                more = measure(make_prompts(n, args.decode_input, 950 + 10 * r), 1 + args.decode_steps)
+                parts = {k: (more.get(k, 0.0) - one.get(k, 0.0)) / args.decode_steps for k in more}
+            else:
+                parts = measure(make_prompts(1, n, 900 + 10 * r + lens.index(n)), 1)
             rows[n].append({k: v * 1e3 for k, v in parts.items()})
-            print(f"  run {r} {n:5d} tokens: {total * 1e3:.0f} ms", flush=True)
+            print(f"  run {r} {n:5d} {'sequences' if args.decode else 'tokens'}: {rows[n][-1]['total']:.1f} ms", flush=True)
     med = {n: {k: statistics.median(row[k] for row in rs) for k in rs[0]} for n, rs in rows.items()}
     print(f"\n{cpu_name()}; dtype {model.embed.dtype}; {torch.get_num_threads()} compute thread(s); "
-          f"cold prefill + 1 token, medians of {args.runs} (ms, share of total)")
+          + (f"one decode step of {args.decode} sequences (context ~{args.decode_input}), " if args.decode else
+             "cold prefill + 1 token, ") + f"medians of {args.runs} (ms, share of total)")
     keys = sorted(med[lens[0]], key=lambda k: (k == "total", -med[lens[0]][k]))
-    print("| part | " + " | ".join(f"{n} tokens" for n in lens) + " |\n|---|" + "---|" * len(lens))
+    unit = "sequences" if args.decode else "tokens"
+    print("| part | " + " | ".join(f"{n} {unit}" for n in lens) + " |\n|---|" + "---|" * len(lens))
     for k in keys:
         print(f"| {k} | " + " | ".join(f"{med[n][k]:.1f} ({100 * med[n][k] / med[n]['total']:.0f}%)" for n in lens) + " |")
     ops = {}
-    for n in lens:  # the ATen ops outside the timed parts
+    for n in lens if not args.decode else []:  # the ATen ops outside the timed parts
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             llm.generate(make_prompts(1, n, 5000 + n), params)
         avg = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:args.top]

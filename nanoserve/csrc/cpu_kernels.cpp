@@ -61,6 +61,50 @@ static inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 template <typename T> constexpr bool kVec16 = std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, float>;
 #endif
 
+// Per-phase time of the attention kernels, summed over threads: only in the build that
+// bench/attention_phases.py makes with -DNS_PHASE_TIMES (a clock read per phase per tile).
+#if defined(NS_PHASE_TIMES)
+#include <chrono>
+enum Phase { kPack, kQload, kQK, kSoftmax, kPV, kStore, kDecScores, kDecSoftmax, kDecPV, kPhases };
+static std::atomic<int64_t> phase_ns[kPhases];
+struct PhaseClock {
+  std::chrono::steady_clock::time_point t = std::chrono::steady_clock::now();
+  void lap(Phase p) {
+    const auto now = std::chrono::steady_clock::now();
+    phase_ns[p] += std::chrono::duration_cast<std::chrono::nanoseconds>(now - t).count();
+    t = now;
+  }
+};
+#define NS_LAP(clock, phase) clock.lap(phase)
+#else
+struct PhaseClock {};
+#define NS_LAP(clock, phase) (void)clock
+#endif
+
+#if defined(__AVX512F__)
+// Blocks sit anywhere in the cache, so the hardware prefetcher cannot run ahead across them: the
+// attention loops ask for the row 16 keys ahead themselves.
+static inline void prefetch_row(const void* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(static_cast<const char*>(p) + o, _MM_HINT_T0);
+}
+#endif
+#if defined(__AVX512BF16__)
+// lane i = the sum of v[i]'s 16 lanes: 16 horizontal sums in 15 adds and 30 shuffles (16 separate
+// reductions take ~4 shuffles each, all on the one shuffle port)
+static inline __m512 hsum16(const __m512* v) {
+  __m512 a[8], c[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3]
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int k = 0; k < 4; ++k) {  // per 128-bit lane: the lane's sums of v[4k .. 4k+3]
+    const __m512d x = _mm512_castps_pd(a[2 * k]), y = _mm512_castps_pd(a[2 * k + 1]);
+    c[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 e0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+  const __m512 e1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, 0x88), _mm512_shuffle_f32x4(e0, e1, 0xDD));
+}
+#endif
+
 // q [nd, h, d]; cache [N, layers, 2, kh, bs, d] (contiguous); tables [nd, max_blocks]; ctx [nd]
 template <typename T, int64_t d>
 static torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& cache, int64_t layer,
@@ -77,10 +121,44 @@ static torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& cache, 
   auto scores = torch::full({nd * kh, g, width}, -std::numeric_limits<float>::infinity(),
                             torch::dtype(torch::kFloat));
   float* sc = scores.data_ptr<float>();
+  PhaseClock clock;
   at::parallel_for(0, nd * kh, 1, [&](int64_t begin, int64_t end) {  // pass 1: scaled q.k
     std::vector<float> qf(g * d), blk(bs * d);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t s = i / kh, hk = i % kh, n = lens[s];
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (g <= 8) {  // bf16 dot products (VDPBF16PS: no conversion), 16 keys at a time, one hsum16 each
+          constexpr int64_t W = d / 32;
+          __m512bh qh[8][W];
+          for (int64_t j = 0; j < g; ++j)
+            for (int64_t c = 0; c < W; ++c)
+              qh[j][c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(qp + (s * h + hk * g + j) * d + c * 32));
+          const __m512 sv = _mm512_set1_ps(scale);
+          for (int64_t t0 = 0; t0 < n; t0 += 16) {
+            const int64_t cnt = std::min<int64_t>(16, n - t0);
+            __m512bh kr[16][W];
+            for (int64_t u = 0; u < 16; ++u) {
+              const int64_t t = t0 + std::min(u, cnt - 1);  // past the end: the last key again, dropped below
+              const T* k = kv + tab[s * max_blocks + t / bs] * block_stride + layer_off + (hk * bs + t % bs) * d;
+              if (t + 16 < n)
+                prefetch_row(kv + tab[s * max_blocks + (t + 16) / bs] * block_stride + layer_off +
+                             (hk * bs + (t + 16) % bs) * d, d * sizeof(T));
+              for (int64_t c = 0; c < W; ++c) kr[u][c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(k + c * 32));
+            }
+            for (int64_t j = 0; j < g; ++j) {
+              __m512 part[16];
+              for (int64_t u = 0; u < 16; ++u) {
+                part[u] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qh[j][0], kr[u][0]);
+                for (int64_t c = 1; c < W; ++c) part[u] = _mm512_dpbf16_ps(part[u], qh[j][c], kr[u][c]);
+              }
+              _mm512_mask_storeu_ps(sc + (i * g + j) * width + t0, (1u << cnt) - 1, _mm512_mul_ps(hsum16(part), sv));
+            }
+          }
+          continue;
+        }
+      }
+#endif
       to_float(qp + (s * h + hk * g) * d, qf.data(), g * d);
       for (int64_t x = 0; x < g * d; ++x) qf[x] *= scale;
 #if defined(__AVX512F__)
@@ -91,6 +169,9 @@ static torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& cache, 
           for (int64_t c = 0; c < V; ++c) qv[j][c] = _mm512_loadu_ps(qf.data() + j * d + c * 16);
         for (int64_t t = 0; t < n; ++t) {
           const T* k = kv + tab[s * max_blocks + t / bs] * block_stride + layer_off + (hk * bs + t % bs) * d;
+          if (t + 16 < n)
+            prefetch_row(kv + tab[s * max_blocks + (t + 16) / bs] * block_stride + layer_off + (hk * bs + (t + 16) % bs) * d,
+                         d * sizeof(T));
           __m512 kr[V];
           for (int64_t c = 0; c < V; ++c) kr[c] = load16(k + c * 16);
           for (int64_t j = 0; j < g; ++j) {
@@ -119,7 +200,9 @@ static torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& cache, 
       }
     }
   });
+  NS_LAP(clock, kDecScores);
   scores = scores.softmax(-1);  // ATen's vectorized softmax; masked tail -> 0
+  NS_LAP(clock, kDecSoftmax);
   sc = scores.data_ptr<float>();
   auto out = torch::empty_like(q);
   T* op = out.data_ptr<T>();
@@ -135,6 +218,9 @@ static torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& cache, 
           for (int64_t c = 0; c < V; ++c) av[j][c] = _mm512_setzero_ps();
         for (int64_t t = 0; t < n; ++t) {
           const T* v = kv + tab[s * max_blocks + t / bs] * block_stride + layer_off + v_off + (hk * bs + t % bs) * d;
+          if (t + 16 < n)
+            prefetch_row(kv + tab[s * max_blocks + (t + 16) / bs] * block_stride + layer_off + v_off +
+                         (hk * bs + (t + 16) % bs) * d, d * sizeof(T));
           __m512 vr[V];
           for (int64_t c = 0; c < V; ++c) vr[c] = load16(v + c * 16);
           for (int64_t j = 0; j < g; ++j) {
@@ -168,6 +254,7 @@ static torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& cache, 
       for (int64_t x = 0; x < g * d; ++x) o[x] = static_cast<T>(acc[x]);
     }
   });
+  NS_LAP(clock, kDecPV);
   return out;
 }
 
@@ -350,25 +437,6 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor cache, int64_t lay
 // AVX2/AVX-512 kernels, or ATen's gemm where oneDNN has none).
 constexpr int64_t KT = 64;  // keys per tile (oneDNN's AMX packing takes at most 64 columns)
 
-// Per-phase time of the prefill kernel, summed over threads: only in the build that
-// bench/attention_phases.py makes with -DNS_PHASE_TIMES (a clock read per phase per tile).
-#if defined(NS_PHASE_TIMES)
-#include <chrono>
-enum Phase { kPack, kQload, kQK, kSoftmax, kPV, kStore, kPhases };
-static std::atomic<int64_t> phase_ns[kPhases];
-struct PhaseClock {
-  std::chrono::steady_clock::time_point t = std::chrono::steady_clock::now();
-  void lap(Phase p) {
-    const auto now = std::chrono::steady_clock::now();
-    phase_ns[p] += std::chrono::duration_cast<std::chrono::nanoseconds>(now - t).count();
-    t = now;
-  }
-};
-#define NS_LAP(clock, phase) clock.lap(phase)
-#else
-struct PhaseClock {};
-#define NS_LAP(clock, phase) (void)clock
-#endif
 
 // exp for x <= 0 (fp32, ~1 ulp): 2^n * e^r with |r| <= ln2/2, degree-6 Taylor
 static inline float exp_neg(float x) {
@@ -621,7 +689,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if defined(NS_PHASE_TIMES)
   m.def("phase_times", []() {  // {phase: seconds} since the last call, summed over threads
     std::map<std::string, double> r;
-    const char* names[kPhases] = {"pack K/V", "load Q", "QK^T GEMM", "softmax", "PV GEMM", "store O"};
+    const char* names[kPhases] = {"pack K/V", "load Q", "QK^T GEMM", "softmax", "PV GEMM", "store O",
+                                  "decode q.k", "decode softmax", "decode p.V"};
     for (int p = 0; p < kPhases; ++p) r[names[p]] = phase_ns[p].exchange(0) * 1e-9;
     return r;
   });
