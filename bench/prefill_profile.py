@@ -30,6 +30,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+def timed(fn, acc: dict[str, float], label: str):
+    """fn, its time per call added to acc[label]."""
+    def wrapper(*a, **kw):
+        t = time.perf_counter()
+        out = fn(*a, **kw)
+        acc[label] += time.perf_counter() - t
+        return out
+    return wrapper
+
+
 class Timed:
     """Proxy for an object whose listed methods are timed into `acc[label]`."""
 
@@ -40,14 +50,7 @@ class Timed:
         fn = getattr(self._target, name)
         if name not in self._labels or not callable(fn):
             return fn
-        label, acc = self._labels[name], self._acc
-
-        def wrapper(*a, **kw):
-            t = time.perf_counter()
-            out = fn(*a, **kw)
-            acc[label] += time.perf_counter() - t
-            return out
-        return wrapper
+        return timed(fn, self._acc, self._labels[name])
 
     def __call__(self, *a, **kw):
         return self.__getattr__("__call__")(*a, **kw)
@@ -88,18 +91,9 @@ def main() -> int:
         model.kernels = Timed(model.kernels, acc, {"add_rms_norm": "add+rmsnorm", "rope_": "rope"})
         attn.kernels = Timed(attn.kernels, acc, {"write_kv": "kv write", "paged_prefill_attention": "attention",
                                                  "paged_decode_attention": "attention"})
-    attn_fwd, model_fwd, runner_run = attn.forward, model.forward, eng.runner.run
-
-    def timed(fn, label):
-        def wrapper(*a, **kw):
-            t = time.perf_counter()
-            out = fn(*a, **kw)
-            acc[label] += time.perf_counter() - t
-            return out
-        return wrapper
-    attn.forward = timed(attn_fwd, "_attn_forward")
-    model.forward = timed(model_fwd, "_model")
-    eng.runner.run = timed(runner_run, "_runner")
+    attn.forward = timed(attn.forward, acc, "_attn_forward")
+    model.forward = timed(model.forward, acc, "_model")
+    eng.runner.run = timed(eng.runner.run, acc, "_runner")
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     lens = [int(x) for x in args.lens.split(",")] if not args.decode else [args.decode]
     llm.generate(make_prompts(1, max(lens), -3), params)  # warm-up: kernel build, oneDNN / brgemm JIT
