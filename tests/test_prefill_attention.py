@@ -38,7 +38,8 @@ def _batch(seed: int, h: int, kh: int, d: int, dtype, bs: int = 16, layers: int 
         blocks += [tables[-1][p // bs] for p in range(c - n, c)]
         offsets += [p % bs for p in range(c - n, c)]
     t = sum(lens)
-    q, k, v = (torch.randn(t, hh, d, generator=g).to(dtype) for hh in (h, kh, kh))
+    # views of one fused QKV output, as the model passes them: rows strided, read in place
+    q, k, v = torch.randn(t, h + 2 * kh, d, generator=g).to(dtype).split([h, kh, kh], dim=1)
     batch = AttentionBatch(lens, ctxs, tables, len(decodes), torch.tensor(blocks), torch.tensor(offsets))
     return cache, batch, q, k, v
 
@@ -70,8 +71,9 @@ def test_prefill_kernel_rejects_out_of_range_blocks(kernels):
     attn.prepare(batch)
     table, starts, lens, ctxs = attn.pre_args
     with pytest.raises(RuntimeError, match="out of range"):
-        kernels.paged_prefill_attention(q[batch.num_decodes:].contiguous(), cache, 0, table + cache.shape[0],
-                                        starts, lens, ctxs, 0.125, True)
+        qp = q[batch.num_decodes:]
+        kernels.paged_prefill_attention(qp, torch.empty_like(qp), cache, 0, table + cache.shape[0], starts, lens,
+                                        ctxs, 0.125, True)
 
 
 def test_continuation_uses_the_lower_right_causal_bias_not_a_mask(monkeypatch):

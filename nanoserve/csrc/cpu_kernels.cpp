@@ -11,6 +11,8 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+#include <map>
+#include <string>
 
 // rows of K or V to fp32: bf16 is the high half of an fp32, a shift the compiler vectorizes
 static inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
@@ -42,14 +44,65 @@ static inline __m512i bf16_bits(__m512 v) {
   __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb), 16);
   return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
 }
+#if defined(__AVX512BF16__)
+// the same rounding in one instruction (VCVTNEPS2BF16: nearest-even; it flushes fp32 denormals,
+// which activations never are)
+static inline __m256i bf16_packed(__m512 v) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)); }
+#else
+static inline __m256i bf16_packed(__m512 v) { return _mm512_cvtepi32_epi16(bf16_bits(v)); }
+#endif
 // round to the storage dtype and back: what an eager op's result holds
-static inline __m512 round16(c10::BFloat16*, __m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16)); }
-static inline __m512 round16(float*, __m512 v) { return v; }
-static inline void store16(c10::BFloat16* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(v)));
+static inline __m512 round16(c10::BFloat16*, __m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_packed(v)), 16));
 }
+static inline __m512 round16(float*, __m512 v) { return v; }
+static inline void store16(c10::BFloat16* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_packed(v)); }
 static inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 template <typename T> constexpr bool kVec16 = std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, float>;
+#endif
+
+// Per-phase time of the attention kernels, summed over threads: only in the build that
+// bench/attention_phases.py makes with -DNS_PHASE_TIMES (a clock read per phase per tile).
+#if defined(NS_PHASE_TIMES)
+#include <chrono>
+enum Phase { kPack, kQload, kQK, kSoftmax, kPV, kStore, kDecScores, kDecSoftmax, kDecPV, kPhases };
+static std::atomic<int64_t> phase_ns[kPhases];
+struct PhaseClock {
+  std::chrono::steady_clock::time_point t = std::chrono::steady_clock::now();
+  void lap(Phase p) {
+    const auto now = std::chrono::steady_clock::now();
+    phase_ns[p] += std::chrono::duration_cast<std::chrono::nanoseconds>(now - t).count();
+    t = now;
+  }
+};
+#define NS_LAP(clock, phase) clock.lap(phase)
+#else
+struct PhaseClock {};
+#define NS_LAP(clock, phase) (void)clock
+#endif
+
+#if defined(__AVX512F__)
+// Blocks sit anywhere in the cache, so the hardware prefetcher cannot run ahead across them: the
+// attention loops ask for the row 16 keys ahead themselves.
+static inline void prefetch_row(const void* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(static_cast<const char*>(p) + o, _MM_HINT_T0);
+}
+#endif
+#if defined(__AVX512BF16__)
+// lane i = the sum of v[i]'s 16 lanes: 16 horizontal sums in 15 adds and 30 shuffles (16 separate
+// reductions take ~4 shuffles each, all on the one shuffle port)
+static inline __m512 hsum16(const __m512* v) {
+  __m512 a[8], c[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3]
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int k = 0; k < 4; ++k) {  // per 128-bit lane: the lane's sums of v[4k .. 4k+3]
+    const __m512d x = _mm512_castps_pd(a[2 * k]), y = _mm512_castps_pd(a[2 * k + 1]);
+    c[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 e0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+  const __m512 e1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, 0x88), _mm512_shuffle_f32x4(e0, e1, 0xDD));
+}
 #endif
 
 // q [nd, h, d]; cache [N, layers, 2, kh, bs, d] (contiguous); tables [nd, max_blocks]; ctx [nd]
@@ -68,10 +121,44 @@ static torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& cache, 
   auto scores = torch::full({nd * kh, g, width}, -std::numeric_limits<float>::infinity(),
                             torch::dtype(torch::kFloat));
   float* sc = scores.data_ptr<float>();
+  PhaseClock clock;
   at::parallel_for(0, nd * kh, 1, [&](int64_t begin, int64_t end) {  // pass 1: scaled q.k
     std::vector<float> qf(g * d), blk(bs * d);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t s = i / kh, hk = i % kh, n = lens[s];
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (g <= 8) {  // bf16 dot products (VDPBF16PS: no conversion), 16 keys at a time, one hsum16 each
+          constexpr int64_t W = d / 32;
+          __m512bh qh[8][W];
+          for (int64_t j = 0; j < g; ++j)
+            for (int64_t c = 0; c < W; ++c)
+              qh[j][c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(qp + (s * h + hk * g + j) * d + c * 32));
+          const __m512 sv = _mm512_set1_ps(scale);
+          for (int64_t t0 = 0; t0 < n; t0 += 16) {
+            const int64_t cnt = std::min<int64_t>(16, n - t0);
+            __m512bh kr[16][W];
+            for (int64_t u = 0; u < 16; ++u) {
+              const int64_t t = t0 + std::min(u, cnt - 1);  // past the end: the last key again, dropped below
+              const T* k = kv + tab[s * max_blocks + t / bs] * block_stride + layer_off + (hk * bs + t % bs) * d;
+              if (t + 16 < n)
+                prefetch_row(kv + tab[s * max_blocks + (t + 16) / bs] * block_stride + layer_off +
+                             (hk * bs + (t + 16) % bs) * d, d * sizeof(T));
+              for (int64_t c = 0; c < W; ++c) kr[u][c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(k + c * 32));
+            }
+            for (int64_t j = 0; j < g; ++j) {
+              __m512 part[16];
+              for (int64_t u = 0; u < 16; ++u) {
+                part[u] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qh[j][0], kr[u][0]);
+                for (int64_t c = 1; c < W; ++c) part[u] = _mm512_dpbf16_ps(part[u], qh[j][c], kr[u][c]);
+              }
+              _mm512_mask_storeu_ps(sc + (i * g + j) * width + t0, (1u << cnt) - 1, _mm512_mul_ps(hsum16(part), sv));
+            }
+          }
+          continue;
+        }
+      }
+#endif
       to_float(qp + (s * h + hk * g) * d, qf.data(), g * d);
       for (int64_t x = 0; x < g * d; ++x) qf[x] *= scale;
 #if defined(__AVX512F__)
@@ -82,6 +169,9 @@ static torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& cache, 
           for (int64_t c = 0; c < V; ++c) qv[j][c] = _mm512_loadu_ps(qf.data() + j * d + c * 16);
         for (int64_t t = 0; t < n; ++t) {
           const T* k = kv + tab[s * max_blocks + t / bs] * block_stride + layer_off + (hk * bs + t % bs) * d;
+          if (t + 16 < n)
+            prefetch_row(kv + tab[s * max_blocks + (t + 16) / bs] * block_stride + layer_off + (hk * bs + (t + 16) % bs) * d,
+                         d * sizeof(T));
           __m512 kr[V];
           for (int64_t c = 0; c < V; ++c) kr[c] = load16(k + c * 16);
           for (int64_t j = 0; j < g; ++j) {
@@ -110,7 +200,9 @@ static torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& cache, 
       }
     }
   });
+  NS_LAP(clock, kDecScores);
   scores = scores.softmax(-1);  // ATen's vectorized softmax; masked tail -> 0
+  NS_LAP(clock, kDecSoftmax);
   sc = scores.data_ptr<float>();
   auto out = torch::empty_like(q);
   T* op = out.data_ptr<T>();
@@ -126,6 +218,9 @@ static torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& cache, 
           for (int64_t c = 0; c < V; ++c) av[j][c] = _mm512_setzero_ps();
         for (int64_t t = 0; t < n; ++t) {
           const T* v = kv + tab[s * max_blocks + t / bs] * block_stride + layer_off + v_off + (hk * bs + t % bs) * d;
+          if (t + 16 < n)
+            prefetch_row(kv + tab[s * max_blocks + (t + 16) / bs] * block_stride + layer_off + v_off +
+                         (hk * bs + (t + 16) % bs) * d, d * sizeof(T));
           __m512 vr[V];
           for (int64_t c = 0; c < V; ++c) vr[c] = load16(v + c * 16);
           for (int64_t j = 0; j < g; ++j) {
@@ -159,6 +254,7 @@ static torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& cache, 
       for (int64_t x = 0; x < g * d; ++x) o[x] = static_cast<T>(acc[x]);
     }
   });
+  NS_LAP(clock, kDecPV);
   return out;
 }
 
@@ -341,6 +437,7 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor cache, int64_t lay
 // AVX2/AVX-512 kernels, or ATen's gemm where oneDNN has none).
 constexpr int64_t KT = 64;  // keys per tile (oneDNN's AMX packing takes at most 64 columns)
 
+
 // exp for x <= 0 (fp32, ~1 ulp): 2^n * e^r with |r| <= ln2/2, degree-6 Taylor
 static inline float exp_neg(float x) {
   x = std::max(x, -87.f);
@@ -353,14 +450,23 @@ static inline float exp_neg(float x) {
   return p * scale;
 }
 #if defined(__AVX512F__)
-static inline __m512 exp_neg16(__m512 x) {  // the same, 16 lanes; scalef applies 2^n
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723e-6f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  for (float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+// 2^x for finite x <= 0, 16 lanes: 2^round(x) * 2^r, |r| <= 1/2. For fp32 probabilities Cephes'
+// degree-6 exp2f polynomial (~1 ulp); for bf16 ones (rounded to 8 bits next) the degree-4 Taylor
+// series of e^(r ln2) (relative error <= 4.2e-5), two FMAs fewer per 16 keys.
+template <typename C>
+static inline __m512 exp2_16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(x, n);
+  __m512 p;
+  if constexpr (std::is_same_v<C, c10::BFloat16>) {
+    p = _mm512_set1_ps(9.6181291e-3f);
+    for (float c : {5.5504109e-2f, 0.24022651f, 0.69314718f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  } else {
+    p = _mm512_set1_ps(1.535336188319500e-4f);
+    for (float c : {1.339887440266574e-3f, 9.618437357674640e-3f, 5.550332471162809e-2f, 2.402264791363012e-1f,
+                    6.931472028550421e-1f, 1.f})
+      p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  }
   return _mm512_scalef_ps(p, n);
 }
 #endif
@@ -369,10 +475,11 @@ template <typename C, typename T> static inline C as(T x) { return static_cast<C
 template <> inline c10::BFloat16 as<c10::BFloat16, c10::BFloat16>(c10::BFloat16 x) { return x; }
 template <> inline float as<float, float>(float x) { return x; }
 
-// One row of scores s[KT] (unscaled) -> probabilities p[KT] in C, for keys [0, valid) of the tile;
-// updates the row's running max and sum, returns the factor its accumulator must be scaled by.
+// One row of scores s[n] (unscaled; n a multiple of 16) -> probabilities p[n] in C, for keys
+// [0, valid) (the rest 0); updates the row's running max and sum, returns the factor its accumulator
+// must be scaled by.
 template <typename C>
-static inline float softmax_row(float* s, C* p, int64_t valid, float scale, float& mx, float& sum) {
+static inline float softmax_row(const float* s, C* p, int64_t n, int64_t valid, float scale, float& mx, float& sum) {
   float rmax = mx;
   float rsum = 0.f;
   int64_t t = 0;
@@ -382,22 +489,28 @@ static inline float softmax_row(float* s, C* p, int64_t valid, float scale, floa
     auto live = [valid](int64_t t) -> __mmask16 {
       return t >= valid ? 0 : t + 16 <= valid ? 0xFFFF : (1u << (valid - t)) - 1;
     };
+    // whole vectors of visible keys unmasked; the causal edge's vector and the rest masked
+    const int64_t full = std::clamp<int64_t>(valid, 0, n) / 16 * 16;
     __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t u = 0; u < KT; u += 16) vmax = _mm512_mask_max_ps(vmax, live(u), vmax, _mm512_loadu_ps(s + u));
+    for (int64_t u = 0; u < full; u += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + u));
+    if (full < valid) vmax = _mm512_mask_max_ps(vmax, live(full), vmax, _mm512_loadu_ps(s + full));
     rmax = std::max(rmax, _mm512_reduce_max_ps(vmax) * scale);  // scale > 0
-    const __m512 sc = _mm512_set1_ps(scale), mneg = _mm512_set1_ps(-rmax);
+    // e^(s * scale - max) as 2^x: one FMA to x, then 2^frac(x) by a polynomial and scalef
+    constexpr float log2e = 1.44269504088896341f;
+    const __m512 sc = _mm512_set1_ps(scale * log2e), mneg = _mm512_set1_ps(-rmax * log2e);
     __m512 acc = _mm512_setzero_ps();
-    for (; t < KT; t += 16) {
-      const __m512 e = _mm512_maskz_mov_ps(live(t), exp_neg16(_mm512_fmadd_ps(_mm512_loadu_ps(s + t), sc, mneg)));
+    for (; t < n; t += 16) {
+      __m512 e = exp2_16<C>(_mm512_fmadd_ps(_mm512_loadu_ps(s + t), sc, mneg));
+      if (t >= full) e = _mm512_maskz_mov_ps(live(t), e);
       acc = _mm512_add_ps(acc, e);
       store16(p + t, e);
     }
     rsum = _mm512_reduce_add_ps(acc);
   }
 #endif
-  if (t < KT)
+  if (t < n)
     for (int64_t u = 0; u < valid; ++u) rmax = std::max(rmax, s[u] * scale);
-  for (; t < KT; ++t) {
+  for (; t < n; ++t) {
     const float e = t < valid ? exp_neg(s[t] * scale - rmax) : 0.f;
     rsum += e;
     p[t] = as<C>(e);
@@ -408,45 +521,53 @@ static inline float softmax_row(float* s, C* p, int64_t valid, float scale, floa
   return alpha;
 }
 
-// T: storage dtype; C: GEMM input dtype (T itself with AMX packing, else float)
+// T: storage dtype; C: GEMM input dtype (T itself with AMX packing, else float).
+// Keys go in tiles of KS: one softmax pass per row and one PV GEMM per tile (K = the tile's keys:
+// with AMX a longer accumulation per C tile load/store), QK^T in KT-key GEMMs (the packing limit).
+constexpr int64_t KS = 4 * KT;
 template <typename T, typename C>
-static void prefill(const T* q, T* out, const T* kv, int64_t h, int64_t kh, int64_t bs, int64_t d,
+static void prefill(const T* q, int64_t q_row, T* out, const T* kv, int64_t h, int64_t kh, int64_t bs, int64_t d,
                     int64_t block_stride, int64_t layer_off, const int64_t* tab, int64_t max_blocks,
                     const int64_t* start, const int64_t* len, const int64_t* ctx, int64_t seqs, float scale) {
   constexpr bool amx = !std::is_same_v<C, float>;
   constexpr auto dt = c10::CppTypeToScalarType<C>::value;
-  const int64_t g = h / kh, qt = std::max<int64_t>(1, 128 / g), v_off = kh * bs * d, tile = KT * d;
-  // phase 1: pack. tile0[s]: index of sequence s's first tile; its head hk's tiles follow at hk * ntiles
+  const int64_t g = h / kh, qt = std::max<int64_t>(1, 128 / g), v_off = kh * bs * d, tile = KS * d;
+  // phase 1: pack. tile0[s]: index of sequence s's first tile; its head hk's tiles follow at hk * ntiles.
+  // A tile: K^T as KS / KT blocks [d, KT] (each VNNI-packed with AMX), then V [KS, d] (packed per 64 columns)
   std::vector<int64_t> tile0(seqs + 1, 0);
-  for (int64_t s = 0; s < seqs; ++s) tile0[s + 1] = tile0[s] + kh * ((ctx[s] + KT - 1) / KT);
+  for (int64_t s = 0; s < seqs; ++s) tile0[s + 1] = tile0[s] + kh * ((ctx[s] + KS - 1) / KS);
   const torch::Tensor kbuf = torch::empty({tile0[seqs], tile}, torch::dtype(dt));
   const torch::Tensor vbuf = torch::empty({tile0[seqs], tile}, torch::dtype(dt));
   C* kp = kbuf.data_ptr<C>();
   C* vp = vbuf.data_ptr<C>();
   at::parallel_for(0, tile0[seqs], 1, [&](int64_t begin, int64_t end) {
+    PhaseClock clock;
     std::vector<C> kt(tile), vt(tile);
     int64_t s = 0;
     for (int64_t i = begin; i < end; ++i) {
       while (tile0[s + 1] <= i) ++s;
-      const int64_t nt = (ctx[s] + KT - 1) / KT, hk = (i - tile0[s]) / nt, k0 = (i - tile0[s]) % nt * KT;
-      const int64_t cnt = std::min(KT, ctx[s] - k0);
-      C* kd = amx ? kt.data() : kp + i * tile;  // K^T [d, KT] and V [KT, d], zero past the end
+      const int64_t nt = (ctx[s] + KS - 1) / KS, hk = (i - tile0[s]) / nt, k0 = (i - tile0[s]) % nt * KS;
+      const int64_t cnt = std::min(KS, ctx[s] - k0);
+      C* kd = amx ? kt.data() : kp + i * tile;  // K^T blocks and V [KS, d], zero past the end
       C* vd = amx ? vt.data() : vp + i * tile;
-      for (int64_t t = 0; t < KT; ++t) {
+      for (int64_t t = 0; t < KS; ++t) {
+        C* kb = kd + t / KT * KT * d + t % KT;  // column t % KT of block t / KT
         if (t < cnt) {
           const int64_t tok = k0 + t;
           const T* kr = kv + tab[s * max_blocks + tok / bs] * block_stride + layer_off + (hk * bs + tok % bs) * d;
-          for (int64_t x = 0; x < d; ++x) { kd[x * KT + t] = as<C>(kr[x]); vd[t * d + x] = as<C>(kr[v_off + x]); }
+          for (int64_t x = 0; x < d; ++x) { kb[x * KT] = as<C>(kr[x]); vd[t * d + x] = as<C>(kr[v_off + x]); }
         } else {
-          for (int64_t x = 0; x < d; ++x) { kd[x * KT + t] = C(0); vd[t * d + x] = C(0); }
+          for (int64_t x = 0; x < d; ++x) { kb[x * KT] = C(0); vd[t * d + x] = C(0); }
         }
       }
       if constexpr (amx) {
-        at::native::cpublas::pack(d, KT, KT, KT, dt, dt, kt.data(), kp + i * tile);
+        for (int64_t b = 0; b < KS; b += KT)
+          at::native::cpublas::pack(d, KT, KT, KT, dt, dt, kt.data() + b * d, kp + i * tile + b * d);
         for (int64_t c0 = 0; c0 < d; c0 += 64)  // at most 64 columns per packed block
-          at::native::cpublas::pack(KT, 64, d, 64, dt, dt, vt.data() + c0, vp + i * tile + c0 * KT);
+          at::native::cpublas::pack(KS, 64, d, 64, dt, dt, vt.data() + c0, vp + i * tile + c0 * KS);
       }
     }
+    NS_LAP(clock, kPack);
   });
   // phase 2: attend
   struct Task { int64_t s, hk, r0, r1, work; };
@@ -462,16 +583,17 @@ static void prefill(const T* q, T* out, const T* kv, int64_t h, int64_t kh, int6
   const int64_t nthreads = std::min<int64_t>(at::get_num_threads(), tasks.size());
   at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
     const int64_t mmax = (qt * g + 15) / 16 * 16;
-    std::vector<C> qb(mmax * d), pb(mmax * KT);
-    std::vector<float> sc(mmax * KT), acc(mmax * d), mx(mmax), sum(mmax);
+    std::vector<C> qb(mmax * d), pb(mmax * KS);
+    std::vector<float> sc(mmax * KS), acc(mmax * d), mx(mmax), sum(mmax);
     std::vector<int64_t> pos(mmax);
+    PhaseClock clock;
     for (int64_t i = next++; i < static_cast<int64_t>(tasks.size()); i = next++) {
       const Task& w = tasks[i];
       const int64_t off = ctx[w.s] - len[w.s], rows = (w.r1 - w.r0) * g, m = (rows + 15) / 16 * 16;
       for (int64_t r = 0; r < m; ++r) {  // row r: query token r0 + r / g, head hk * g + r % g
         C* dst = qb.data() + r * d;
         if (r < rows) {
-          const T* src = q + ((start[w.s] + w.r0 + r / g) * h + w.hk * g + r % g) * d;
+          const T* src = q + (start[w.s] + w.r0 + r / g) * q_row + (w.hk * g + r % g) * d;
           for (int64_t x = 0; x < d; ++x) dst[x] = as<C>(src[x]);
           pos[r] = off + w.r0 + r / g;
         } else {  // padding rows (to whole AMX tiles): zeros that see every key, output dropped
@@ -482,12 +604,16 @@ static void prefill(const T* q, T* out, const T* kv, int64_t h, int64_t kh, int6
       std::fill(acc.begin(), acc.begin() + m * d, 0.f);
       std::fill(mx.begin(), mx.begin() + m, -std::numeric_limits<float>::infinity());
       std::fill(sum.begin(), sum.begin() + m, 0.f);
-      const int64_t nt = (ctx[w.s] + KT - 1) / KT, first = tile0[w.s] + w.hk * nt;
-      for (int64_t j = 0, k0 = 0; k0 < off + w.r1; ++j, k0 += KT) {
-        const int64_t cnt = std::min(KT, off + w.r1 - k0);
-        at::native::cpublas::brgemm(m, KT, d, d, KT, KT, false, qb.data(), kp + (first + j) * tile, sc.data(), amx);
+      const int64_t nt = (ctx[w.s] + KS - 1) / KS, first = tile0[w.s] + w.hk * nt;
+      NS_LAP(clock, kQload);
+      for (int64_t j = 0, k0 = 0; k0 < off + w.r1; ++j, k0 += KS) {
+        const int64_t cnt = std::min(KS, off + w.r1 - k0), kk = (cnt + KT - 1) / KT * KT;  // keys any row sees
+        const C* kt = kp + (first + j) * tile;
+        for (int64_t b = 0; b < kk; b += KT)
+          at::native::cpublas::brgemm(m, KT, d, d, KT, KS, false, qb.data(), kt + b * d, sc.data() + b, amx);
+        NS_LAP(clock, kQK);
         for (int64_t r = 0; r < m; ++r) {  // keys k0 .. pos[r] are visible to row r (causal)
-          const float alpha = softmax_row(sc.data() + r * KT, pb.data() + r * KT, std::min(cnt, pos[r] - k0 + 1),
+          const float alpha = softmax_row(sc.data() + r * KS, pb.data() + r * KS, kk, std::min(cnt, pos[r] - k0 + 1),
                                           scale, mx[r], sum[r]);
           if (alpha != 1.f) {
             float* a = acc.data() + r * d;
@@ -495,19 +621,22 @@ static void prefill(const T* q, T* out, const T* kv, int64_t h, int64_t kh, int6
             for (int64_t x = 0; x < d; ++x) a[x] *= alpha;
           }
         }
+        NS_LAP(clock, kSoftmax);
         const C* vt = vp + (first + j) * tile;
-        if constexpr (amx) {
+        if constexpr (amx) {  // the first kk rows of each packed column block
           for (int64_t c0 = 0; c0 < d; c0 += 64)
-            at::native::cpublas::brgemm(m, 64, KT, KT, 64, d, true, pb.data(), vt + c0 * KT, acc.data() + c0, true);
+            at::native::cpublas::brgemm(m, 64, kk, KS, 64, d, true, pb.data(), vt + c0 * KS, acc.data() + c0, true);
         } else {
-          at::native::cpublas::brgemm(m, d, KT, KT, d, d, true, pb.data(), vt, acc.data(), false);
+          at::native::cpublas::brgemm(m, d, kk, KS, d, d, true, pb.data(), vt, acc.data(), false);
         }
+        NS_LAP(clock, kPV);
       }
       for (int64_t r = 0; r < rows; ++r) {
         T* o = out + ((start[w.s] + w.r0 + r / g) * h + w.hk * g + r % g) * d;
         const float inv = 1.f / sum[r];
         for (int64_t x = 0; x < d; ++x) o[x] = static_cast<T>(acc[r * d + x] * inv);
       }
+      NS_LAP(clock, kStore);
     }
     if constexpr (amx) at::native::cpublas::brgemm_release(true);
   });
@@ -515,10 +644,14 @@ static void prefill(const T* q, T* out, const T* kv, int64_t h, int64_t kh, int6
 
 // q [T, h, d]: the step's prefill rows; sequence i's are q[start[i] : start[i] + len[i]], the last
 // len[i] of its ctx[i] tokens, whose K/V (the new ones included) are in the cache at tables[i].
-torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor cache, int64_t layer, torch::Tensor tables,
+// q's rows may be strided (a view of the fused QKV output: no copy); the result goes to `out`
+// (contiguous, q's shape).
+void paged_prefill_attention(torch::Tensor q, torch::Tensor out, torch::Tensor cache, int64_t layer, torch::Tensor tables,
                                       torch::Tensor start, torch::Tensor len, torch::Tensor ctx, double scale,
                                       bool allow_amx) {
-  TORCH_CHECK(q.is_contiguous() && cache.is_contiguous() && tables.is_contiguous() && start.is_contiguous() &&
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2) && q.stride(0) >= q.size(1) * q.size(2) &&
+              out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type());
+  TORCH_CHECK(cache.is_contiguous() && tables.is_contiguous() && start.is_contiguous() &&
               len.is_contiguous() && ctx.is_contiguous() && q.dim() == 3 && cache.dim() == 6);
   TORCH_CHECK(q.scalar_type() == cache.scalar_type() && tables.scalar_type() == torch::kLong &&
               start.scalar_type() == torch::kLong && len.scalar_type() == torch::kLong &&
@@ -537,9 +670,8 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor cache, int6
       TORCH_CHECK(tab[i * tables.size(1) + b] >= 0 && tab[i * tables.size(1) + b] < cache.size(0),
                   "paged_prefill_attention: block out of range");
   }
-  auto out = torch::empty_like(q);
   const int64_t block_stride = cache.size(1) * 2 * kh * bs * d, layer_off = layer * 2 * kh * bs * d;
-#define NS_ARGS(T) q.data_ptr<T>(), out.data_ptr<T>(), cache.data_ptr<T>(), h, kh, bs, d, block_stride, layer_off, \
+#define NS_ARGS(T) q.data_ptr<T>(), q.stride(0), out.data_ptr<T>(), cache.data_ptr<T>(), h, kh, bs, d, block_stride, layer_off, \
     tab, tables.size(1), st, ln, cx, seqs, static_cast<float>(scale)
   switch (q.scalar_type()) {
     case torch::kBFloat16:
@@ -551,10 +683,18 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor cache, int6
     default: TORCH_CHECK(false, "paged_prefill_attention: unsupported dtype");
   }
 #undef NS_ARGS
-  return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+#if defined(NS_PHASE_TIMES)
+  m.def("phase_times", []() {  // {phase: seconds} since the last call, summed over threads
+    std::map<std::string, double> r;
+    const char* names[kPhases] = {"pack K/V", "load Q", "QK^T GEMM", "softmax", "PV GEMM", "store O",
+                                  "decode q.k", "decode softmax", "decode p.V"};
+    for (int p = 0; p < kPhases; ++p) r[names[p]] = phase_ns[p].exchange(0) * 1e-9;
+    return r;
+  });
+#endif
   m.def("paged_prefill_attention", &paged_prefill_attention);
   m.def("amx", []() { return at::native::cpublas::could_pack(torch::kBFloat16); });
   m.def("paged_decode_attention", &paged_decode_attention);

@@ -131,13 +131,13 @@ class TorchAttention(AttentionBackend):
         else:  # indexed assignment writes in place (index_put_); `cache[idx].copy_()` would not
             k_cache[b.slot_blocks, :, b.slot_offsets] = k
             v_cache[b.slot_blocks, :, b.slot_offsets] = v
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous; q may be a strided view
         nd = b.num_decodes
         if nd:
             out[:nd] = self._decode(q[:nd], layer)
-        if self.pre_args is not None:
-            out[nd:] = self.kernels.paged_prefill_attention(q[nd:].contiguous(), self.kv_cache, layer,
-                                                            *self.pre_args, self.scale, self.amx)
+        if self.pre_args is not None:  # reads q's strided rows in place, writes straight into out
+            self.kernels.paged_prefill_attention(q[nd:], out[nd:], self.kv_cache, layer, *self.pre_args,
+                                                 self.scale, self.amx)
         for p in self.prefills:
             qp = q[p.start:p.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             if p.blocks is None:
