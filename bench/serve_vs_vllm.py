@@ -49,6 +49,9 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--max-concurrency", default="8", help="one or more, comma-separated")
     ap.add_argument("--nanoserve-args", default="", help="extra nanoserve flags, e.g. '--cpu-threads 2'")
+    ap.add_argument("--peer-first", action="store_true",
+                    help="start vLLM before nanoserve (with both up, start order shifted an A/B of two "
+                         "nanoserve trees by 6-10%%: bench/ab_serve.py)")
     ap.add_argument("--json", default=str(HERE / "results" / "serve_vs_vllm.json"))
     args = ap.parse_args()
     import serve_bench
@@ -60,12 +63,17 @@ def main() -> int:
     concs = [int(c) for c in args.max_concurrency.split(",")]
     print(f"{cpu_name()}; dtype {dtype}; {args.input_len} in / {args.output_len} out per request, "
           f"concurrency {concs}", flush=True)
-    ns = ServerProcess("--dtype", dtype, "--kv-cache-gb", "1", *args.nanoserve_args.split(), startup_timeout=600)
+    start = {"nanoserve": lambda: ServerProcess("--dtype", dtype, "--kv-cache-gb", "1", *args.nanoserve_args.split(),
+                                                startup_timeout=600),
+             "vllm": lambda: VllmServer(hf, dtype, port=8100, kv_cache_gb=1)}
+    first, second = ("vllm", "nanoserve") if args.peer_first else ("nanoserve", "vllm")
+    up = {first: start[first]()}
     try:
-        vl = VllmServer(hf, dtype, port=8100, kv_cache_gb=1)
+        up[second] = start[second]()
     except BaseException:
-        ns.stop()
+        up[first].stop()
         raise
+    ns, vl = up["nanoserve"], up["vllm"]
     servers = {"nanoserve": ns.base_url, "vllm": vl.base_url}
     raw: dict[int, dict[str, list[dict]]] = {c: {k: [] for k in servers} for c in concs}
     try:
