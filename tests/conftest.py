@@ -26,7 +26,7 @@ def pytest_collection_modifyitems(items) -> None:
     """`server`: the test starts a real server or an engine core (seconds each); `make test-fast`
     (pytest -m "not server") leaves them out while developing. CI runs everything."""
     for item in items:
-        if any(hasattr(item.module, name) for name in ("ServerProcess", "EngineClient")):
+        if "server" in item.fixturenames or any(hasattr(item.module, n) for n in ("ServerProcess", "EngineClient")):
             item.add_marker(pytest.mark.server)
 
 
@@ -82,3 +82,23 @@ def hf_greedy(model_dir_or_model, prompts: list[list[int]], max_new_tokens: int)
 def random_prompts(n: int, lo: int, hi: int, vocab: int = 49152, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(100, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+# One server with the default options for every module that does not start its own (a module-level
+# `server` fixture with other options overrides this one).
+@pytest.fixture(scope="session")
+def server():
+    from server_fixture import ServerProcess
+    s = ServerProcess()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    return server.client()
+
+
+@pytest.fixture(scope="session")
+def model(client):
+    return client.models.list().data[0].id

@@ -1,5 +1,5 @@
 """The OpenAI-compatible server, end to end: a real `nanoserve` subprocess on the embedded model,
-the real `openai` client and httpx. One server for the whole module."""
+the real `openai` client and httpx. The default-options server from conftest.py (one per session)."""
 from __future__ import annotations
 
 import asyncio
@@ -10,28 +10,11 @@ import httpx
 import openai
 import pytest
 
-from server_fixture import ServerProcess, assert_error, m
+from server_fixture import assert_error, m
 
 PROMPT = "Hello, my name is"
 LONG_PROMPT = ("The quick brown fox jumps over the lazy dog while the farmer watches from the porch and "
                "thinks about the harvest, the weather, and the price of grain at the market this autumn.")
-
-
-@pytest.fixture(scope="module")
-def server():
-    s = ServerProcess()
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from server_fixture import ServerProcess, assert_error
+from server_fixture import assert_error
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "address"], "properties": {
     "name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
@@ -33,23 +33,6 @@ TIME = {"type": "function", "function": {"name": "get_time", "description": "Cur
                                                             "tz": {"type": "string", "maxLength": 16}}}}}
 TOOLS = [WEATHER, TIME]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def server():
-    s = ServerProcess()
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 def _fmt(schema: dict) -> dict:
