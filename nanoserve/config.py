@@ -16,8 +16,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 def opt(default, help: str, **cli) -> typing.Any:
     """A field that is also a command-line flag. `cli` keys: choices, metavar, group, flag (spelling
-    other than --field-name; for a bool defaulting to True, a flag that turns it off), negatable
-    (--x/--no-x), mutex (name of a mutually exclusive set)."""
+    other than --field-name; for a bool defaulting to True, a flag that turns it off), aliases (more
+    spellings), negatable (--x/--no-x), mutex (name of a mutually exclusive set)."""
     return field(default=default, metadata={"help": help, **cli})
 
 
@@ -65,6 +65,20 @@ class EngineConfig:
     max_num_seqs: int = opt(128, "most sequences in one batch", group="scheduling")
     max_num_batched_tokens: int = opt(2048, "token budget of one engine step (prefill chunks + decodes)",
                                       group="scheduling")
+    tensor_parallel_size: int = opt(1, "shard the model over N ranks (Megatron-style tensor parallelism: one "
+                                    "scheduler, N workers; NCCL on CUDA, gloo on CPU)", metavar="N",
+                                    aliases=("-tp",), group="distributed")
+    nnodes: int = opt(1, "nodes the tensor-parallel ranks span (each holds N / nnodes of them)", group="distributed")
+    node_rank: int = opt(0, "this node's index; node 0 serves the API, the others only run workers",
+                         group="distributed")
+    master_addr: str | None = opt(None, "address of node 0, where the ranks "
+                           "meet (default: $MASTER_ADDR, else 127.0.0.1)", group="distributed")
+    master_port: int | None = opt(None, "port on node 0 where the ranks meet "
+                           "(default: $MASTER_PORT, else a free port; needed with --nnodes > 1)",
+                           group="distributed")
+    distributed_timeout: float = opt(120.0, "seconds a rank waits for the others (start-up, and a collective "
+                                     "inside a step) before the engine gives up with an error",
+                                     group="distributed")
     # Python API only: where flash-attn's functions come from, "module" or "module:attribute" (tests
     # name a pure-torch stand-in, tests.flash_ref); a name, so it crosses to the engine process
     flash_attn_module: str = "flash_attn"
@@ -83,6 +97,15 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.host_cache_gb < 0:
             raise ValueError("host_cache_gb must be >= 0")
+        self.master_addr = self.master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
+        self.master_port = self.master_port or int(os.environ.get("MASTER_PORT", "0"))
+        tp, nodes = self.tensor_parallel_size, self.nnodes
+        if tp < 1 or nodes < 1 or tp % nodes:
+            raise ValueError(f"--tensor-parallel-size ({tp}) must be >= 1 and a multiple of --nnodes ({nodes})")
+        if not 0 <= self.node_rank < nodes:
+            raise ValueError(f"--node-rank must be in [0, {nodes}), got {self.node_rank}")
+        if nodes > 1 and not self.master_port:
+            raise ValueError("--nnodes > 1 needs --master-port (or $MASTER_PORT) and --master-addr on every node")
         if self.host_cache_gb and not self.enable_prefix_caching:
             raise ValueError("--host-cache-gb needs prefix caching; drop --no-prefix-caching")
 
@@ -186,7 +209,7 @@ def _add_class_flags(parser: argparse.ArgumentParser, cls: type, groups: dict[st
         else:
             kw["type"] = next(t for t in typing.get_args(typ) or (typ,) if t is not type(None))
             kw.update({k: meta[k] for k in ("choices", "metavar") if k in meta})
-        group.add_argument(meta.get("flag") or "--" + f.name.replace("_", "-"), **kw)
+        group.add_argument(meta.get("flag") or "--" + f.name.replace("_", "-"), *meta.get("aliases", ()), **kw)
 
 
 def from_args(cls: type, args: argparse.Namespace):

@@ -22,6 +22,16 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._ids = count()
 
+    def close(self) -> None:
+        """End KV copies and stop tensor-parallel workers (also done at interpreter exit)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

@@ -13,7 +13,7 @@ import contextlib
 import gc
 import logging
 from dataclasses import dataclass, field, replace
-from typing import Callable, ContextManager
+from typing import Callable, ContextManager, Protocol
 
 import torch
 
@@ -34,6 +34,30 @@ class PromptLogitRows:
     seq: Sequence
     first_target: int
     count: int
+
+
+@dataclass
+class StepPlan:
+    """One step's forward, as plain data (it crosses to the other tensor-parallel ranks): per-token
+    rows (ids, positions, KV slots), the rows whose logits are wanted, and per-sequence attention
+    metadata, decodes first. `bucket`: a pure-decode step padded to that batch size (graph replay)."""
+    ids: list[int]
+    positions: list[int]
+    slot_blocks: list[int]
+    slot_offsets: list[int]
+    logits_rows: list[int]
+    query_lens: list[int]
+    context_lens: list[int]
+    tables: list[list[int]]
+    num_decodes: int
+    bucket: int | None = None
+
+
+class StepListener(Protocol):
+    """Told about every step's plan before this rank runs it (the tensor-parallel leader sends it
+    to the other ranks), and when the forward has returned."""
+    def before(self, plan: StepPlan) -> None: ...
+    def after(self) -> None: ...
 
 
 @dataclass
@@ -103,6 +127,7 @@ class ModelRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_logits: torch.Tensor | None = None  # one static output, shared by every bucket's graph
         self.steps_graphed = self.steps_eager = self.steps_padded = 0
+        self.listener: StepListener | None = None
         if paged and opts.cuda_graphs and device.type == "cuda":
             self.capture_graphs()
 
@@ -111,72 +136,91 @@ class ModelRunner:
         """Compute one step. Returns logits whose first S rows belong to the S sequences whose
         scheduled tokens reach their end (they sample next), in that order, followed by the rows
         that score prompt tokens for requests that asked for prompt logprobs."""
+        plan, samplers, prompt_rows = self.plan(scheduled)
+        if self.listener is not None:
+            self.listener.before(plan)
+        logits = self.execute(plan)
+        if self.listener is not None:
+            self.listener.after()
+        return logits, samplers, prompt_rows
+
+    def plan(self, scheduled: list[ScheduledSeq]) -> tuple[StepPlan, list[Sequence], list[PromptLogitRows]]:
         # decodes first: both backends attend them together
         decodes = [s for s in scheduled if self._is_decode(s)]
         order = decodes + [s for s in scheduled if not self._is_decode(s)]
         bucket = self._bucket(len(decodes)) if len(decodes) == len(order) else None
         if bucket is not None and (bucket in self.graphs or self.opts.padded_decode):
-            return self._run_padded_decode(order, bucket)
+            return self._plan_padded_decode(order, bucket), [s.seq for s in order], []
         bs = self.layout.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slot_blocks: list[int] = []
-        slot_offsets: list[int] = []
-        query_lens, context_lens, tables = [], [], []
-        logits_idx: list[int] = []
+        plan = StepPlan([], [], [], [], [], [], [], [], len(decodes))
         samplers: list[Sequence] = []
         prompt_idx: list[int] = []
         prompt_rows: list[PromptLogitRows] = []
         for s in order:
             seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_tokens
-            ids.extend(seq.token_ids[start:start + n])
+            plan.ids.extend(seq.token_ids[start:start + n])
             pos = range(start, start + n)
-            positions.extend(pos)
+            plan.positions.extend(pos)
             table = seq.block_table
-            slot_blocks.extend(table[p // bs] for p in pos)
-            slot_offsets.extend(p % bs for p in pos)
-            query_lens.append(n)
-            context_lens.append(start + n)
-            tables.append(table)
+            plan.slot_blocks.extend(table[p // bs] for p in pos)
+            plan.slot_offsets.extend(p % bs for p in pos)
+            plan.query_lens.append(n)
+            plan.context_lens.append(start + n)
+            plan.tables.append(table)
             if start + n == seq.num_tokens:
-                logits_idx.append(len(ids) - 1)
+                plan.logits_rows.append(len(plan.ids) - 1)
                 samplers.append(seq)
             if seq.wants_prompt_logprobs:  # position p scores token p + 1; skip ones already scored
                 first = max(start, len(seq.prompt_logprobs) - 1)
                 end = min(start + n, seq.num_prompt_tokens - 1)
                 if end > first:
-                    base = len(ids) - n - start
+                    base = len(plan.ids) - n - start
                     prompt_idx.extend(range(base + first, base + end))
                     prompt_rows.append(PromptLogitRows(seq, first + 1, end - first))
-        n_tok, rows = len(ids), logits_idx + prompt_idx
+        plan.logits_rows += prompt_idx
+        return plan, samplers, prompt_rows
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> torch.Tensor | None:
+        """The forward of a plan (on every tensor-parallel rank); logits on rank 0, None elsewhere."""
+        if plan.bucket is not None:
+            return self._run_padded_decode(plan)
+        n_tok, rows = len(plan.ids), plan.logits_rows
         buf = self._stage(n_tok)
-        buf[_IDS, :n_tok] = ids
-        buf[_POS, :n_tok] = positions
-        buf[_BLK, :n_tok] = slot_blocks
-        buf[_OFF, :n_tok] = slot_offsets
+        buf[_IDS, :n_tok] = plan.ids
+        buf[_POS, :n_tok] = plan.positions
+        buf[_BLK, :n_tok] = plan.slot_blocks
+        buf[_OFF, :n_tok] = plan.slot_offsets
         buf[_LOGITS, :len(rows)] = rows
         dev = self.inputs.upload(5)[:, :n_tok]
-        self.attn.prepare(AttentionBatch(query_lens, context_lens, tables, len(decodes), dev[_BLK], dev[_OFF]))
+        self.attn.prepare(AttentionBatch(plan.query_lens, plan.context_lens, plan.tables, plan.num_decodes,
+                                         dev[_BLK], dev[_OFF]))
         self.staging.end_uploads()
         logits = self.model(dev[_IDS], dev[_POS], self.attn, dev[_LOGITS, :len(rows)])
         self.steps_eager += 1
-        return logits, samplers, prompt_rows
+        return logits
 
     # ---- padded pure-decode steps (CUDA graph replay, or the same path eagerly) -----------------
     def _bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
 
-    def _run_padded_decode(self, decodes: list[ScheduledSeq], bucket: int):
-        bs, n = self.layout.block_size, len(decodes)
-        buf = self._stage(bucket)
+    def _plan_padded_decode(self, decodes: list[ScheduledSeq], bucket: int) -> StepPlan:
+        bs = self.layout.block_size
         seqs = [s.seq for s in decodes]
         pos = [s.num_computed_tokens for s in seqs]
-        buf[_IDS, :n] = [s.token_ids[p] for s, p in zip(seqs, pos)]
-        buf[_POS, :n] = pos
-        buf[_BLK, :n] = [s.block_table[p // bs] for s, p in zip(seqs, pos)]
-        buf[_OFF, :n] = [p % bs for p in pos]
+        return StepPlan([s.token_ids[p] for s, p in zip(seqs, pos)], pos,
+                        [s.block_table[p // bs] for s, p in zip(seqs, pos)], [p % bs for p in pos],
+                        [], [1] * len(seqs), [p + 1 for p in pos], [s.block_table for s in seqs], len(seqs), bucket)
+
+    def _run_padded_decode(self, plan: StepPlan) -> torch.Tensor | None:
+        n, bucket = len(plan.ids), plan.bucket
+        buf = self._stage(bucket)
+        buf[_IDS, :n] = plan.ids
+        buf[_POS, :n] = plan.positions
+        buf[_BLK, :n] = plan.slot_blocks
+        buf[_OFF, :n] = plan.slot_offsets
         self._pad_rows(buf, n, bucket)
-        logits = self._padded_forward(bucket, [s.block_table for s in seqs], [p + 1 for p in pos])
+        logits = self._padded_forward(bucket, plan.tables, plan.context_lens)
         if bucket in self.graphs:
             self.steps_graphed += 1
         else:
@@ -185,7 +229,7 @@ class ModelRunner:
         if (self.steps_graphed + self.steps_eager) % 1000 == 0 and self.graphs:
             log.info("decode CUDA graphs: %d of %d steps graphed", self.steps_graphed,
                      self.steps_graphed + self.steps_eager)
-        return logits[:n], seqs, []
+        return logits[:n] if logits is not None else None
 
     def _pad_rows(self, buf, n: int, bucket: int) -> None:
         """Rows n..bucket: token 0 at position 0, written to the scratch block (never read by a
@@ -198,7 +242,7 @@ class ModelRunner:
         self._padded_upload(bucket, tables, context_lens)
         if bucket in self.graphs:
             self.graphs[bucket].replay()
-            return self.graph_logits[:bucket]
+            return self.graph_logits[:bucket] if self.graph_logits is not None else None
         return self._decode_forward(bucket)
 
     def _padded_upload(self, bucket: int, tables: list[list[int]], context_lens: list[int]) -> None:
@@ -272,7 +316,8 @@ class ModelRunner:
                 return
         torch.cuda.synchronize(self.device)
         with torch.inference_mode():
-            self.graph_logits = self._decode_forward(buckets[0]).clone()
+            first = self._decode_forward(buckets[0])  # None on tensor-parallel ranks other than 0
+            self.graph_logits = first.clone() if first is not None else None
         stream = torch.cuda.current_stream(self.device)
         pool = torch.cuda.graph_pool_handle()
         for b in buckets:
@@ -280,7 +325,9 @@ class ModelRunner:
             self._prepare_bucket(b)  # the attention metadata views of this bucket's shape
             try:
                 with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
-                    self.graph_logits[:b].copy_(self._decode_forward(b))
+                    out = self._decode_forward(b)
+                    if self.graph_logits is not None:
+                        self.graph_logits[:b].copy_(out)
             except Exception as e:  # noqa: BLE001 - should not happen after the check above
                 self._abandon_capture(pool, stream, e)
                 return

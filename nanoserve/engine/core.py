@@ -245,7 +245,7 @@ def serve(config: EngineConfig, ctx: zmq.Context, input_addr: str, output_addr: 
         out.close()
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def die_with_parent(parent_pid: int) -> None:
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -257,7 +257,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[1])
-    _die_with_parent(spec["parent_pid"])
+    die_with_parent(spec["parent_pid"])
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=spec["log_level"].upper(), stream=sys.stderr,

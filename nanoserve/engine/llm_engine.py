@@ -6,8 +6,11 @@ thread. `make_request` only reads immutable state, so request validation errors 
 before anything is queued."""
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import time
+import weakref
 from dataclasses import dataclass, field
 from itertools import count
 
@@ -16,15 +19,18 @@ import torch
 from nanoserve.config import EngineConfig
 from nanoserve.engine.grammar import GrammarMatchers
 from nanoserve.engine.protocol import ModelInfo, PromptRequest, check_prompt_request, make_prompt_request
-from nanoserve.kvcache.host_tier import HostTier, host_memory_available
+from nanoserve.distributed.channel import MessageChannel
+from nanoserve.distributed.parallel import TensorParallel, join, leave
+from nanoserve.engine.model_setup import build_shard, host_blocks
+from nanoserve.engine.workers import (Followers, LocalWorkers, ParallelCopier, Setup, describe_fault, plan_node,
+                                      start_worker, stop_workers)
+from nanoserve.kvcache.host_tier import HostTier
 from nanoserve.kvcache.manager import KVCacheManager
-from nanoserve.layers import cpu_kernels
+from nanoserve.kvcache.transfer import make_copier
 from nanoserve.layers.sampler import Sampler
 from nanoserve.models.llama import LlamaModel
-from nanoserve.models.loader import iter_weights, load_config, load_tokenizer, materialize, resolve_model
+from nanoserve.models.loader import load_config, load_tokenizer, materialize, resolve_model
 from nanoserve.outputs import CompletionOutput, RequestOutput
-from nanoserve.layers.backend_choice import resolve_attention
-from nanoserve.runner import KVLayout, ModelRunner, RunnerOptions, profile_memory
 from nanoserve.sampling_params import InvalidRequest, SamplingParams
 from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence
@@ -63,22 +69,22 @@ class LLMEngine:
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype(self.device)
         torch.manual_seed(config.seed)
-        self.model = LlamaModel(self.hf_config, self.dtype, self.device)
-        if config.load_format == "dummy":  # benchmarks: random weights made on the device, nothing read
-            self.model.init_dummy(config.seed)
-        else:
-            self.model.load_weights(iter_weights(self.source))
-        self.model.finalize(cpu_kernels.load() if self.device.type == "cpu" else None)
-        backend, flash, block_size = resolve_attention(config.attention_backend, self.device, self.dtype,
-                                                       config.block_size, config.flash_attn_module)
-        self.layout = KVLayout(self.model.num_layers, block_size, self.model.num_kv_heads,
-                               self.model.head_dim, self.dtype, backend)
-        runner_opts = RunnerOptions(flash, config.max_num_seqs, config.max_num_batched_tokens,
-                                    max_model_len=config.max_model_len or 0, cuda_graphs=not config.enforce_eager)
-        num_blocks = self._num_device_blocks(runner_opts)
-        self.max_model_len = self._max_model_len(num_blocks * block_size)
-        runner_opts.max_model_len = self.max_model_len
-        self.runner = ModelRunner(self.model, self.layout, num_blocks, self.device, runner_opts)
+        self.tp, self.followers, self.local_workers = TensorParallel(), None, None
+        if config.tensor_parallel_size > 1:
+            # refuse a split the model cannot take before starting anything (meta: no memory)
+            LlamaModel(self.hf_config, self.dtype, torch.device("meta"), TensorParallel(0, config.tensor_parallel_size))
+            self._start_workers()
+        try:
+            shard = build_shard(config, self.source, self.hf_config, self.device, self.dtype, self.tp)
+        except BaseException:
+            if self.followers is not None:
+                self._stop_workers()
+            elif self.local_workers is not None:
+                self.local_workers.stop(timeout=0)
+            raise
+        self.model, self.layout, self.runner = shard.model, shard.layout, shard.runner
+        num_blocks, block_size, self.max_model_len = shard.num_blocks, shard.layout.block_size, shard.max_model_len
+        self.runner.listener = self.followers
         host = self._host_tier()
         # the cleaner sizes its target from demand; a watermark only overrides it
         self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching, host,
@@ -109,57 +115,36 @@ class LLMEngine:
                  f"{host.num_bytes / GiB:.2f} GiB" if host else "host tier off", self.max_model_len)
 
     # ---- setup helpers -------------------------------------------------------------------
-    def _num_device_blocks(self, opts: RunnerOptions) -> int:
-        cfg, per_block = self.config, self.layout.bytes_per_block
-        if cfg.num_kv_blocks:
-            return cfg.num_kv_blocks
-        if cfg.kv_cache_gb is not None:
-            budget = cfg.kv_cache_gb * GiB
-        elif self.device.type == "cuda":
-            # the largest step's activations and the decode graphs, measured (runner.profile_memory)
-            prof = profile_memory(self.model, self.layout, self.device, opts)
-            opts.cuda_graphs = opts.cuda_graphs and prof.graphs_ok  # the real runner would fail the same way
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - (1 - cfg.gpu_memory_utilization) * total - prof.activation_bytes - prof.graph_bytes
-            log.info("profiled: %.2f GiB activations at %d tokens per step, %.2f GiB decode graphs",
-                     prof.activation_bytes / GiB, opts.max_num_batched_tokens, prof.graph_bytes / GiB)
-        else:
-            budget = min(4 * GiB, 0.2 * _available_memory())
-        blocks = int(budget // per_block)
-        if blocks < 1:
-            raise ValueError(f"KV cache budget {budget / GiB:.3f} GiB holds no block "
-                             f"({per_block / GiB:.4f} GiB each); raise --kv-cache-gb")
-        return blocks
-
-    def _max_model_len(self, kv_tokens: int) -> int:
-        """An explicit length the model or the KV cache cannot hold refuses to start (as vLLM
-        does); the model's own length is capped by the KV capacity with a warning."""
-        model_max, asked = self.hf_config.max_position_embeddings, self.config.max_model_len
-        if asked:
-            if asked > model_max:
-                raise ValueError(f"--max-model-len {asked} exceeds the model's max_position_embeddings "
-                                 f"{model_max}")
-            if asked > kv_tokens:
-                raise ValueError(f"--max-model-len {asked} does not fit the KV cache: it holds {kv_tokens} "
-                                 f"tokens; raise --kv-cache-gb or lower --max-model-len")
-            return asked
-        if model_max > kv_tokens:
-            log.warning("max_model_len capped at the KV cache capacity: %d tokens (the model supports %d); "
-                        "raise --kv-cache-gb for longer contexts", kv_tokens, model_max)
-        return min(model_max, kv_tokens)
+    def _start_workers(self) -> None:
+        """Tensor parallel: start this node's other ranks, join them as rank 0, send the settings."""
+        specs = plan_node(self.config, self.device)
+        if self.device.type == "cpu" and specs[0].threads is not None:
+            torch.set_num_threads(specs[0].threads)
+            if specs[0].cpus is not None:
+                os.sched_setaffinity(0, specs[0].cpus)
+        self.local_workers = LocalWorkers({s.rank: start_worker(s) for s in specs[1:]})
+        try:
+            self.tp, messages = join(specs[0].rendezvous, 0, self.device)
+        except BaseException:
+            self.local_workers.stop(timeout=0)
+            raise
+        channel = MessageChannel(messages)
+        self.followers = Followers(channel, self.tp)
+        # also at interpreter exit: an offline LLM nobody closed must not leave its workers waiting
+        self._stop_workers = weakref.finalize(self, stop_workers, self.followers, self.local_workers)
+        channel.send(Setup(dataclasses.asdict(self.config), self.source.name, str(self.source.path),
+                           str(self.dtype).removeprefix("torch.")))
+        log.info("tensor parallel: %d ranks (%d on this node), %s", self.tp.size, len(specs),
+                 "NCCL" if self.device.type == "cuda" else "gloo")
 
     def _host_tier(self) -> HostTier | None:
-        gb = self.config.host_cache_gb
-        if not gb:
+        blocks = host_blocks(self.config, self.layout, self.tp.size)
+        if not blocks:
             return None
-        available = _available_memory()
-        if gb * GiB > available:
-            raise ValueError(f"--host-cache-gb {gb} asks for more than this machine has available "
-                             f"({available / GiB:.1f} GiB)")
-        blocks = int(gb * GiB // self.layout.bytes_per_block)
-        if blocks < 1:
-            raise ValueError(f"--host-cache-gb {gb} holds no block ({self.layout.bytes_per_block / GiB:.4f} GiB each)")
-        return HostTier(blocks, self.runner.kv_cache)
+        copier = make_copier(self.device)
+        if self.followers is not None:
+            copier = ParallelCopier(copier, self.followers)
+        return HostTier(blocks, self.runner.kv_cache, copier)
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -244,10 +229,10 @@ class LLMEngine:
         # next step will ask for
         self.kv.offload_cold_blocks(self.scheduler.kv_demand())
         if not sched.scheduled:  # only copies in flight (loads, or saves a deferral waits for): block, don't spin
-            self.scheduler.wait_for_transfers(timeout=0.05)
+            self._parallel(self.scheduler.wait_for_transfers, 0.05)
             return []
         self.stats.steps += 1
-        logits, samplers, prompt_rows = self.runner.run(sched.scheduled)
+        logits, samplers, prompt_rows = self._run(sched)
         for s in sched.scheduled:
             s.seq.num_computed_tokens += s.num_tokens
             self.kv.publish_computed(s.seq)
@@ -266,6 +251,19 @@ class LLMEngine:
                 touched[req.request_id] = req
                 self._append(req, seq, tok, lp, now)
         return [self._output(r) for r in touched.values()]
+
+    def _run(self, sched):
+        return self._parallel(self.runner.run, sched.scheduled)
+
+    def _parallel(self, fn, *args):
+        """Under tensor parallelism any failure where the ranks meet is fatal (ParallelFault): the
+        others may be inside a collective rank 0 will never join."""
+        if self.followers is None:
+            return fn(*args)
+        try:
+            return fn(*args)
+        except Exception as e:
+            raise describe_fault(e, self.local_workers) from e
 
     def _append(self, req: Request, seq: Sequence, tok: int, lp, now: float) -> None:
         seq.token_ids.append(tok)
@@ -310,10 +308,12 @@ class LLMEngine:
         self.scheduler.check_invariants()
 
     def close(self) -> None:
-        """Shutdown: end the KV copies in flight before the host pool is released."""
-        self.kv.close()
-
-
-def _available_memory() -> int:
-    return host_memory_available()  # MemAvailable capped by the container's cgroup limit
+        """Shutdown: end the KV copies in flight before the host pool is released; stop the
+        other tensor-parallel ranks."""
+        try:
+            self.kv.close()
+        finally:
+            if self.followers is not None:
+                self._stop_workers()
+                self.followers = None
 

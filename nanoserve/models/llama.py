@@ -1,14 +1,21 @@
 """Llama-family decoder (Llama 2/3/3.1, Mistral, SmolLM2, Qwen2) reading and writing the paged KV
 cache through an attention backend. Q/K/V and gate/up projections are fused into one matmul each;
-`load_weights` maps HF names onto the fused slices."""
+`load_weights` maps HF names onto the fused slices.
+
+Tensor parallel (distributed/parallel.py): a rank holds its heads' rows of QKV, its columns of
+o_proj, its slice of gate/up and of down, and its rows of the embedding and LM head; the
+constructor's sizes are this rank's, and `weight_targets` says which slice of each checkpoint
+tensor the rank reads, so no rank ever holds a full tensor it does not use."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoserve.distributed.parallel import TensorParallel, shard_heads, split, vocab_rows
 from nanoserve.layers.attention import AttentionBackend
 from nanoserve.layers.linear import Linear
 from nanoserve.layers.rotary import RotaryEmbedding, rotate
@@ -17,29 +24,44 @@ from nanoserve.layers.rotary import RotaryEmbedding, rotate
 FUSED_MAX_ROWS = 32
 
 
+@dataclass(frozen=True)
+class WeightTarget:
+    """Where one checkpoint tensor goes: `dst` (a parameter or rows of a fused one) receives
+    `src.narrow(dim, start, dst.shape[dim])` of a tensor whose full shape is `full_shape`."""
+    dst: torch.Tensor
+    full_shape: tuple[int, ...]
+    dim: int = 0
+    start: int = 0
+
+
 class LlamaModel(nn.Module):
-    def __init__(self, cfg, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg, dtype: torch.dtype, device: torch.device, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.tp = tp = tp or TensorParallel()
         self.hidden = cfg.hidden_size
         self.num_layers = cfg.num_hidden_layers
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or self.hidden // self.num_heads
+        total_heads = cfg.num_attention_heads
+        total_kv = getattr(cfg, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or self.hidden // total_heads
+        self.heads = shard_heads(total_heads, total_kv, tp.size, tp.rank)
+        self.num_heads, self.num_kv_heads = self.heads.num_heads, self.heads.num_kv_heads  # this rank's
         self.eps = cfg.rms_norm_eps
         self.vocab_size = cfg.vocab_size
+        self.vocab_start, self.vocab_end, vocab_rows_here = vocab_rows(self.vocab_size, tp.size, tp.rank)
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
         qkv_bias = bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2"
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        inter = cfg.intermediate_size
+        self.inter_start, inter_end = split(cfg.intermediate_size, tp.size, tp.rank, "intermediate size")
+        inter = inter_end - self.inter_start
         self.inter = inter
         kw = dict(dtype=dtype, device=device)
 
         def p(*shape: int) -> nn.Parameter:
             return nn.Parameter(torch.empty(*shape, **kw), requires_grad=False)
 
-        self.embed = p(self.vocab_size, self.hidden)
+        self.embed = p(vocab_rows_here, self.hidden)
         self.layers = nn.ModuleList()
         for _ in range(self.num_layers):
             layer = nn.Module()
@@ -52,7 +74,9 @@ class LlamaModel(nn.Module):
             layer.down = p(self.hidden, inter)
             self.layers.append(layer)
         self.norm = p(self.hidden)
-        self.lm_head = self.embed if self.tied else p(self.vocab_size, self.hidden)
+        self.lm_head = self.embed if self.tied else p(vocab_rows_here, self.hidden)
+        for table in (self.embed, self.lm_head):  # the last rank's padding rows: zero logits, cut later
+            table[self.vocab_end - self.vocab_start:].zero_()
         scaling = getattr(cfg, "rope_scaling", None)
         theta = getattr(cfg, "rope_theta", None) or (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
         if scaling is None:
@@ -62,45 +86,68 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(self.head_dim, cfg.max_position_embeddings, theta, scaling, dtype, device)
         self.scale = self.head_dim ** -0.5
 
-    def weight_targets(self) -> dict[str, torch.Tensor]:
-        """HF tensor name -> the parameter (or the rows of a fused one) it fills. Checked to cover
-        every element of every parameter exactly once, so a complete checkpoint leaves nothing unset."""
+    def weight_targets(self) -> dict[str, WeightTarget]:
+        """HF tensor name -> where (and which slice of it) this rank loads. Checked to cover every
+        element of every parameter exactly once (vocab padding aside), so a complete checkpoint
+        leaves nothing unset."""
+        d, hid, hs = self.head_dim, self.hidden, self.heads
         q, kv, inter = self.q_size, self.kv_size, self.inter
-        per_layer = {  # HF suffix: (our parameter, rows of it or None for all)
-            "input_layernorm.weight": ("input_norm", None), "post_attention_layernorm.weight": ("post_norm", None),
-            "self_attn.q_proj.weight": ("qkv", (0, q)), "self_attn.k_proj.weight": ("qkv", (q, q + kv)),
-            "self_attn.v_proj.weight": ("qkv", (q + kv, q + 2 * kv)),
-            "self_attn.q_proj.bias": ("qkv_bias", (0, q)), "self_attn.k_proj.bias": ("qkv_bias", (q, q + kv)),
-            "self_attn.v_proj.bias": ("qkv_bias", (q + kv, q + 2 * kv)), "self_attn.o_proj.weight": ("o", None),
-            "mlp.gate_proj.weight": ("gate_up", (0, inter)), "mlp.up_proj.weight": ("gate_up", (inter, 2 * inter)),
-            "mlp.down_proj.weight": ("down", None)}
-        targets = {"embed_tokens.weight": self.embed, "norm.weight": self.norm}
+        total_q, total_kv = self.cfg.num_attention_heads * d, self._total_kv_heads() * d
+        q0, kv0, i0 = hs.q_start * d, hs.kv_start * d, self.inter_start
+        total_inter = self.cfg.intermediate_size
+        per_layer = {  # HF suffix: (our parameter, its rows or None for all, full shape, slice dim, start)
+            "input_layernorm.weight": ("input_norm", None, (hid,), 0, 0),
+            "post_attention_layernorm.weight": ("post_norm", None, (hid,), 0, 0),
+            "self_attn.q_proj.weight": ("qkv", (0, q), (total_q, hid), 0, q0),
+            "self_attn.k_proj.weight": ("qkv", (q, q + kv), (total_kv, hid), 0, kv0),
+            "self_attn.v_proj.weight": ("qkv", (q + kv, q + 2 * kv), (total_kv, hid), 0, kv0),
+            "self_attn.q_proj.bias": ("qkv_bias", (0, q), (total_q,), 0, q0),
+            "self_attn.k_proj.bias": ("qkv_bias", (q, q + kv), (total_kv,), 0, kv0),
+            "self_attn.v_proj.bias": ("qkv_bias", (q + kv, q + 2 * kv), (total_kv,), 0, kv0),
+            "self_attn.o_proj.weight": ("o", None, (hid, total_q), 1, q0),
+            "mlp.gate_proj.weight": ("gate_up", (0, inter), (total_inter, hid), 0, i0),
+            "mlp.up_proj.weight": ("gate_up", (inter, 2 * inter), (total_inter, hid), 0, i0),
+            "mlp.down_proj.weight": ("down", None, (hid, total_inter), 1, i0)}
+        real_vocab = self.vocab_end - self.vocab_start
+        table = lambda p: WeightTarget(p[:real_vocab], (self.vocab_size, hid), 0, self.vocab_start)  # noqa: E731
+        targets = {"embed_tokens.weight": table(self.embed), "norm.weight": WeightTarget(self.norm, (hid,))}
         if not self.tied:
-            targets["lm_head.weight"] = self.lm_head
+            targets["lm_head.weight"] = table(self.lm_head)
         for i, layer in enumerate(self.layers):
-            for suffix, (attr, rows) in per_layer.items():
+            for suffix, (attr, rows, full, dim, start) in per_layer.items():
                 if (param := getattr(layer, attr)) is not None:
-                    targets[f"layers.{i}.{suffix}"] = param if rows is None else param[rows[0]:rows[1]]
+                    dst = param if rows is None else param[rows[0]:rows[1]]
+                    targets[f"layers.{i}.{suffix}"] = WeightTarget(dst, full, dim, start)
         filled = {id(p): 0 for p in self.parameters()}
         for t in targets.values():
-            base = t._base if t._base is not None else t
-            filled[id(base)] += t.numel()
-        assert all(filled[id(p)] == p.numel() for p in self.parameters()), "weight table misses a parameter"
+            base = t.dst._base if t.dst._base is not None else t.dst
+            filled[id(base)] += t.dst.numel()
+        padding = {id(self.embed): self.embed[real_vocab:].numel(), id(self.lm_head): self.lm_head[real_vocab:].numel()}
+        assert all(filled[id(p)] + padding.get(id(p), 0) == p.numel() for p in self.parameters()), \
+            "weight table misses a parameter"
         return targets
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into our (fused) parameters; refuse unknown, misshapen or missing ones."""
+    def _total_kv_heads(self) -> int:
+        return getattr(self.cfg, "num_key_value_heads", None) or self.cfg.num_attention_heads
+
+    def load_weights(self, weights: Iterable[tuple[str, object]]) -> None:
+        """Copy HF-named tensors into our (fused, sharded) parameters; refuse unknown, misshapen
+        or missing ones. A weight is a tensor or a lazy safetensors slice (`get_shape()` and
+        indexing): then only this rank's slice is read from the file."""
         targets, loaded = self.weight_targets(), set()
-        for name, tensor in weights:
+        for name, src in weights:
             name = name.removeprefix("model.")
             if "rotary_emb" in name or (self.tied and name == "lm_head.weight"):
                 continue
-            dst = targets.get(name)
-            if dst is None:
+            t = targets.get(name)
+            if t is None:
                 raise ValueError(f"unexpected weight {name!r}")
-            if dst.shape != tensor.shape:
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-            dst.copy_(tensor)
+            shape = tuple(src.shape) if isinstance(src, torch.Tensor) else tuple(src.get_shape())
+            if shape != t.full_shape:
+                raise ValueError(f"weight {name!r} has shape {shape}, expected {t.full_shape}")
+            index = [slice(None)] * len(shape)
+            index[t.dim] = slice(t.start, t.start + t.dst.shape[t.dim])
+            t.dst.copy_(src[tuple(index)])
             loaded.add(name)
         if missing := sorted(targets.keys() - loaded):
             raise ValueError(f"checkpoint is incomplete: {len(missing)} of {len(targets)} tensors missing, "
@@ -133,9 +180,10 @@ class LlamaModel(nn.Module):
         self.lm_head_lin = Linear(self.lm_head)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
-                logits_indices: torch.Tensor) -> torch.Tensor:
-        """input_ids/positions [T] -> logits [len(logits_indices), vocab] in fp32."""
-        x = F.embedding(input_ids, self.embed)
+                logits_indices: torch.Tensor) -> torch.Tensor | None:
+        """input_ids/positions [T] -> logits [len(logits_indices), vocab] in fp32 (on rank 0 of a
+        tensor-parallel group; None on the others)."""
+        x = self._embed(input_ids)
         h, d, hk = self.num_heads, self.head_dim, self.num_kv_heads
         k_end = self.q_size + self.kv_size
         residual, delta = x, None  # residual += delta happens inside the next norm
@@ -152,15 +200,24 @@ class LlamaModel(nn.Module):
                 q, k = qk[:, :h], qk[:, h:]
             v = qkv[:, k_end:].view(-1, hk, d)
             o = attn.forward(q, k, v, i)
-            x = self._add_norm(layer.o_lin(o.view(-1, h * d)), residual, layer.post_norm)
+            x = self._add_norm(self.tp.all_reduce(layer.o_lin(o.view(-1, h * d))), residual, layer.post_norm)
             if layer.gate_up_lin is None:
                 delta = layer.down_lin(layer.up_lin.times(x, layer.gate_lin.silu(x)))
             else:
                 gate, up = layer.gate_up_lin(x).chunk(2, dim=-1)
                 delta = layer.down_lin(F.silu(gate) * up)
+            self.tp.all_reduce(delta)
         residual.add_(delta)
         x = F.rms_norm(residual[logits_indices], (self.hidden,), self.norm, self.eps)
-        return self.lm_head_lin(x).float()
+        return self.tp.gather_logits(self.lm_head_lin(x).float(), self.vocab_size)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.tp.enabled:
+            return F.embedding(input_ids, self.embed)
+        local = input_ids - self.vocab_start  # ids in another rank's rows contribute zeros
+        outside = (local < 0) | (local >= self.vocab_end - self.vocab_start)
+        x = F.embedding(local.masked_fill(outside, 0), self.embed)
+        return self.tp.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0))
 
     def _fused(self, x: torch.Tensor) -> bool:
         """The fused C++ norm and RoPE win at every batch size with AVX-512 (measured on 2048

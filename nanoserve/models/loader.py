@@ -167,16 +167,17 @@ def materialize(src: ModelSource) -> ModelSource:
     return ModelSource(src.name, out)
 
 
-def iter_weights(src: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) pairs from safetensors, with a progress bar."""
+def iter_weights(src: ModelSource, progress: bool = True) -> Iterator[tuple[str, object]]:
+    """(HF name, lazy safetensors slice) pairs: the model reads only the part it holds (its
+    tensor-parallel shard), straight from the memory-mapped file."""
     from safetensors import safe_open
     files = sorted(src.path.glob("*.safetensors"))
     if not files:
         raise InvalidRequest(f"no *.safetensors files in {src.path}", param="model")
     handles = [safe_open(f, framework="pt") for f in files]
     keys = [(h, k) for h in handles for k in h.keys()]
-    for h, k in tqdm(keys, desc=f"Loading {src.name}", unit="tensor"):
-        yield k, h.get_tensor(k)
+    for h, k in tqdm(keys, desc=f"Loading {src.name}", unit="tensor", disable=not progress):
+        yield k, h.get_slice(k)
 
 
 def _gguf_names(cfg) -> dict[str, str]:

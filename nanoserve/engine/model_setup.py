@@ -1,0 +1,109 @@
+"""What every tensor-parallel rank builds the same way, rank 0 (the engine) and the others alike:
+its shard of the model, the attention backend, the device KV cache (the same block count on
+every rank: the smallest any rank can hold) and the runner. One function, so the ranks cannot
+drift apart, and the collectives inside it (the block count, CUDA's memory profile) line up."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from nanoserve.config import EngineConfig
+from nanoserve.distributed.parallel import TensorParallel
+from nanoserve.kvcache.host_tier import host_memory_available
+from nanoserve.layers import cpu_kernels
+from nanoserve.layers.backend_choice import resolve_attention
+from nanoserve.models.llama import LlamaModel
+from nanoserve.models.loader import ModelSource, iter_weights
+from nanoserve.runner import KVLayout, ModelRunner, RunnerOptions, profile_memory
+
+log = logging.getLogger("nanoserve")
+GiB = 1 << 30
+
+
+@dataclass
+class ModelShard:
+    model: LlamaModel
+    layout: KVLayout
+    runner: ModelRunner
+    num_blocks: int
+    max_model_len: int
+
+
+def build_shard(config: EngineConfig, source: ModelSource, hf_config, device: torch.device, dtype: torch.dtype,
+                tp: TensorParallel) -> ModelShard:
+    model = LlamaModel(hf_config, dtype, device, tp)
+    if config.load_format == "dummy":  # benchmarks: random weights made on the device, nothing read
+        model.init_dummy(config.seed + tp.rank)
+    else:
+        model.load_weights(iter_weights(source, progress=tp.rank == 0))
+    model.finalize(cpu_kernels.load() if device.type == "cpu" else None)
+    backend, flash, block_size = resolve_attention(config.attention_backend, device, dtype,
+                                                   config.block_size, config.flash_attn_module)
+    layout = KVLayout(model.num_layers, block_size, model.num_kv_heads, model.head_dim, dtype, backend)
+    opts = RunnerOptions(flash, config.max_num_seqs, config.max_num_batched_tokens,
+                         max_model_len=config.max_model_len or 0, cuda_graphs=not config.enforce_eager)
+    num_blocks = tp.min_over_ranks(_num_device_blocks(config, model, layout, device, opts, tp.size))
+    max_model_len = _max_model_len(config, hf_config.max_position_embeddings, num_blocks * block_size)
+    opts.max_model_len = max_model_len
+    return ModelShard(model, layout, ModelRunner(model, layout, num_blocks, device, opts), num_blocks, max_model_len)
+
+
+def _num_device_blocks(config: EngineConfig, model: LlamaModel, layout: KVLayout, device: torch.device,
+                       opts: RunnerOptions, ranks: int) -> int:
+    """This rank's block count. Budgets given in GiB are for all ranks together: each holds its
+    heads' slice of every block."""
+    per_block = layout.bytes_per_block
+    if config.num_kv_blocks:
+        return config.num_kv_blocks
+    if config.kv_cache_gb is not None:
+        budget = config.kv_cache_gb * GiB / ranks
+    elif device.type == "cuda":
+        # the largest step's activations and the decode graphs, measured (runner.profile_memory)
+        prof = profile_memory(model, layout, device, opts)
+        opts.cuda_graphs = opts.cuda_graphs and prof.graphs_ok  # the real runner would fail the same way
+        free, total = torch.cuda.mem_get_info(device)
+        budget = free - (1 - config.gpu_memory_utilization) * total - prof.activation_bytes - prof.graph_bytes
+        log.info("profiled: %.2f GiB activations at %d tokens per step, %.2f GiB decode graphs",
+                 prof.activation_bytes / GiB, opts.max_num_batched_tokens, prof.graph_bytes / GiB)
+    else:
+        budget = min(4 * GiB, 0.2 * host_memory_available()) / ranks
+    blocks = int(budget // per_block)
+    if blocks < 1:
+        raise ValueError(f"KV cache budget {budget / GiB:.3f} GiB holds no block "
+                         f"({per_block / GiB:.4f} GiB each); raise --kv-cache-gb")
+    return blocks
+
+
+def _max_model_len(config: EngineConfig, model_max: int, kv_tokens: int) -> int:
+    """An explicit length the model or the KV cache cannot hold refuses to start (as vLLM
+    does); the model's own length is capped by the KV capacity with a warning."""
+    asked = config.max_model_len
+    if asked:
+        if asked > model_max:
+            raise ValueError(f"--max-model-len {asked} exceeds the model's max_position_embeddings {model_max}")
+        if asked > kv_tokens:
+            raise ValueError(f"--max-model-len {asked} does not fit the KV cache: it holds {kv_tokens} "
+                             f"tokens; raise --kv-cache-gb or lower --max-model-len")
+        return asked
+    if model_max > kv_tokens:
+        log.warning("max_model_len capped at the KV cache capacity: %d tokens (the model supports %d); "
+                    "raise --kv-cache-gb for longer contexts", kv_tokens, model_max)
+    return min(model_max, kv_tokens)
+
+
+def host_blocks(config: EngineConfig, layout: KVLayout, ranks: int) -> int:
+    """Blocks of the host tier (0 = off): --host-cache-gb is for all ranks together, each rank
+    pinning its slice of every block."""
+    gb = config.host_cache_gb
+    if not gb:
+        return 0
+    available = host_memory_available()
+    if gb * GiB / ranks > available:
+        raise ValueError(f"--host-cache-gb {gb} asks for more than this machine has available "
+                         f"({available / GiB:.1f} GiB)")
+    blocks = int(gb * GiB / ranks // layout.bytes_per_block)
+    if blocks < 1:
+        raise ValueError(f"--host-cache-gb {gb} holds no block ({layout.bytes_per_block * ranks / GiB:.4f} GiB each)")
+    return blocks

@@ -1,0 +1,112 @@
+"""A tensor-parallel worker (ranks 1..N-1): joins the group, builds its shard exactly as the engine
+does (model_setup.build_shard), then runs whatever rank 0 sends, in order: each step's KV copies
+(on its own slices of the two tiers), then the step's forward. It never decides anything.
+
+It stops on Stop (exit 0). Anything else that goes wrong ends the process with a non-zero code:
+rank 0 then sees a closed connection inside its next collective and fails its requests, rather
+than run on with ranks that disagree. Started by rank 0 on its own node, by `nanoserve
+--node-rank K` on the others: `python -m nanoserve.engine.worker SPEC_JSON`."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from nanoserve.config import EngineConfig
+from nanoserve.distributed.channel import MessageChannel
+from nanoserve.distributed.parallel import Rendezvous, join, leave
+from nanoserve.engine.core import die_with_parent
+from nanoserve.engine.model_setup import build_shard, host_blocks
+from nanoserve.engine.workers import CopyCommand, Setup, Step, Stop, WorkerSpec
+from nanoserve.kvcache.host_tier import alloc_host_cache
+from nanoserve.kvcache.transfer import runs
+from nanoserve.models.loader import ModelSource, load_config
+
+log = logging.getLogger("nanoserve.worker")
+
+
+def run_copies(copies: list[CopyCommand], device_cache: torch.Tensor, host_cache: torch.Tensor | None) -> list[int]:
+    """Run this rank's part of rank 0's copies, in order, before the step's forward (on CUDA on the
+    compute stream, so the forward is ordered after them). -> 1 per failed copy."""
+    failed = []
+    for cmd in copies:
+        try:
+            if host_cache is None:
+                raise RuntimeError("a KV copy arrived but this rank has no host tier")
+            src, dst = (device_cache, host_cache) if cmd.lane == "save" else (host_cache, device_cache)
+            for s, d, n in runs(cmd.src_ids, cmd.dst_ids):
+                dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
+            failed.append(0)
+        except Exception:  # reported to rank 0 through the ack; the block is not published
+            log.exception("KV %s of %d blocks failed", cmd.lane, len(cmd.src_ids))
+            failed.append(1)
+    return failed
+
+
+def _next(channel: MessageChannel) -> object:
+    try:
+        return channel.recv()
+    except RuntimeError as e:  # rank 0's connection closed: it is gone, so is this engine
+        raise RankZeroGone(str(e)) from None
+
+
+class RankZeroGone(Exception):
+    pass
+
+
+def serve(spec: WorkerSpec) -> int:
+    device = torch.device("cuda", spec.device_index) if spec.device_index is not None else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    tp, messages = join(spec.rendezvous, spec.rank, device)
+    channel = MessageChannel(messages)
+    setup = channel.recv()
+    assert isinstance(setup, Setup), f"expected Setup first, got {type(setup).__name__}"
+    config = EngineConfig(**setup.config)
+    source = ModelSource(setup.model_name, Path(setup.model_path))
+    shard = build_shard(config, source, load_config(source), device, getattr(torch, setup.dtype), tp)
+    blocks = host_blocks(config, shard.layout, tp.size)
+    host_cache = (alloc_host_cache((blocks, *shard.runner.kv_cache.shape[1:]), shard.layout.dtype,
+                                   pin=device.type == "cuda")[0] if blocks else None)
+    log.info("rank %d ready: %d KV blocks, %d host blocks", tp.rank, shard.num_blocks, blocks)
+    with torch.inference_mode():
+        while not isinstance(msg := _next(channel), Stop):
+            assert isinstance(msg, Step), f"unexpected message {type(msg).__name__}"
+            flags = run_copies(msg.copies, shard.runner.kv_cache, host_cache)
+            if msg.plan is not None:
+                shard.runner.execute(msg.plan)
+            if msg.copies:
+                tp.reduce_flags(flags)
+    leave()
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    d = json.loads(argv[1])
+    d["rendezvous"] = Rendezvous(**d["rendezvous"])
+    d["cpus"] = tuple(d["cpus"]) if d["cpus"] is not None else None
+    spec = WorkerSpec(**d)
+    if spec.parent_pid is not None:
+        die_with_parent(spec.parent_pid)
+    logging.basicConfig(level=spec.log_level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s %(name)s [tp-rank-{spec.rank}]: %(message)s")
+    if spec.cpus is not None:
+        os.sched_setaffinity(0, spec.cpus)
+    if spec.threads is not None:
+        torch.set_num_threads(spec.threads)
+    try:
+        return serve(spec)
+    except RankZeroGone as e:
+        log.error("rank 0 is gone (%s); exiting", str(e).split(" This is")[0])
+        return 1
+    except Exception:
+        log.exception("tensor-parallel rank %d failed", spec.rank)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

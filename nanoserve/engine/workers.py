@@ -1,0 +1,234 @@
+"""The other tensor-parallel ranks, seen from the engine (rank 0): starting the ones on this node,
+the messages they get, and the KV copies they mirror.
+
+One scheduler, N workers. Rank 0 plans each step (runner.StepPlan) and broadcasts it before its
+own forward; the ranks meet in the model's collectives. Block ids are the same on every rank (each
+holds its heads' slice of every block), so the prefix cache and the host tier's bookkeeping exist
+once, on rank 0; a host-tier copy that rank 0 begins is sent to the workers with the next message,
+and they run it before that step's forward. Its completion handle is done only when rank 0's own
+copy has finished and every worker has reported its part (`Followers.after`): a block is
+published only when all ranks hold it, and a copy that failed anywhere failed everywhere."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from nanoserve.config import EngineConfig
+from nanoserve.distributed.channel import MessageChannel
+from nanoserve.distributed.parallel import ParallelFault, Rendezvous, TensorParallel, leave
+from nanoserve.kvcache.transfer import Copier, Transfer
+from nanoserve.runner import StepPlan
+
+log = logging.getLogger("nanoserve")
+
+
+# ---- messages (rank 0 -> workers) -------------------------------------------------------------
+@dataclass
+class Setup:
+    config: dict          # EngineConfig fields: rank 0's, so every node runs the same settings
+    model_name: str
+    model_path: str       # the (materialized) model folder; other nodes need the same path
+    dtype: str
+
+
+@dataclass
+class CopyCommand:
+    lane: str             # "save" (device -> host) or "load" (host -> device)
+    src_ids: list[int]
+    dst_ids: list[int]
+    acked: bool = field(default=False, compare=False)
+    failed: bool = field(default=False, compare=False)
+
+    def __getstate__(self) -> tuple:  # only the command crosses; the acks are rank 0's
+        return self.lane, self.src_ids, self.dst_ids
+
+    def __setstate__(self, state: tuple) -> None:
+        self.lane, self.src_ids, self.dst_ids = state
+        self.acked = self.failed = False
+
+
+@dataclass
+class Step:
+    plan: StepPlan | None  # None: copies only (rank 0 waits for one and has no step to run)
+    copies: list[CopyCommand]
+
+
+@dataclass
+class Stop:
+    pass
+
+
+# ---- rank 0's side of the copies -----------------------------------------------------------------
+class Followers:
+    """Sends each step's plan and the copies begun since the last message; collects the copy acks.
+    The runner's StepListener."""
+
+    def __init__(self, channel: MessageChannel, tp: TensorParallel) -> None:
+        self.channel, self.tp = channel, tp
+        self.pending: list[CopyCommand] = []
+        self.in_flight: list[CopyCommand] = []
+        self.messages = 0
+
+    def before(self, plan: StepPlan | None) -> None:
+        self.channel.send(Step(plan, self.pending))
+        self.in_flight, self.pending = self.pending, []
+        self.messages += 1
+
+    def after(self) -> None:
+        """Every rank has run the message's copies: a failure anywhere marks the copy failed."""
+        if self.in_flight:
+            flags = self.tp.reduce_flags([0] * len(self.in_flight))
+            for cmd, failed in zip(self.in_flight, flags):
+                cmd.acked, cmd.failed = True, bool(failed)
+            self.in_flight = []
+
+    def flush(self) -> None:
+        """Send pending copies now (rank 0 waits for one and has no step to run)."""
+        if self.pending:
+            self.before(None)
+            self.after()
+
+    def stop(self) -> None:
+        self.channel.send(Stop())
+
+
+class ParallelTransfer(Transfer):
+    def __init__(self, local: Transfer, cmd: CopyCommand, followers: Followers) -> None:
+        self.local, self.cmd, self.followers = local, cmd, followers
+
+    @property
+    def error(self) -> BaseException | None:
+        if self.local.error is not None:
+            return self.local.error
+        return RuntimeError("the KV copy failed on another tensor-parallel rank") if self.cmd.failed else None
+
+    @property
+    def seconds(self) -> float:
+        return self.local.seconds
+
+    def done(self) -> bool:
+        return self.cmd.acked and self.local.done()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if not self.cmd.acked:
+            self.followers.flush()
+        return self.local.wait(timeout)
+
+    def order_compute_after(self) -> None:
+        self.local.order_compute_after()
+
+
+class ParallelCopier(Copier):
+    """Rank 0's copier under tensor parallelism: its own copy, plus the same block ids for the
+    workers (which pass them to their own slices of the two tiers)."""
+
+    def __init__(self, local: Copier, followers: Followers) -> None:
+        super().__init__()
+        self.local, self.followers = local, followers
+
+    def _open_lane(self, name: str):  # pragma: no cover - lanes are the local copier's
+        raise NotImplementedError
+
+    def submit(self, lane, src, src_ids, dst, dst_ids) -> Transfer:
+        cmd = CopyCommand(lane, list(src_ids), list(dst_ids))
+        handle = self.local.submit(lane, src, src_ids, dst, dst_ids)
+        self.followers.pending.append(cmd)
+        return ParallelTransfer(handle, cmd, self.followers)
+
+    def drain(self) -> None:
+        self.local.drain()
+
+
+# ---- starting the workers of this node -------------------------------------------------------------
+@dataclass(frozen=True)
+class WorkerSpec:
+    rank: int
+    rendezvous: Rendezvous
+    device_index: int | None      # CUDA: the local GPU; None on CPU
+    threads: int | None           # CPU compute threads
+    cpus: tuple[int, ...] | None  # CPU affinity; None = inherited
+    parent_pid: int | None        # die with the process that started it (this node's launcher)
+    log_level: str = "info"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def start_worker(spec: WorkerSpec) -> subprocess.Popen:
+    d = asdict(spec)
+    return subprocess.Popen([sys.executable, "-m", "nanoserve.engine.worker", json.dumps(d)])
+
+
+def cpu_slices(cpus: list[int], ranks: int) -> list[tuple[int, ...] | None]:
+    """Disjoint CPU sets for this node's ranks when there are enough cores, else None (share)."""
+    if len(cpus) < ranks:
+        return [None] * ranks
+    per = len(cpus) // ranks
+    return [tuple(cpus[r * per:(r + 1) * per]) for r in range(ranks)]
+
+
+@dataclass
+class LocalWorkers:
+    """The worker processes this node started, watched so a death is reported by rank."""
+    procs: dict[int, subprocess.Popen]
+
+    def dead(self) -> dict[int, int]:
+        return {r: p.returncode for r, p in self.procs.items() if p.poll() is not None}
+
+    def describe(self) -> str:
+        dead = self.dead()
+        return (", ".join(f"rank {r} exited with code {c}" for r, c in dead.items()) if dead
+                else "all local workers still running")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def plan_node(config: EngineConfig, rank0_device: torch.device) -> list[WorkerSpec]:
+    """Specs for this node's worker ranks. Node 0 holds ranks 0..per_node-1 (rank 0 is the
+    engine itself); node k holds the next per_node."""
+    n, nodes = config.tensor_parallel_size, config.nnodes
+    per_node = n // nodes
+    first = config.node_rank * per_node
+    port = config.master_port or free_port()
+    rv = Rendezvous(config.master_addr, port, n, config.distributed_timeout)
+    cuda = rank0_device.type == "cuda"
+    cpus = sorted(os.sched_getaffinity(0))
+    threads = None if cuda else max(1, torch.get_num_threads() // per_node)
+    slices = [None] * per_node if cuda else cpu_slices(cpus, per_node)
+    return [WorkerSpec(r, rv, (r - first) if cuda else None, threads, slices[r - first], os.getpid(),
+                       logging.getLevelName(log.getEffectiveLevel()).lower())
+            for r in range(first, first + per_node)]
+
+
+def stop_workers(followers: Followers, local: LocalWorkers | None) -> None:
+    """Stop every rank (they exit 0), wait for this node's, leave the group."""
+    try:
+        followers.stop()
+    except Exception:  # a rank is gone already: the others exit on the closed connection
+        log.warning("could not reach every tensor-parallel rank to stop it")
+    if local is not None:
+        local.stop()
+    leave()
+
+
+def describe_fault(e: BaseException, local: LocalWorkers | None) -> ParallelFault:
+    where = local.describe() if local is not None else "no local workers"
+    return ParallelFault(f"a tensor-parallel step failed ({where}): {type(e).__name__}: {e}")
