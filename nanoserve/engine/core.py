@@ -104,6 +104,7 @@ class EngineCore:
             if self.parent_pid is not None and os.getppid() != self.parent_pid:
                 log.error("the API process is gone; stopping")
                 return Stop()
+            self.engine.check_workers()  # a tensor-parallel worker died while idle: ParallelFault
         return decode_to_engine(self.inp.recv())
 
     def _drain(self, block: bool) -> bool:

@@ -252,6 +252,12 @@ class LLMEngine:
                 self._append(req, seq, tok, lp, now)
         return [self._output(r) for r in touched.values()]
 
+    def check_workers(self) -> None:
+        """Raise ParallelFault if a worker of this node has exited (an idle engine's periodic check;
+        a busy one notices in its next collective)."""
+        if self.followers is not None and self.local_workers is not None and self.local_workers.dead():
+            raise describe_fault(RuntimeError("a worker process exited"), self.local_workers)
+
     def _run(self, sched):
         return self._parallel(self.runner.run, sched.scheduled)
 

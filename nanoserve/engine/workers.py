@@ -218,6 +218,26 @@ def plan_node(config: EngineConfig, rank0_device: torch.device) -> list[WorkerSp
             for r in range(first, first + per_node)]
 
 
+def run_node_workers(config: EngineConfig) -> int:
+    """A node other than 0 (`nanoserve --nnodes M --node-rank K`): start its ranks and wait. Their
+    exit codes are the node's: non-zero as soon as one fails (a supervisor restarts it)."""
+    local = LocalWorkers({s.rank: start_worker(s) for s in plan_node(config, config.resolved_device())})
+    log.info("node %d: tensor-parallel ranks %s started; waiting for rank 0 at %s:%d", config.node_rank,
+             sorted(local.procs), config.master_addr, config.master_port)
+    try:
+        while not (dead := local.dead()) or len(dead) < len(local.procs):
+            if any(code != 0 for code in dead.values()):
+                break
+            time.sleep(0.5)
+    finally:
+        for p in local.procs.values():
+            if p.poll() is None:
+                p.kill()
+    codes = local.dead()
+    log.info("node %d: ranks exited: %s", config.node_rank, codes)
+    return max((abs(c) for c in codes.values()), default=0)
+
+
 def stop_workers(followers: Followers, local: LocalWorkers | None) -> None:
     """Stop every rank (they exit 0), wait for this node's, leave the group."""
     try:

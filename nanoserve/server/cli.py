@@ -55,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=opts.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
 
+    if config.node_rank > 0:  # this node only runs tensor-parallel workers; node 0 serves the API
+        from nanoserve.engine.workers import run_node_workers
+        return run_node_workers(config)
+
     from nanoserve.engine.protocol import EngineStartError
     from nanoserve.server.app import create_app
     from nanoserve.server.metrics import ServerMetrics

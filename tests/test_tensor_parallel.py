@@ -1,0 +1,180 @@
+"""Tensor parallelism on CPU (gloo), with real worker processes: greedy tokens equal one rank's and
+HF transformers' in fp32 (the embedded model on 3 ranks: 9 heads, 3 KV heads; tiny random Llamas
+on 2, one with its single KV head replicated), the host tier round-trips under it, a server with
+`-tp 3` answers an OpenAI client, and a killed worker fails the request in flight and makes the
+server exit non-zero."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import openai
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from conftest import hf_greedy, make_tiny_model, random_prompts
+from nanoserve.distributed.parallel import TensorParallel, shard_heads, vocab_rows
+from nanoserve.engine.workers import CopyCommand, Followers, ParallelCopier
+from nanoserve.kvcache.host_tier import HostTier
+from nanoserve.kvcache.transfer import ThreadCopier
+from nanoserve.llm import LLM
+from nanoserve.sampling_params import SamplingParams
+from server_fixture import ServerProcess, child_pids, wait_gone
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+# ---- how the model splits ---------------------------------------------------------------------------
+@given(st.sampled_from([1, 2, 4, 8, 16]), st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 2, 4, 8]))
+def test_every_rank_holds_the_kv_heads_its_q_heads_read(group, kv, size):
+    heads = group * kv
+    if heads % size:
+        return
+    shards = [shard_heads(heads, kv, size, r) for r in range(size)]
+    assert sorted(q for s in shards for q in range(s.q_start, s.q_start + s.num_heads)) == list(range(heads))
+    for s in shards:
+        held = range(s.kv_start, s.kv_start + s.num_kv_heads)
+        assert all(q // group in held for q in range(s.q_start, s.q_start + s.num_heads))
+    if kv >= size:  # divided: each KV head on exactly one rank
+        assert sorted(k for s in shards for k in range(s.kv_start, s.kv_start + s.num_kv_heads)) == list(range(kv))
+    else:  # replicated: one head per rank, each on size // kv ranks
+        assert all(s.num_kv_heads == 1 for s in shards)
+        assert sorted(s.kv_start for s in shards) == sorted(k for k in range(kv) for _ in range(size // kv))
+
+
+def test_splits_the_model_cannot_take_are_refused_with_the_reason():
+    with pytest.raises(ValueError, match="does not divide the model's 9 attention heads; sizes that do: \\[1, 3, 9\\]"):
+        shard_heads(9, 3, 2, 0)
+    with pytest.raises(ValueError, match="exceeds the model's 3 KV heads"):
+        shard_heads(12, 3, 4, 0)
+    with pytest.raises(ValueError, match="tensor-parallel-size"):
+        LLM(dtype="float32", tensor_parallel_size=2)  # the embedded model: 9 heads
+
+
+def test_vocab_rows_cover_the_vocabulary_once():
+    for vocab, size in [(49152, 3), (50257, 2), (10, 4)]:
+        parts = [vocab_rows(vocab, size, r) for r in range(size)]
+        assert [i for lo, hi, _ in parts for i in range(lo, hi)] == list(range(vocab))
+        assert {per for _, _, per in parts} == {-(-vocab // size)}
+
+
+# ---- same tokens --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["llama-gqa-tied", "llama3-rope-scaling", "qwen2-bias"])
+def test_two_ranks_match_one_rank_and_hf(name, tmp_path_factory, embedded_dir):
+    """gqa-tied: 2 KV heads, one per rank; rope-scaling: 1 KV head, replicated; qwen2: QKV bias,
+    untied LM head."""
+    path = make_tiny_model(tmp_path_factory.mktemp(name), name, embedded_dir)
+    prompts = random_prompts(4, 3, 60, seed=7)
+    kw = dict(dtype="float32", block_size=16, num_kv_blocks=64)
+    with LLM(str(path), **kw) as one:
+        single = [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY)]
+    with LLM(str(path), tensor_parallel_size=2, **kw) as two:
+        parallel = [o.outputs[0].token_ids for o in two.generate(prompts, GREEDY)]
+        assert two.engine.model.num_heads == 2 and two.engine.model.embed.shape[0] == 49152 // 2
+    assert parallel == single == hf_greedy(path, prompts, GREEDY.max_tokens)
+
+
+def test_embedded_model_on_three_ranks_matches_one_rank_and_hf(embedded_dir):
+    with LLM(dtype="float32", tensor_parallel_size=3, num_kv_blocks=32) as llm:
+        tok = llm.tokenizer
+        prompts = [tok.encode("The capital of France is"), tok.encode("def fibonacci(n):")]
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+        assert llm.engine.model.num_heads == 3 and llm.engine.model.num_kv_heads == 1
+    with LLM(dtype="float32", num_kv_blocks=32) as one:
+        single = [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY)]
+    assert got == single == hf_greedy(embedded_dir, prompts, GREEDY.max_tokens)
+
+
+# ---- the host tier -------------------------------------------------------------------------------------
+def test_host_tier_round_trips_on_two_ranks(tmp_path_factory, embedded_dir):
+    """Device holds ~2 of 5 documents; later rounds load them from every rank's host slice."""
+    path = make_tiny_model(tmp_path_factory.mktemp("tp-host"), "llama-gqa-tied", embedded_dir)
+    docs = random_prompts(5, 40, 40, vocab=5000, seed=3)
+    prompts = [d + q for d, q in zip(docs, random_prompts(5, 3, 3, vocab=5000, seed=4))]
+    expected = hf_greedy(path, prompts, GREEDY.max_tokens)
+    with LLM(str(path), dtype="float32", block_size=4, num_kv_blocks=24, max_num_seqs=2, host_cache_gb=0.01,
+             tensor_parallel_size=2) as llm:
+        eng = llm.engine
+        for round_ in range(3):
+            outs = [llm.generate([p], GREEDY)[0] for p in prompts]
+            assert [o.outputs[0].token_ids for o in outs] == expected, f"round {round_}"
+            eng.check_invariants()
+        assert sum(o.num_host_cached_tokens for o in outs) >= 4 * 40
+        assert all(o.num_cached_tokens == o.num_device_cached_tokens + o.num_host_cached_tokens for o in outs)
+        device, host = eng.kv.reports()
+        assert host.bytes_out > 0 and host.bytes_in > 0 and host.blocks_in_use == 0
+        assert eng.kv.host.num_bytes <= 0.01 * (1 << 30) / 2  # rank 0's slice of the budget
+
+
+class _Peers(TensorParallel):
+    """The other ranks' copy reports, as rank 0 receives them (reduce_flags: MAX over ranks)."""
+    def __init__(self, failed: bool) -> None:
+        super().__init__(0, 2)
+        self.failed = failed
+
+    def reduce_flags(self, values, op=None):
+        return [int(self.failed)] * len(values)
+
+
+class _Channel:
+    def __init__(self) -> None:
+        self.sent = []
+
+    def send(self, msg) -> None:
+        self.sent.append(msg)
+
+
+@pytest.mark.parametrize("peer_failed", [False, True])
+def test_a_save_is_published_only_when_every_rank_reports_it(peer_failed):
+    channel = _Channel()
+    followers = Followers(channel, _Peers(peer_failed))
+    device = torch.randn(4, 2, 2, 4, 1, 8)
+    tier = HostTier(4, device, ParallelCopier(ThreadCopier(), followers))
+    copy = tier.begin_save([2], [(b"h" * 32, (1, 2, 3))])
+    assert copy.handle.wait(30)  # its own copy done, and the pending command flushed to the workers
+    assert isinstance(channel.sent[-1].copies[0], CopyCommand) and channel.sent[-1].plan is None
+    assert channel.sent[-1].copies[0].src_ids == [2]
+    assert tier.end_save(copy) is not peer_failed
+    assert (tier.lookup(b"h" * 32, (1, 2, 3)) is None) is peer_failed
+    assert tier.transfers.failed == int(peer_failed)
+
+
+# ---- the server ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tp_server():
+    srv = ServerProcess("-tp", "3", "--dtype", "float32")
+    yield srv
+    if srv.proc.poll() is None:
+        srv.stop()
+
+
+def test_openai_request_through_three_ranks(tp_server):
+    out = tp_server.client().chat.completions.create(
+        model="smollm2-135m-instruct", messages=[{"role": "user", "content": "Name a colour."}],
+        max_tokens=8, temperature=0)
+    assert out.choices[0].message.content and out.usage.completion_tokens > 0
+    ref = tp_server.client().completions.create(model="smollm2-135m-instruct", prompt="The capital of France is",
+                                                max_tokens=6, temperature=0)
+    with LLM(dtype="float32", num_kv_blocks=32) as one:
+        assert ref.choices[0].text == one.generate(["The capital of France is"],
+                                                   SamplingParams(temperature=0, max_tokens=6))[0].outputs[0].text
+
+
+def test_killed_worker_fails_the_request_and_the_server_exits_non_zero(tp_server):
+    [core] = tp_server.children
+    workers = child_pids(core)
+    assert len(workers) == 2
+    stream = tp_server.client().completions.create(model="smollm2-135m-instruct", prompt="Once upon a time",
+                                                   max_tokens=4000, temperature=0, stream=True,
+                                                   extra_body={"ignore_eos": True})
+    next(iter(stream))  # the request is running
+    os.kill(workers[0], signal.SIGKILL)
+    with pytest.raises(openai.APIError, match="tensor-parallel"):
+        for _ in stream:
+            pass
+    t0 = time.monotonic()
+    code = tp_server.proc.wait(30)
+    assert code != 0 and time.monotonic() - t0 < 30
+    assert not wait_gone([core, *workers], 15), "a rank outlived the server"
