@@ -72,6 +72,7 @@ class EngineCore:
                 log.exception("engine loop crashed")
                 self._fail_tracked(f"the engine failed while running this request: {type(e).__name__}: {e}",
                                    "engine")
+                self._flush()  # before the shutdown, which may wait on what failed
                 raise
             finally:
                 self._shutdown()

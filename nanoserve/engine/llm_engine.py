@@ -269,6 +269,7 @@ class LLMEngine:
         try:
             return fn(*args)
         except Exception as e:
+            self.followers.failed = True
             raise describe_fault(e, self.local_workers) from e
 
     def _append(self, req: Request, seq: Sequence, tok: int, lp, now: float) -> None:

@@ -16,6 +16,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -76,6 +77,7 @@ class Followers:
         self.pending: list[CopyCommand] = []
         self.in_flight: list[CopyCommand] = []
         self.messages = 0
+        self.failed = False  # set by the engine on a ParallelFault: the ranks are out of step
 
     def before(self, plan: StepPlan | None) -> None:
         self.channel.send(Step(plan, self.pending))
@@ -178,20 +180,39 @@ def cpu_slices(cpus: list[int], ranks: int) -> list[tuple[int, ...] | None]:
     return [tuple(cpus[r * per:(r + 1) * per]) for r in range(ranks)]
 
 
-@dataclass
 class LocalWorkers:
-    """The worker processes this node started, watched so a death is reported by rank."""
-    procs: dict[int, subprocess.Popen]
+    """The worker processes this node started. A watchdog thread notices a death within a quarter
+    second and kills the other ranks: rank 0 may be blocked in a collective with a live rank that
+    itself waits for the dead one (gloo took 10 s to notice in one of three tries), and with every
+    peer gone the collective fails at once. Nothing could continue anyway."""
+
+    def __init__(self, procs: dict[int, subprocess.Popen], poll_s: float = 0.25) -> None:
+        self.procs = procs
+        self.stopping = threading.Event()
+        self.first_death: dict[int, int] = {}  # what the watchdog saw, before it stopped the rest
+        if procs:
+            threading.Thread(target=self._watch, args=(poll_s,), daemon=True, name="nanoserve-tp-watchdog").start()
+
+    def _watch(self, poll_s: float) -> None:
+        while not self.stopping.wait(poll_s):
+            if dead := self.dead():
+                self.first_death = dead
+                log.error("tensor-parallel %s; stopping the other ranks", self.describe())
+                for p in self.procs.values():
+                    if p.poll() is None:
+                        p.kill()
+                return
 
     def dead(self) -> dict[int, int]:
         return {r: p.returncode for r, p in self.procs.items() if p.poll() is not None}
 
     def describe(self) -> str:
-        dead = self.dead()
+        dead = self.first_death or self.dead()
         return (", ".join(f"rank {r} exited with code {c}" for r, c in dead.items()) if dead
                 else "all local workers still running")
 
     def stop(self, timeout: float = 10.0) -> None:
+        self.stopping.set()
         deadline = time.monotonic() + timeout
         for p in self.procs.values():
             try:
@@ -240,12 +261,16 @@ def run_node_workers(config: EngineConfig) -> int:
 
 def stop_workers(followers: Followers, local: LocalWorkers | None) -> None:
     """Stop every rank (they exit 0), wait for this node's, leave the group."""
-    try:
-        followers.stop()
-    except Exception:  # a rank is gone already: the others exit on the closed connection
-        log.warning("could not reach every tensor-parallel rank to stop it")
+    failed = followers.failed or (local is not None and bool(local.first_death or local.dead()))
     if local is not None:
-        local.stop()
+        local.stopping.set()  # they exit now: not a death
+    if not failed:  # after a failure the broadcast could wait on a dead peer: kill ours instead
+        try:
+            followers.stop()
+        except Exception:  # a rank is gone already: the others exit on the closed connection
+            log.warning("could not reach every tensor-parallel rank to stop it")
+    if local is not None:
+        local.stop(timeout=0 if failed else 10)
     leave()
 
 
