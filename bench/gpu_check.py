@@ -19,6 +19,8 @@ torch; torch: always):
                1/32/128, graphed and eager on the same engine, counted from the engine's generated
                tokens while the batch stays full, vs the HBM roofline (weights except the embedding
                table, plus KV, at a measured copy bandwidth); prefill tok/s; graphed share.
+  tensor_parallel  with 2+ GPUs (2 gloo ranks for --cpu-smoke): -tp N fp32 greedy == HF, bf16 agreement
+               with one rank and graphs per rank, a host-tier round trip, decode tok/s tp 1 vs tp N.
   tier_*       bench/gpu_tier_check.py with the best backend present: exact host round trip, tier
                copy GB/s, host-hit / device-hit TTFT vs recompute at 8k/32k with outputs compared,
                decode rate during host loads, tier on vs off at 0% reuse.
@@ -367,6 +369,68 @@ def speed(shapes: Shapes, device: str, backends: list[Backend], tmp: Path, put) 
             torch.cuda.empty_cache()
 
 
+# ---- tensor parallelism -------------------------------------------------------------------------
+def tensor_parallel(shapes: Shapes, device: str, backends: list[Backend], tmp: Path, put) -> None:
+    """-tp N over the GPUs present (N a power of two up to 8; the small model's 2 KV heads are
+    replicated beyond 2 ranks; 2 ranks over gloo for the CPU smoke): fp32 greedy == HF, fresh and
+    prefix-cached; bf16 on the best backend: greedy agreement with one rank and graphs on every
+    rank; a host-tier round trip; decode tok/s of the big shape, tp 1 vs tp N."""
+    gpus = torch.cuda.device_count() if device == "cuda" else 2
+    if gpus < 2:
+        put("skipped", "one GPU: tensor parallelism needs two or more")
+        log("tensor_parallel: skipped (one GPU)")
+        return
+    n = 1 << (min(gpus, 8).bit_length() - 1)
+    put("ranks", n)
+    path = write_model(tmp / "small", shapes.small, with_weights=True)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, shapes.small["vocab_size"], (k,), generator=g).tolist() for k in shapes.prompt_lens]
+    new, common = 16, dict(device=device, kv_cache_gb=0.1, max_num_batched_tokens=64, max_num_seqs=8)
+    hf, expected = hf_reference(path, device, prompts, new)
+    del hf
+    greedy = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    exact = next(b for b in backends if b.fp32)
+    with LLM(str(path), dtype="float32", tensor_parallel_size=n, **exact.kw, **common) as llm:
+        first = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        again = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    put(exact.name, "fp32_greedy_exact", first == expected and again == expected)
+    log(f"tp {n} {exact.name} fp32 greedy == HF (fresh and prefix-cached): {first == expected and again == expected}")
+    best = backends[0]
+    outs = {}
+    for ranks in (1, n):
+        with LLM(str(path), dtype="bfloat16", tensor_parallel_size=ranks, **best.kw, **common) as llm:
+            outs[ranks] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+            graphs = sorted(llm.engine.runner.graphs)
+    agree = sum(a == b for x, y in zip(outs[1], outs[n]) for a, b in zip(x, y)) / (new * len(prompts))
+    put(best.name, "bf16_greedy_agreement_with_tp1", agree)
+    put(best.name, "graphs_rank0", graphs)
+    log(f"tp {n} {best.name} bf16: greedy agreement with tp 1 {agree:.2f}, rank 0 graphs {graphs}")
+    put("host_round_trip", _tp_host_round_trip(path, n, exact, device, shapes))
+    big = write_model(tmp / "big", shapes.big, with_weights=False)
+    for ranks in (1, n):
+        with LLM(str(big), device=device, dtype="bfloat16", load_format="dummy", kv_cache_gb=shapes.kv_cache_gb,
+                 max_num_seqs=max(shapes.batches), max_num_batched_tokens=shapes.max_batched,
+                 enable_prefix_caching=False, tensor_parallel_size=ranks, **best.kw) as llm:
+            r = decode_rate(llm, max(shapes.batches), shapes, device, f"tp{ranks}")
+        put(f"decode_tp{ranks}", r)
+        log(f"tp {ranks} decode batch {r['batch']}: {r['tok_s']:.0f} tok/s, graphed share {r['graphed_share']:.0%}")
+
+
+def _tp_host_round_trip(path: Path, n: int, b: Backend, device: str, shapes: Shapes) -> dict:
+    """Five 10-block documents, device room for about two: the second round loads them from every
+    rank's host slice; its tokens must equal the first round's."""
+    g = torch.Generator().manual_seed(5)
+    docs = [torch.randint(3, shapes.small["vocab_size"], (160,), generator=g).tolist() for _ in range(5)]
+    p = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with LLM(str(path), dtype="float32", device=device, block_size=16, num_kv_blocks=24, max_num_seqs=2,
+             host_cache_gb=0.05, tensor_parallel_size=n, **b.kw) as llm:
+        rounds = [[llm.generate([d], p)[0] for d in docs] for _ in range(2)]
+    host = sum(o.num_host_cached_tokens for o in rounds[1])
+    same = [o.outputs[0].token_ids for o in rounds[0]] == [o.outputs[0].token_ids for o in rounds[1]]
+    log(f"tp {n} host tier: {host} prompt tokens from host in round 2, same tokens: {same}")
+    return dict(host_tokens=host, same_tokens=same, exact=same and host > 0)
+
+
 # ---- main ---------------------------------------------------------------------------------------
 @dataclass
 class Section:
@@ -379,7 +443,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU: exercises every section")
     ap.add_argument("--out", default="gpu_check.json", help="JSON results file")
-    names = ["correctness", "speed"] + [f.__name__ for f in gpu_tier_check.SECTIONS]
+    names = ["correctness", "speed", "tensor_parallel"] + [f.__name__ for f in gpu_tier_check.SECTIONS]
     ap.add_argument("--skip", action="append", default=[], choices=names, help="skip a section (repeatable)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -412,6 +476,8 @@ def main() -> int:
                     correctness(shapes, device, backends, Path(tmp), put)
                 elif name == "speed":
                     speed(shapes, device, backends, Path(tmp), put)
+                elif name == "tensor_parallel":
+                    tensor_parallel(shapes, device, backends, Path(tmp), put)
                 else:
                     getattr(gpu_tier_check, name)(shapes, device, tier_kw, Path(tmp), put, write_model)
             except Exception as e:  # noqa: BLE001
@@ -435,6 +501,9 @@ def verdict(r: dict) -> bool:
     checks = [v.get("fp32_greedy_exact", True) and v.get("bf16_teacher_forced", {}).get("logprob_ok", True)
               for v in c.values() if isinstance(v, dict)]
     checks += [r.get("tier_round_trip", {}).get("exact", True)]
+    t = r.get("tensor_parallel", {})
+    checks += [v.get("fp32_greedy_exact", True) for v in t.values() if isinstance(v, dict)]
+    checks += [t.get("host_round_trip", {}).get("exact", True)]
     checks += [row.get("outputs_match", True) for row in r.get("tier_ttft", {}).get("rows", [])]
     return all(checks) and not r.get("forbidden_modules_loaded")
 

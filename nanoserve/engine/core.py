@@ -12,7 +12,6 @@ are ignored there: a terminal's Ctrl-C or a service manager signals the whole gr
 process must be able to drain first; it sends Stop when it is done."""
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import json
 import logging
@@ -24,7 +23,7 @@ import time
 import zmq
 
 from nanoserve.config import EngineConfig, import_by_name
-from nanoserve.engine.placement import CpuPlacement, apply_engine_placement
+from nanoserve.engine.placement import CpuPlacement, apply_engine_placement, die_with_parent
 from nanoserve.engine.protocol import (Abort, Add, Batch, DeltaEncoder, EngineDead, EngineSnapshot, FailAll,
                                        Finish, OutputDelta, Ready, RequestError, SnapshotAsk, SnapshotReply,
                                        StartFailed, StepTime, Stop, ToEngine, decode_to_engine, encode)
@@ -245,16 +244,6 @@ def serve(config: EngineConfig, ctx: zmq.Context, input_addr: str, output_addr: 
     finally:
         inp.close()
         out.close()
-
-
-def die_with_parent(parent_pid: int) -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:  # not Linux: the idle parent-pid check still stops it
-        pass
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
 
 
 def main(argv: list[str]) -> int:

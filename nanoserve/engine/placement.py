@@ -1,12 +1,15 @@
-"""CPU placement: which cores the API process and the engine get, and how many compute threads.
+"""CPU placement: which cores the API process and the engine get, and how many compute threads;
+and the engine-side processes' lifetime (they die with the process that started them).
 
 On CPU the engine's torch threads and the API process (HTTP, JSON, tokenization, SSE) would otherwise
 fight over the same cores, and a decode step stalls whenever the API side runs. With the engine in
 its own process the API keeps one core and the engine gets the others (when there are >= 2)."""
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import signal
 from dataclasses import dataclass
 
 log = logging.getLogger("nanoserve.placement")
@@ -53,3 +56,13 @@ def apply_engine_placement(p: CpuPlacement) -> None:
 def apply_api_placement(p: CpuPlacement) -> None:
     if p.api_cpus is not None:
         os.sched_setaffinity(0, p.api_cpus)
+
+
+def die_with_parent(parent_pid: int) -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux: the idle parent-pid check still stops it
+        pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)

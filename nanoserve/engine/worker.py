@@ -19,8 +19,8 @@ import torch
 from nanoserve.config import EngineConfig
 from nanoserve.distributed.channel import MessageChannel
 from nanoserve.distributed.parallel import Rendezvous, join, leave
-from nanoserve.engine.core import die_with_parent
 from nanoserve.engine.model_setup import build_shard, host_blocks
+from nanoserve.engine.placement import die_with_parent
 from nanoserve.engine.workers import CopyCommand, Setup, Step, Stop, WorkerSpec
 from nanoserve.kvcache.host_tier import alloc_host_cache
 from nanoserve.kvcache.transfer import runs
