@@ -11,7 +11,8 @@ with the same dtype and the same total KV budget, on the same cores (tp 1 comput
 thread torch gives it; each of the N ranks with 1/N of them); runs alternate A B A B with fresh
 prompts each. Reported: medians of output tok/s and their ratio; per step: rank 0's time to send
 the plan (pickle + gloo broadcast), and the time all ranks spend in the model's collectives
-(all-reduces and the logits gather) as seen by rank 0. The last line is the raw JSON."""
+(all-reduces and the logits gather: through shared memory on one CPU node, `--gloo` to compare) as
+seen by rank 0, waits for the other ranks included. The last line is the raw JSON."""
 from __future__ import annotations
 
 import argparse
@@ -24,7 +25,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offline_throughput import make_prompts  # noqa: E402
@@ -71,6 +71,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--gloo", action="store_true", help="collectives through gloo, not shared memory")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -80,13 +81,17 @@ def main() -> None:
     # rank 0 lives in this process and takes its share of the cores (threads, affinity): each
     # engine's runs get back what it was built with
     placement = {1: (torch.get_num_threads(), os.sched_getaffinity(0))}
+    if args.gloo:  # the slot size is rank 0's decision; 0 = no shared memory
+        import nanoserve.engine.llm_engine as le
+        le.shm_slot_bytes = lambda *a: 0
     engines = {1: LLM(str(folder), **kw), args.tp: LLM(str(folder), tensor_parallel_size=args.tp, **kw)}
     placement[args.tp] = (torch.get_num_threads(), os.sched_getaffinity(0))
     par = engines[args.tp].engine
     send = par.followers.channel.send = Timed(par.followers.channel.send)
-    coll = {name: Timed(getattr(dist, name)) for name in ("all_reduce", "gather")}
+    tp = par.model.tp  # the model's collectives (shared memory on one CPU node, else gloo)
+    coll = {name: Timed(getattr(tp, name)) for name in ("all_reduce", "gather_logits")}
     for name, t in coll.items():
-        setattr(dist, name, t)
+        setattr(tp, name, t)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     for n, llm in engines.items():  # warm-up
         torch.set_num_threads(placement[n][0])
@@ -123,13 +128,14 @@ def main() -> None:
         "steps_per_run": {f"tp{n}": statistics.median(v) for n, v in steps.items()},
         "broadcast_us_per_step": statistics.median(per_step_send) * 1e6,
         "collectives_ms_per_step": statistics.median(per_step_coll) * 1e3,
+        "collectives": "shared memory" if tp.shm is not None else "gloo",
         "runs_s": {f"tp{n}": v for n, v in runs.items()}}
     print(f"{result['cpu']}, {result['dtype']}, {result['workload']}, medians of {args.runs}:")
     for n in engines:
         print(f"  tp {n}: {out_tokens / med[n]:.1f} output tok/s")
     print(f"  tp {args.tp} / tp 1: {result['ratio_tpN_over_tp1']:.3f}x")
     print(f"  per step on rank 0: plan broadcast {result['broadcast_us_per_step']:.0f} us, "
-          f"collectives {result['collectives_ms_per_step']:.2f} ms")
+          f"collectives ({result['collectives']}) {result['collectives_ms_per_step']:.2f} ms")
     for llm in engines.values():
         llm.close()
     line = json.dumps(result)

@@ -1,4 +1,4 @@
-"""Tensor parallelism on CPU (gloo), with real worker processes: greedy tokens equal one rank's and
+"""Tensor parallelism on CPU (gloo and shared-memory collectives), with real worker processes: greedy tokens equal one rank's and
 HF transformers' in fp32 (the embedded model on 3 ranks: 9 heads, 3 KV heads; tiny random Llamas
 on 2, one with its single KV head replicated), the host tier round-trips under it, a server with
 `-tp 3` answers an OpenAI client, and a killed worker fails the request in flight and makes the
@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -16,6 +17,7 @@ from hypothesis import given, strategies as st
 
 from conftest import hf_greedy, make_tiny_model, random_prompts
 from nanoserve.distributed.parallel import TensorParallel, shard_heads, vocab_rows
+from nanoserve.distributed.shm import ShmCollectives
 from nanoserve.engine.workers import CopyCommand, Followers, ParallelCopier
 from nanoserve.kvcache.host_tier import HostTier
 from nanoserve.kvcache.transfer import ThreadCopier
@@ -60,11 +62,54 @@ def test_vocab_rows_cover_the_vocabulary_once():
         assert {per for _, _, per in parts} == {-(-vocab // size)}
 
 
+def _ranks_in_threads(tmp_path, size: int, slot_bytes: int, fn, timeout_s: float = 30.0) -> list:
+    path = tmp_path / "seg"
+    shms = [ShmCollectives(path, 0, size, slot_bytes, timeout_s, create=True)]
+    shms += [ShmCollectives(path, r, size, slot_bytes, timeout_s, create=False) for r in range(1, size)]
+    with ThreadPoolExecutor(size) as ex:
+        return list(ex.map(fn, shms))
+
+
+def test_shared_memory_all_reduce_and_gather_over_many_operations(tmp_path):
+    """Three ranks (threads over one segment), 50 operations of varying shapes through the two
+    alternating slot sets: every rank gets the same sum, bit for bit; rank 0 gets every shard."""
+    def rank(shm: ShmCollectives):
+        sums, gathered = [], []
+        for i in range(50):
+            g = torch.Generator().manual_seed(1000 * shm.rank + i)
+            t = torch.randn(1 + i % 7, 5, generator=g)
+            sums.append(shm.all_reduce(t.clone()))
+            parts = shm.gather(t)
+            gathered.append(None if parts is None else [p.clone() for p in parts])
+        return sums, gathered
+    out = _ranks_in_threads(tmp_path, 3, 4096, rank)
+    for i in range(50):
+        parts = [torch.randn(1 + i % 7, 5, generator=torch.Generator().manual_seed(1000 * r + i)) for r in range(3)]
+        assert all(torch.equal(o[0][i], out[0][0][i]) for o in out)
+        assert torch.allclose(out[0][0][i], parts[0] + parts[1] + parts[2])
+        assert all(torch.equal(a, b) for a, b in zip(out[0][1][i], parts)) and out[1][1][i] is None
+
+
+def test_shared_memory_wait_fails_on_abort_and_on_timeout(tmp_path):
+    path = tmp_path / "seg"
+    alone = ShmCollectives(path, 0, 2, 64, timeout_s=0.3, create=True)
+    with pytest.raises(RuntimeError, match="did not reach the collective within 0.3s"):
+        alone.all_reduce(torch.ones(4))
+    other = ShmCollectives(path, 1, 2, 64, timeout_s=30, create=False)
+    other.abort()
+    with pytest.raises(RuntimeError, match="abort flag"):
+        other.all_reduce(torch.ones(4))
+    assert not alone.fits(torch.ones(17))  # 68 bytes: through gloo instead
+
+
 # ---- same tokens --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["llama-gqa-tied", "llama3-rope-scaling", "qwen2-bias"])
-def test_two_ranks_match_one_rank_and_hf(name, tmp_path_factory, embedded_dir):
+@pytest.mark.parametrize("name,collectives", [("llama-gqa-tied", "shm"), ("llama-gqa-tied", "gloo"),
+                                              ("llama3-rope-scaling", "shm"), ("qwen2-bias", "shm")])
+def test_two_ranks_match_one_rank_and_hf(name, collectives, tmp_path_factory, embedded_dir, monkeypatch):
     """gqa-tied: 2 KV heads, one per rank; rope-scaling: 1 KV head, replicated; qwen2: QKV bias,
-    untied LM head."""
+    untied LM head. Collectives through shared memory (one CPU node), and through gloo."""
+    if collectives == "gloo":  # rank 0 sizes the shared-memory slots; 0 = none
+        monkeypatch.setattr("nanoserve.engine.llm_engine.shm_slot_bytes", lambda *a: 0)
     path = make_tiny_model(tmp_path_factory.mktemp(name), name, embedded_dir)
     prompts = random_prompts(4, 3, 60, seed=7)
     kw = dict(dtype="float32", block_size=16, num_kv_blocks=64)
@@ -73,6 +118,7 @@ def test_two_ranks_match_one_rank_and_hf(name, tmp_path_factory, embedded_dir):
     with LLM(str(path), tensor_parallel_size=2, **kw) as two:
         parallel = [o.outputs[0].token_ids for o in two.generate(prompts, GREEDY)]
         assert two.engine.model.num_heads == 2 and two.engine.model.embed.shape[0] == 49152 // 2
+        assert (two.engine.tp.shm is not None) == (collectives == "shm")
     assert parallel == single == hf_greedy(path, prompts, GREEDY.max_tokens)
 
 

@@ -8,10 +8,16 @@ which samples. gloo on CPU (so CI runs it), NCCL on CUDA."""
 from __future__ import annotations
 
 import datetime
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from nanoserve.distributed.shm import ShmCollectives
+
+log = logging.getLogger("nanoserve")
 
 
 class ParallelFault(BaseException):
@@ -70,6 +76,7 @@ class TensorParallel:
     size: int = 1
     group: object | None = None      # the compute group (gloo / NCCL); None on one rank
     cpu_group: object | None = None  # gloo, same timeout: small host-side exchanges (copy acks)
+    shm: ShmCollectives | None = None  # one CPU node: all-reduce and gather through shared memory
 
     @property
     def enabled(self) -> bool:
@@ -77,6 +84,8 @@ class TensorParallel:
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place."""
+        if self.shm is not None and self.shm.fits(t):
+            return self.shm.all_reduce(t)
         if self.size > 1:
             dist.all_reduce(t, group=self.group)
         return t
@@ -85,8 +94,11 @@ class TensorParallel:
         """[rows, vocab / size] on each rank -> [rows, vocab] on rank 0 (None elsewhere)."""
         if self.size == 1:
             return local
-        parts = [torch.empty_like(local) for _ in range(self.size)] if self.rank == 0 else None
-        dist.gather(local.contiguous(), parts, dst=0, group=self.group)
+        if self.shm is not None and self.shm.fits(local):
+            parts = self.shm.gather(local)
+        else:
+            parts = [torch.empty_like(local) for _ in range(self.size)] if self.rank == 0 else None
+            dist.gather(local.contiguous(), parts, dst=0, group=self.group)
         return torch.cat(parts, dim=-1)[:, :vocab] if parts is not None else None
 
     def min_over_ranks(self, value: int) -> int:
@@ -109,6 +121,7 @@ class Rendezvous:
     master_port: int
     world_size: int
     timeout_s: float = 120.0
+    shm_slot_bytes: int = 0  # > 0: every rank is on one CPU node; collectives through /dev/shm
 
 
 def join(rv: Rendezvous, rank: int, device: torch.device) -> tuple[TensorParallel, object]:
@@ -121,7 +134,33 @@ def join(rv: Rendezvous, rank: int, device: torch.device) -> tuple[TensorParalle
                             rank=rank, world_size=rv.world_size, timeout=timeout)
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if cuda else dist.group.WORLD
     messages = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
-    return TensorParallel(rank, rv.world_size, dist.group.WORLD, cpu_group), messages
+    tp = TensorParallel(rank, rv.world_size, dist.group.WORLD, cpu_group)
+    if rv.shm_slot_bytes and not cuda:
+        tp.shm = _open_shm(tp, rv)
+    return tp, messages
+
+
+def _open_shm(tp: TensorParallel, rv: Rendezvous) -> ShmCollectives | None:
+    """Rank 0 creates the segment, the others map it, then it is unlinked (the mappings stay): no
+    file outlives the ranks, however they end. A failure on any rank: gloo for everyone."""
+    path = Path("/dev/shm") / f"nanoserve-tp-{rv.master_port}"
+    shm, failed, why = None, 0, ""
+    for creating in (True, False):  # every rank takes part in both votes
+        if creating == (tp.rank == 0) and not failed:
+            try:
+                if creating:
+                    path.unlink(missing_ok=True)  # left by an engine on this port that died mid-setup
+                shm = ShmCollectives(path, tp.rank, tp.size, rv.shm_slot_bytes, rv.timeout_s, create=creating)
+            except (OSError, RuntimeError) as e:
+                failed, why = 1, str(e)
+        failed = tp.reduce_flags([failed])[0]
+    if tp.rank == 0:
+        path.unlink(missing_ok=True)
+    if failed:
+        if tp.rank == 0:
+            log.warning("shared-memory collectives unavailable (%s); using gloo", why or "a rank could not map them")
+        return None
+    return shm
 
 
 def leave() -> None:

@@ -23,7 +23,7 @@ from nanoserve.distributed.channel import MessageChannel
 from nanoserve.distributed.parallel import TensorParallel, join, leave
 from nanoserve.engine.model_setup import build_shard, host_blocks
 from nanoserve.engine.workers import (Followers, LocalWorkers, ParallelCopier, Setup, describe_fault, plan_node,
-                                      start_worker, stop_workers)
+                                      shm_slot_bytes, start_worker, stop_workers)
 from nanoserve.kvcache.host_tier import HostTier
 from nanoserve.kvcache.manager import KVCacheManager
 from nanoserve.kvcache.transfer import make_copier
@@ -117,7 +117,7 @@ class LLMEngine:
     # ---- setup helpers -------------------------------------------------------------------
     def _start_workers(self) -> None:
         """Tensor parallel: start this node's other ranks, join them as rank 0, send the settings."""
-        specs = plan_node(self.config, self.device)
+        specs = plan_node(self.config, self.device, shm_slot_bytes(self.config, self.hf_config, self.device))
         if self.device.type == "cpu" and specs[0].threads is not None:
             torch.set_num_threads(specs[0].threads)
             if specs[0].cpus is not None:
@@ -128,6 +128,8 @@ class LLMEngine:
         except BaseException:
             self.local_workers.stop(timeout=0)
             raise
+        if self.tp.shm is not None:
+            self.local_workers.on_death = self.tp.shm.abort
         channel = MessageChannel(messages)
         self.followers = Followers(channel, self.tp)
         # also at interpreter exit: an offline LLM nobody closed must not leave its workers waiting

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -190,6 +191,7 @@ class LocalWorkers:
         self.procs = procs
         self.stopping = threading.Event()
         self.first_death: dict[int, int] = {}  # what the watchdog saw, before it stopped the rest
+        self.on_death: Callable[[], None] | None = None  # e.g. fail the shared-memory waits at once
         if procs:
             threading.Thread(target=self._watch, args=(poll_s,), daemon=True, name="nanoserve-tp-watchdog").start()
 
@@ -198,6 +200,8 @@ class LocalWorkers:
             if dead := self.dead():
                 self.first_death = dead
                 log.error("tensor-parallel %s; stopping the other ranks", self.describe())
+                if self.on_death is not None:
+                    self.on_death()
                 for p in self.procs.values():
                     if p.poll() is None:
                         p.kill()
@@ -222,14 +226,25 @@ class LocalWorkers:
                 p.wait()
 
 
-def plan_node(config: EngineConfig, rank0_device: torch.device) -> list[WorkerSpec]:
+def shm_slot_bytes(config: EngineConfig, hf_config, device: torch.device) -> int:
+    """All ranks on one CPU node: shared-memory collectives, a slot holding the largest all-reduce
+    (a full step's hidden states) and a full batch's logits shard, in fp32 (capped: larger ones go
+    through gloo). 0 otherwise."""
+    if config.nnodes > 1 or device.type != "cpu":
+        return 0
+    rows = max(config.max_num_batched_tokens, config.max_num_seqs)
+    shard = -(-hf_config.vocab_size // config.tensor_parallel_size)
+    return min(4 * max(rows * hf_config.hidden_size, config.max_num_seqs * shard), 64 << 20)
+
+
+def plan_node(config: EngineConfig, rank0_device: torch.device, slot_bytes: int = 0) -> list[WorkerSpec]:
     """Specs for this node's worker ranks. Node 0 holds ranks 0..per_node-1 (rank 0 is the
     engine itself); node k holds the next per_node."""
     n, nodes = config.tensor_parallel_size, config.nnodes
     per_node = n // nodes
     first = config.node_rank * per_node
     port = config.master_port or free_port()
-    rv = Rendezvous(config.master_addr, port, n, config.distributed_timeout)
+    rv = Rendezvous(config.master_addr, port, n, config.distributed_timeout, slot_bytes)
     cuda = rank0_device.type == "cuda"
     cpus = sorted(os.sched_getaffinity(0))
     threads = None if cuda else max(1, torch.get_num_threads() // per_node)
