@@ -1,12 +1,14 @@
 """Tensor parallelism on CPU (gloo and shared-memory collectives), with real worker processes: greedy tokens equal one rank's and
 HF transformers' in fp32 (the embedded model on 3 ranks: 9 heads, 3 KV heads; tiny random Llamas
 on 2, one with its single KV head replicated), the host tier round-trips under it, a server with
-`-tp 3` answers an OpenAI client, and a killed worker fails the request in flight and makes the
+`-tp 3` answers an OpenAI client, two "nodes" on this machine serve like one rank, and a killed worker fails the request in flight and makes the
 server exit non-zero."""
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -23,7 +25,7 @@ from nanoserve.kvcache.host_tier import HostTier
 from nanoserve.kvcache.transfer import ThreadCopier
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams
-from server_fixture import ServerProcess, child_pids, wait_gone
+from server_fixture import ServerProcess, child_pids, free_port, wait_gone
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -224,3 +226,21 @@ def test_killed_worker_fails_the_request_and_the_server_exits_non_zero(tp_server
     code = tp_server.proc.wait(30)
     assert code != 0 and time.monotonic() - t0 < 30
     assert not wait_gone([core, *workers], 15), "a rank outlived the server"
+
+
+def test_two_nodes_on_one_machine_serve_like_one_rank(tmp_path, embedded_dir):
+    """--nnodes 2: node 1 runs only its worker, node 0 the API and rank 0; they meet at
+    --master-addr/--master-port (gloo collectives: shared memory is for one node)."""
+    path = make_tiny_model(tmp_path / "tiny", "llama-gqa-tied", embedded_dir)
+    port = str(free_port())
+    dist = ["-tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port]
+    node1 = subprocess.Popen([sys.executable, "-m", "nanoserve.server.cli", *dist, "--node-rank", "1"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    srv = ServerProcess("--model", str(path), "--dtype", "float32", *dist, "--node-rank", "0")
+    try:
+        got = srv.client().completions.create(model=str(path), prompt="Hello there", max_tokens=8, temperature=0)
+    finally:
+        assert srv.terminate() == 0
+    assert node1.wait(30) == 0, node1.stderr.read()
+    with LLM(str(path), dtype="float32", num_kv_blocks=64) as one:
+        assert got.choices[0].text == one.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text

@@ -197,7 +197,7 @@ class LocalWorkers:
 
     def _watch(self, poll_s: float) -> None:
         while not self.stopping.wait(poll_s):
-            if dead := self.dead():
+            if dead := {r: c for r, c in self.dead().items() if c != 0}:  # 0: stopped by rank 0
                 self.first_death = dead
                 log.error("tensor-parallel %s; stopping the other ranks", self.describe())
                 if self.on_death is not None:
