@@ -137,11 +137,11 @@ class ModelRunner:
         scheduled tokens reach their end (they sample next), in that order, followed by the rows
         that score prompt tokens for requests that asked for prompt logprobs."""
         plan, samplers, prompt_rows = self.plan(scheduled)
-        if self.listener is not None:
-            self.listener.before(plan)
+        if listener := self.listener:
+            listener.before(plan)
         logits = self.execute(plan)
-        if self.listener is not None:
-            self.listener.after()
+        if listener:
+            listener.after()
         return logits, samplers, prompt_rows
 
     def plan(self, scheduled: list[ScheduledSeq]) -> tuple[StepPlan, list[Sequence], list[PromptLogitRows]]:
@@ -186,11 +186,7 @@ class ModelRunner:
         if plan.bucket is not None:
             return self._run_padded_decode(plan)
         n_tok, rows = len(plan.ids), plan.logits_rows
-        buf = self._stage(n_tok)
-        buf[_IDS, :n_tok] = plan.ids
-        buf[_POS, :n_tok] = plan.positions
-        buf[_BLK, :n_tok] = plan.slot_blocks
-        buf[_OFF, :n_tok] = plan.slot_offsets
+        buf = self._stage_rows(plan, n_tok)
         buf[_LOGITS, :len(rows)] = rows
         dev = self.inputs.upload(5)[:, :n_tok]
         self.attn.prepare(AttentionBatch(plan.query_lens, plan.context_lens, plan.tables, plan.num_decodes,
@@ -214,26 +210,19 @@ class ModelRunner:
 
     def _run_padded_decode(self, plan: StepPlan) -> torch.Tensor | None:
         n, bucket = len(plan.ids), plan.bucket
-        buf = self._stage(bucket)
-        buf[_IDS, :n] = plan.ids
-        buf[_POS, :n] = plan.positions
-        buf[_BLK, :n] = plan.slot_blocks
-        buf[_OFF, :n] = plan.slot_offsets
-        self._pad_rows(buf, n, bucket)
+        self._pad_rows(self._stage_rows(plan, bucket), n, bucket)
         logits = self._padded_forward(bucket, plan.tables, plan.context_lens)
         if bucket in self.graphs:
             self.steps_graphed += 1
         else:
             self.steps_eager += 1
         self.steps_padded += 1
-        if (self.steps_graphed + self.steps_eager) % 1000 == 0 and self.graphs:
-            log.info("decode CUDA graphs: %d of %d steps graphed", self.steps_graphed,
-                     self.steps_graphed + self.steps_eager)
+        if (total := self.steps_graphed + self.steps_eager) % 1000 == 0 and self.graphs:
+            log.info("decode CUDA graphs: %d of %d steps graphed", self.steps_graphed, total)
         return logits[:n] if logits is not None else None
 
     def _pad_rows(self, buf, n: int, bucket: int) -> None:
-        """Rows n..bucket: token 0 at position 0, written to the scratch block (never read by a
-        real sequence); logits rows are 0..bucket-1, fixed."""
+        """Rows n..bucket: token 0, position 0, into the scratch block (unread); logits rows 0..bucket-1."""
         buf[_IDS:_OFF + 1, n:bucket] = 0
         buf[_BLK, n:bucket] = self.kv_cache.shape[0] - 1
         buf[_LOGITS, :bucket] = range(bucket)
@@ -256,6 +245,15 @@ class ModelRunner:
         """What a graph captures: reads only persistent device buffers."""
         dev = self.inputs.dev
         return self.model(dev[_IDS, :bucket], dev[_POS, :bucket], self.attn, dev[_LOGITS, :bucket])
+
+    def _stage_rows(self, plan: StepPlan, rows: int):
+        """Staging for `rows` token rows (padding included), the plan's tokens written."""
+        buf, n = self._stage(rows), len(plan.ids)
+        buf[_IDS, :n] = plan.ids
+        buf[_POS, :n] = plan.positions
+        buf[_BLK, :n] = plan.slot_blocks
+        buf[_OFF, :n] = plan.slot_offsets
+        return buf
 
     def _stage(self, n: int):
         if n > self.max_tokens:
