@@ -283,4 +283,7 @@ def test_gpu_check_cpu_smoke(tmp_path):
         assert all(row["tok_s"] > 0 and row["roofline_tok_s"] > 0 for row in rows.values())
     assert r["tier_round_trip"]["exact"] and r["tier_round_trip"]["bytes_each_way"] > 0
     assert [row["outputs_match"] for row in r["tier_ttft"]["rows"]] == [True, True]
+    tp = r["tensor_parallel"]  # 2 gloo ranks stand in for 2 GPUs
+    assert tp["ranks"] == 2 and tp["triton"]["fp32_greedy_exact"] and tp["host_round_trip"]["exact"]
+    assert tp["decode_tp2"]["tokens"] == max(smoke_batches) * steps
     assert all(row["host_cached"] > 0 for row in r["tier_ttft"]["rows"])

@@ -136,8 +136,8 @@ class LLMEngine:
         self._stop_workers = weakref.finalize(self, stop_workers, self.followers, self.local_workers)
         channel.send(Setup(dataclasses.asdict(self.config), self.source.name, str(self.source.path),
                            str(self.dtype).removeprefix("torch.")))
-        log.info("tensor parallel: %d ranks (%d on this node), %s", self.tp.size, len(specs),
-                 "NCCL" if self.device.type == "cuda" else "gloo")
+        log.info("tensor parallel: %d ranks (%d on this node), collectives through %s", self.tp.size, len(specs),
+                 "NCCL" if self.device.type == "cuda" else "shared memory" if self.tp.shm else "gloo")
 
     def _host_tier(self) -> HostTier | None:
         blocks = host_blocks(self.config, self.layout, self.tp.size)

@@ -169,8 +169,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def start_worker(spec: WorkerSpec) -> subprocess.Popen:
-    d = asdict(spec)
-    return subprocess.Popen([sys.executable, "-m", "nanoserve.engine.worker", json.dumps(d)])
+    """With this process's import path: names in the config (flash_attn_module) resolve the same."""
+    path = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+    env = dict(os.environ, PYTHONPATH=path + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.Popen([sys.executable, "-m", "nanoserve.engine.worker", json.dumps(asdict(spec))], env=env)
 
 
 def cpu_slices(cpus: list[int], ranks: int) -> list[tuple[int, ...] | None]:
