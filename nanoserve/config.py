@@ -66,7 +66,8 @@ class EngineConfig:
     max_num_batched_tokens: int = opt(2048, "token budget of one engine step (prefill chunks + decodes)",
                                       group="scheduling")
     tensor_parallel_size: int = opt(1, "shard the model over N ranks (Megatron-style tensor parallelism: one "
-                                    "scheduler, N workers; NCCL on CUDA, gloo on CPU)", metavar="N",
+                                    "scheduler, N workers; NCCL on CUDA; on CPU shared memory within a node, "
+                                    "gloo between nodes)", metavar="N",
                                     aliases=("-tp",), group="distributed")
     nnodes: int = opt(1, "nodes the tensor-parallel ranks span (each holds N / nnodes of them)", group="distributed")
     node_rank: int = opt(0, "this node's index; node 0 serves the API, the others only run workers",
