@@ -25,7 +25,7 @@ from nanoserve.kvcache.host_tier import HostTier
 from nanoserve.kvcache.transfer import ThreadCopier
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams
-from server_fixture import ServerProcess, child_pids, free_port, wait_gone
+from server_fixture import ServerProcess, child_pids, free_port, m, wait_gone
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -244,3 +244,34 @@ def test_two_nodes_on_one_machine_serve_like_one_rank(tmp_path, embedded_dir):
     assert node1.wait(30) == 0, node1.stderr.read()
     with LLM(str(path), dtype="float32", num_kv_blocks=64) as one:
         assert got.choices[0].text == one.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+
+
+def test_concurrent_requests_with_host_tier_on_two_ranks_match_one_rank(tmp_path, embedded_dir):
+    """32 streamed requests at once over 8 shared documents through `-tp 2` with a device cache that
+    holds about two of them and a host tier: loads, saves and their acks under load; every answer
+    equals one rank's, and nothing is left held."""
+    import asyncio
+    path = make_tiny_model(tmp_path / "tiny", "llama-gqa-tied", embedded_dir)
+    docs = random_prompts(8, 48, 48, vocab=5000, seed=11)
+    prompts = [docs[i % 8] + q for i, q in enumerate(random_prompts(32, 2, 6, vocab=5000, seed=12))]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(str(path), dtype="float32", num_kv_blocks=256) as one:
+        expected = [o.outputs[0].text for o in one.generate(prompts, params)]
+    srv = ServerProcess("--model", str(path), "--dtype", "float32", "-tp", "2", "--block-size", "4",
+                        "--num-kv-blocks", "40", "--host-cache-gb", "0.01", "--max-num-seqs", "8")
+
+    async def ask(client, p):
+        chunks = await client.completions.create(model=str(path), prompt=p, max_tokens=6, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True})
+        return "".join([c.choices[0].text async for c in chunks if c.choices])
+
+    async def main():
+        client = srv.async_client()
+        return await asyncio.gather(*(ask(client, p) for p in prompts))
+    try:
+        got = asyncio.run(main())
+        snap = srv.metrics()
+    finally:
+        assert srv.terminate() == 0
+    assert got == expected
+    assert m(snap, "nanoserve:prefix_cache_hits_total", tier="host") > 0
