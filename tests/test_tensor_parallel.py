@@ -19,7 +19,7 @@ from hypothesis import given, strategies as st
 
 from conftest import hf_greedy, make_tiny_model, random_prompts
 from nanoserve.distributed.parallel import TensorParallel, shard_heads, vocab_rows
-from nanoserve.distributed.shm import ShmCollectives
+from nanoserve.distributed.shm import ShmChannel, ShmCollectives
 from nanoserve.engine.workers import CopyCommand, Followers, ParallelCopier
 from nanoserve.kvcache.host_tier import HostTier
 from nanoserve.kvcache.transfer import ThreadCopier
@@ -102,6 +102,43 @@ def test_shared_memory_wait_fails_on_abort_and_on_timeout(tmp_path):
     with pytest.raises(RuntimeError, match="abort flag"):
         other.all_reduce(torch.ones(4))
     assert not alone.fits(torch.ones(17))  # 68 bytes: through gloo instead
+
+
+def test_shared_memory_channel_delivers_every_message_in_order(tmp_path):
+    """Rank 0 sends 40 messages (every 10th larger than a frame: through the fallback) to two
+    readers in threads, which read at their own pace: each gets all of them, in order; a frame is
+    reused only after both have read it. An abort fails a waiting reader."""
+    import queue
+
+    class Fallback:  # stands in for the gloo broadcast: one queue per reader
+        def __init__(self):
+            self.queues = [queue.Queue() for _ in range(2)]
+
+        def send(self, msg):
+            for q in self.queues:
+                q.put(msg)
+
+    fb = Fallback()
+    path = tmp_path / "msgs"
+    sender = ShmChannel(path, 0, 3, 256, 30.0, True, fb)
+    readers = [ShmChannel(path, r, 3, 256, 30.0, False, type("R", (), {"recv": fb.queues[r - 1].get})())
+               for r in (1, 2)]
+    msgs = [{"i": i, "pad": "x" * (400 if i % 10 == 9 else i)} for i in range(40)]
+
+    def read(ch):
+        out = []
+        for _ in msgs:
+            out.append(ch.recv())
+            time.sleep(0.001 * ch.rank)  # the readers drift apart; the sender must wait for the slower
+        return out
+    with ThreadPoolExecutor(3) as ex:
+        got = [ex.submit(read, ch) for ch in readers]
+        for msg in msgs:
+            sender.send(msg)
+        assert [g.result(60) for g in got] == [msgs, msgs]
+    readers[0].abort()
+    with pytest.raises(RuntimeError, match="abort flag"):
+        readers[1].recv()
 
 
 # ---- same tokens --------------------------------------------------------------------------------------

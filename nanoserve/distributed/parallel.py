@@ -15,9 +15,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from nanoserve.distributed.shm import ShmCollectives
+from nanoserve.distributed.channel import MessageChannel
+from nanoserve.distributed.shm import ShmChannel, ShmCollectives, shm_supported
 
 log = logging.getLogger("nanoserve")
+MESSAGE_FRAME_BYTES = 4 << 20  # a step plan larger than this (rare: huge block tables) goes through gloo
 
 
 class ParallelFault(BaseException):
@@ -124,43 +126,46 @@ class Rendezvous:
     shm_slot_bytes: int = 0  # > 0: every rank is on one CPU node; collectives through /dev/shm
 
 
-def join(rv: Rendezvous, rank: int, device: torch.device) -> tuple[TensorParallel, object]:
-    """Init torch.distributed for this rank. Returns the compute group and a gloo group for the
-    step messages; the latter never times out (an idle server sends nothing for hours; a dead
-    peer is still noticed, as a closed connection)."""
+def join(rv: Rendezvous, rank: int, device: torch.device) -> tuple[TensorParallel, MessageChannel | ShmChannel]:
+    """Init torch.distributed for this rank. Returns the collectives and the channel of the step
+    messages: shared memory on one CPU node, else broadcasts on a gloo group that never times out
+    (an idle server sends nothing for hours; a dead peer is still noticed, as a closed connection)."""
     cuda = device.type == "cuda"
     timeout = datetime.timedelta(seconds=rv.timeout_s)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{rv.master_addr}:{rv.master_port}",
                             rank=rank, world_size=rv.world_size, timeout=timeout)
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if cuda else dist.group.WORLD
-    messages = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
+    channel = MessageChannel(dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365)))
     tp = TensorParallel(rank, rv.world_size, dist.group.WORLD, cpu_group)
-    if rv.shm_slot_bytes and not cuda:
-        tp.shm = _open_shm(tp, rv)
-    return tp, messages
+    if rv.shm_slot_bytes and not cuda and shm_supported() and (opened := _open_shm(tp, rv, channel)):
+        tp.shm, channel = opened
+    return tp, channel
 
 
-def _open_shm(tp: TensorParallel, rv: Rendezvous) -> ShmCollectives | None:
-    """Rank 0 creates the segment, the others map it, then it is unlinked (the mappings stay): no
-    file outlives the ranks, however they end. A failure on any rank: gloo for everyone."""
-    path = Path("/dev/shm") / f"nanoserve-tp-{rv.master_port}"
-    shm, failed, why = None, 0, ""
+def _open_shm(tp: TensorParallel, rv: Rendezvous, gloo: MessageChannel) -> tuple[ShmCollectives, ShmChannel] | None:
+    """Rank 0 creates the segments, the others map them, then they are unlinked (the mappings
+    stay): no file outlives the ranks, however they end. A failure on any rank: gloo for everyone."""
+    paths = [Path("/dev/shm") / f"nanoserve-tp-{rv.master_port}-{what}" for what in ("collectives", "messages")]
+    opened, failed, why = None, 0, ""
     for creating in (True, False):  # every rank takes part in both votes
         if creating == (tp.rank == 0) and not failed:
             try:
                 if creating:
-                    path.unlink(missing_ok=True)  # left by an engine on this port that died mid-setup
-                shm = ShmCollectives(path, tp.rank, tp.size, rv.shm_slot_bytes, rv.timeout_s, create=creating)
+                    for p in paths:  # left by an engine on this port that died mid-setup
+                        p.unlink(missing_ok=True)
+                opened = (ShmCollectives(paths[0], tp.rank, tp.size, rv.shm_slot_bytes, rv.timeout_s, creating),
+                          ShmChannel(paths[1], tp.rank, tp.size, MESSAGE_FRAME_BYTES, rv.timeout_s, creating, gloo))
             except (OSError, RuntimeError) as e:
                 failed, why = 1, str(e)
         failed = tp.reduce_flags([failed])[0]
     if tp.rank == 0:
-        path.unlink(missing_ok=True)
+        for p in paths:
+            p.unlink(missing_ok=True)
     if failed:
         if tp.rank == 0:
             log.warning("shared-memory collectives unavailable (%s); using gloo", why or "a rank could not map them")
         return None
-    return shm
+    return opened
 
 
 def leave() -> None:

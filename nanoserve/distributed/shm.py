@@ -13,6 +13,8 @@ or as soon as the node's watchdog raises the abort flag. Tensors larger than a s
 from __future__ import annotations
 
 import os
+import pickle
+import platform
 import time
 from pathlib import Path
 
@@ -22,19 +24,30 @@ _LINE = 8  # int64s per cache line: each rank's flag on its own line
 _SPINS = 2000  # polls with sched_yield before the waits start sleeping (oversubscribed cores)
 
 
+def map_segment(path: Path, nbytes: int, create: bool) -> torch.Tensor:
+    """A shared uint8 tensor over a /dev/shm file; `create` allocates it first (ENOSPC then, not
+    SIGBUS on first touch, when /dev/shm is small)."""
+    if create:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        finally:
+            os.close(fd)
+    return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+
+
+def shm_supported() -> bool:
+    """The waits below publish with plain stores and rely on x86's store ordering (TSO): data
+    written before a flag is visible before it. Elsewhere: gloo."""
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
 class ShmCollectives:
     def __init__(self, path: Path, rank: int, size: int, slot_bytes: int, timeout_s: float, create: bool) -> None:
         self.rank, self.size, self.slot_bytes, self.timeout_s = rank, size, slot_bytes, timeout_s
         header = (size + 1) * _LINE * 8
-        total = header + 2 * size * slot_bytes
-        if create:  # allocated now (ENOSPC here, not SIGBUS on first touch, when /dev/shm is small)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.posix_fallocate(fd, 0, total)
-            finally:
-                os.close(fd)
         self.path = path
-        self.buf = torch.from_file(str(path), shared=True, size=total, dtype=torch.uint8)
+        self.buf = map_segment(path, header + 2 * size * slot_bytes, create)
         self.flags = self.buf[:header].view(torch.int64)[::_LINE]  # [size] sequence numbers, [size] abort
         self.data = self.buf[header:].view(2, size, slot_bytes)
         self.seq = 0
@@ -92,3 +105,62 @@ class ShmCollectives:
             self.path.unlink()
         except OSError:
             pass
+
+
+class ShmChannel:
+    """The step messages (distributed/channel.py's job) through shared memory, for one CPU node:
+    rank 0 writes a pickled message into one of two frames and publishes its sequence number; each
+    rank reads it and publishes that it has. Rank 0 reuses a frame only once every rank has read
+    the message before last in it. A message larger than a frame goes through `fallback` (gloo),
+    which the frame says. An idle worker polls with growing sleeps (up to 1 ms): no deadline, since
+    a server may be idle for hours; it dies with rank 0 (PR_SET_PDEATHSIG)."""
+
+    def __init__(self, path: Path, rank: int, size: int, frame_bytes: int, timeout_s: float, create: bool,
+                 fallback) -> None:
+        self.rank, self.size, self.frame_bytes, self.fallback = rank, size, frame_bytes, fallback
+        self.timeout_s = timeout_s
+        header = (size + 2) * _LINE * 8
+        self.path = path
+        self.buf = map_segment(path, header + 2 * frame_bytes, create).numpy()
+        self.flags = self.buf[:header].view("int64")[::_LINE]  # [size] read seqs, written seq, abort
+        self.frames = self.buf[header:].reshape(2, frame_bytes)
+        self.seq = 0
+
+    def send(self, msg: object) -> None:
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        self.seq += 1
+        self._wait(lambda: int(self.flags[1:self.size].min()) >= self.seq - 2, idle=False)
+        frame, n = self.frames[self.seq % 2], len(data)
+        big = n + 8 > self.frame_bytes
+        frame[:8].view("int64")[0] = -1 if big else n
+        if not big:
+            frame[8:8 + n] = memoryview(data)
+        self.flags[self.size] = self.seq
+        if big:
+            self.fallback.send(msg)
+
+    def recv(self) -> object:
+        self.seq += 1
+        self._wait(lambda: int(self.flags[self.size]) >= self.seq, idle=True)
+        frame = self.frames[self.seq % 2]
+        n = int(frame[:8].view("int64")[0])
+        msg = self.fallback.recv() if n < 0 else pickle.loads(frame[8:8 + n].tobytes())
+        self.flags[self.rank] = self.seq
+        return msg
+
+    def _wait(self, ready, idle: bool) -> None:
+        """`idle` (a worker waiting for work): no deadline; rank 0 waiting for a reader: timeout_s."""
+        polls, deadline = 0, time.monotonic() + self.timeout_s
+        while not ready():
+            if int(self.flags[self.size + 1]):
+                raise RuntimeError("another tensor-parallel rank of this node failed (abort flag)")
+            polls += 1
+            if polls < _SPINS:
+                os.sched_yield()
+            elif not idle and time.monotonic() > deadline:
+                raise RuntimeError(f"a tensor-parallel rank did not read a step message within {self.timeout_s}s")
+            else:
+                time.sleep(0.001 if idle and polls > _SPINS + 1000 else 0.0001)
+
+    def abort(self) -> None:
+        self.flags[self.size + 1] = 1

@@ -19,7 +19,6 @@ import torch
 from nanoserve.config import EngineConfig
 from nanoserve.engine.grammar import GrammarMatchers
 from nanoserve.engine.protocol import ModelInfo, PromptRequest, check_prompt_request, make_prompt_request
-from nanoserve.distributed.channel import MessageChannel
 from nanoserve.distributed.parallel import TensorParallel, join, leave
 from nanoserve.engine.model_setup import build_shard, host_blocks
 from nanoserve.engine.workers import (Followers, LocalWorkers, ParallelCopier, Setup, describe_fault, plan_node,
@@ -124,13 +123,12 @@ class LLMEngine:
                 os.sched_setaffinity(0, specs[0].cpus)
         self.local_workers = LocalWorkers({s.rank: start_worker(s) for s in specs[1:]})
         try:
-            self.tp, messages = join(specs[0].rendezvous, 0, self.device)
+            self.tp, channel = join(specs[0].rendezvous, 0, self.device)
         except BaseException:
             self.local_workers.stop(timeout=0)
             raise
-        if self.tp.shm is not None:
-            self.local_workers.on_death = self.tp.shm.abort
-        channel = MessageChannel(messages)
+        if self.tp.shm is not None:  # fail the shared-memory waits at once
+            self.local_workers.on_death = lambda: (self.tp.shm.abort(), channel.abort())
         self.followers = Followers(channel, self.tp)
         # also at interpreter exit: an offline LLM nobody closed must not leave its workers waiting
         self._stop_workers = weakref.finalize(self, stop_workers, self.followers, self.local_workers)

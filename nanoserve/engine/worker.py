@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 
 from nanoserve.config import EngineConfig
-from nanoserve.distributed.channel import MessageChannel
 from nanoserve.distributed.parallel import Rendezvous, join, leave
 from nanoserve.engine.model_setup import build_shard, host_blocks
 from nanoserve.engine.placement import die_with_parent
@@ -47,7 +46,7 @@ def run_copies(copies: list[CopyCommand], device_cache: torch.Tensor, host_cache
     return failed
 
 
-def _next(channel: MessageChannel) -> object:
+def _next(channel) -> object:
     try:
         return channel.recv()
     except RuntimeError as e:  # rank 0's connection closed: it is gone, so is this engine
@@ -62,8 +61,7 @@ def serve(spec: WorkerSpec) -> int:
     device = torch.device("cuda", spec.device_index) if spec.device_index is not None else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    tp, messages = join(spec.rendezvous, spec.rank, device)
-    channel = MessageChannel(messages)
+    tp, channel = join(spec.rendezvous, spec.rank, device)
     setup = channel.recv()
     assert isinstance(setup, Setup), f"expected Setup first, got {type(setup).__name__}"
     config = EngineConfig(**setup.config)

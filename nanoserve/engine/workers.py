@@ -26,6 +26,7 @@ import torch
 from nanoserve.config import EngineConfig
 from nanoserve.distributed.channel import MessageChannel
 from nanoserve.distributed.parallel import ParallelFault, Rendezvous, TensorParallel, leave
+from nanoserve.distributed.shm import ShmChannel
 from nanoserve.kvcache.transfer import Copier, Transfer
 from nanoserve.runner import StepPlan
 
@@ -73,7 +74,7 @@ class Followers:
     """Sends each step's plan and the copies begun since the last message; collects the copy acks.
     The runner's StepListener."""
 
-    def __init__(self, channel: MessageChannel, tp: TensorParallel) -> None:
+    def __init__(self, channel: MessageChannel | ShmChannel, tp: TensorParallel) -> None:
         self.channel, self.tp = channel, tp
         self.pending: list[CopyCommand] = []
         self.in_flight: list[CopyCommand] = []
