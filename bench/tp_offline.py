@@ -10,9 +10,10 @@ heads, 12 layers (~190M parameters), the embedded model's tokenizer. Both engine
 with the same dtype and the same total KV budget, on the same cores (tp 1 computes with every
 thread torch gives it; each of the N ranks with 1/N of them); runs alternate A B A B with fresh
 prompts each. Reported: medians of output tok/s and their ratio; per step: rank 0's time to send
-the plan (pickle + the shared-memory channel, or gloo broadcasts), and the time all ranks spend in the model's collectives
-(all-reduces and the logits gather: through shared memory on one CPU node, `--gloo` to compare) as
-seen by rank 0, waits for the other ranks included. The last line is the raw JSON."""
+the plan (pickle + the shared-memory channel, or gloo broadcasts), and the time spent in the
+model's collectives (all-reduces and the logits gather: through shared memory on one CPU node,
+`--gloo` to compare) as seen by rank 0, waits for the other ranks included. The last line is the
+raw JSON."""
 from __future__ import annotations
 
 import argparse
