@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from nanoserve.errors import InvalidRequest  # noqa: F401 - also importable from here
 from nanoserve.structured import StructuredSpec
 
 # Bounds on list-valued fields: each costs work per generated token (stop strings are searched in
@@ -93,12 +94,3 @@ class SamplingParams:
     def needs_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
-
-
-class InvalidRequest(ValueError):
-    """A request the engine refuses; `param` names the offending field (OpenAI's error.param)."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-        self.code = code

@@ -4,12 +4,13 @@ client asked for, as text), its translation into an llguidance grammar, and its 
 The spec, not a compiled grammar, crosses the API -> engine boundary: a compiled matcher is a native
 object that cannot be sent over zmq. The API side validates the grammar (no tokenizer needed, ~0.5 ms
 for a realistic schema) so that a bad schema is an HTTP 400 before any stream starts; the engine
-compiles each distinct grammar once (engine/grammar.py). (SamplingParams holds a spec, so this module
-imports InvalidRequest lazily.)"""
+compiles each distinct grammar once (engine/grammar.py)."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+
+from nanoserve.errors import InvalidRequest
 
 KINDS = ("json", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 256 << 10  # a grammar is compiled and matched per token: bounded like other lists
@@ -67,5 +68,4 @@ def json_spec(schema: object, param: str) -> StructuredSpec:
 
 
 def _invalid(message: str, param: str) -> Exception:
-    from nanoserve.sampling_params import InvalidRequest
     return InvalidRequest(message, param=param)
