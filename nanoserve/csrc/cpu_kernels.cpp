@@ -450,24 +450,30 @@ static inline float exp_neg(float x) {
   return p * scale;
 }
 #if defined(__AVX512F__)
-// 2^x for finite x <= 0, 16 lanes: 2^round(x) * 2^r, |r| <= 1/2. For fp32 probabilities Cephes'
-// degree-6 exp2f polynomial (~1 ulp); for bf16 ones (rounded to 8 bits next) the degree-4 Taylor
-// series of e^(r ln2) (relative error <= 4.2e-5), two FMAs fewer per 16 keys.
+// 2^x for finite x <= 0, 16 lanes. For fp32 probabilities 2^round(x) * 2^r, |r| <= 1/2, by Cephes'
+// degree-6 exp2f polynomial (~1 ulp). For bf16 ones (rounded to 8 bits next) 2^floor(x) * 2^r with
+// r = x - floor(x) in [0, 1) from one VREDUCEPS, a degree-4 fit of 2^r (relative error <= 5.3e-6), and
+// VSCALEFPS by x itself (it takes the floor): no rounding, subtraction or integer step.
 template <typename C>
 static inline __m512 exp2_16(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_sub_ps(x, n);
-  __m512 p;
   if constexpr (std::is_same_v<C, c10::BFloat16>) {
-    p = _mm512_set1_ps(9.6181291e-3f);
-    for (float c : {5.5504109e-2f, 0.24022651f, 0.69314718f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+#if defined(__AVX512DQ__)
+    const __m512 r = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+#else
+    const __m512 r = _mm512_sub_ps(x, _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
+#endif
+    __m512 p = _mm512_set1_ps(1.3511545e-2f);
+    for (float c : {5.1989599e-2f, 0.24150880f, 0.69297428f, 1.0000053f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    return _mm512_scalef_ps(p, x);
   } else {
-    p = _mm512_set1_ps(1.535336188319500e-4f);
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
     for (float c : {1.339887440266574e-3f, 9.618437357674640e-3f, 5.550332471162809e-2f, 2.402264791363012e-1f,
                     6.931472028550421e-1f, 1.f})
       p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    return _mm512_scalef_ps(p, n);
   }
-  return _mm512_scalef_ps(p, n);
 }
 #endif
 
@@ -491,21 +497,40 @@ static inline float softmax_row(const float* s, C* p, int64_t n, int64_t valid, 
     };
     // whole vectors of visible keys unmasked; the causal edge's vector and the rest masked
     const int64_t full = std::clamp<int64_t>(valid, 0, n) / 16 * 16;
-    __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t u = 0; u < full; u += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + u));
-    if (full < valid) vmax = _mm512_mask_max_ps(vmax, live(full), vmax, _mm512_loadu_ps(s + full));
-    rmax = std::max(rmax, _mm512_reduce_max_ps(vmax) * scale);  // scale > 0
-    // e^(s * scale - max) as 2^x: one FMA to x, then 2^frac(x) by a polynomial and scalef
+    __m512 vmax[2] = {_mm512_set1_ps(-std::numeric_limits<float>::infinity()), _mm512_set1_ps(-std::numeric_limits<float>::infinity())};
+    for (int64_t u = 0; u < full; u += 16) vmax[u / 16 % 2] = _mm512_max_ps(vmax[u / 16 % 2], _mm512_loadu_ps(s + u));
+    if (full < valid) vmax[0] = _mm512_mask_max_ps(vmax[0], live(full), vmax[0], _mm512_loadu_ps(s + full));
+    rmax = std::max(rmax, _mm512_reduce_max_ps(_mm512_max_ps(vmax[0], vmax[1])) * scale);  // scale > 0
+    // e^(s * scale - max) as 2^x: one FMA to x, then 2^x by exp2_16; two vectors per step (two
+    // independent sums, and one VCVTNE2PS2BF16 rounds both to bf16)
     constexpr float log2e = 1.44269504088896341f;
     const __m512 sc = _mm512_set1_ps(scale * log2e), mneg = _mm512_set1_ps(-rmax * log2e);
-    __m512 acc = _mm512_setzero_ps();
-    for (; t < n; t += 16) {
-      __m512 e = exp2_16<C>(_mm512_fmadd_ps(_mm512_loadu_ps(s + t), sc, mneg));
-      if (t >= full) e = _mm512_maskz_mov_ps(live(t), e);
-      acc = _mm512_add_ps(acc, e);
-      store16(p + t, e);
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    auto exp16 = [&](int64_t t) {
+      const __m512 e = exp2_16<C>(_mm512_fmadd_ps(_mm512_loadu_ps(s + t), sc, mneg));
+      return t >= full ? _mm512_maskz_mov_ps(live(t), e) : e;
+    };
+    for (; t + 32 <= n; t += 32) {
+      const __m512 e0 = exp16(t), e1 = exp16(t + 16);
+      acc[0] = _mm512_add_ps(acc[0], e0);
+      acc[1] = _mm512_add_ps(acc[1], e1);
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<C, c10::BFloat16>) {
+        _mm512_storeu_si512(p + t, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e1, e0)));
+        continue;
+      }
+#endif
+      store16(p + t, e0);
+      store16(p + t + 16, e1);
     }
-    rsum = _mm512_reduce_add_ps(acc);
+    if (t < n) {  // n is a multiple of 16
+      const __m512 e0 = exp16(t);
+      acc[0] = _mm512_add_ps(acc[0], e0);
+      store16(p + t, e0);
+      t = n;
+    }
+    acc[0] = _mm512_add_ps(acc[0], acc[1]);
+    rsum = _mm512_reduce_add_ps(acc[0]);
   }
 #endif
   if (t < n)
