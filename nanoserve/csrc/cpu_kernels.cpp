@@ -105,10 +105,11 @@ static inline __m512 hsum16(const __m512* v) {
 }
 #endif
 
-// q [nd, h, d]; cache [N, layers, 2, kh, bs, d] (contiguous); tables [nd, max_blocks]; ctx [nd]
+// q [nd, h, d] (rows may be strided); cache [N, layers, 2, kh, bs, d] (contiguous); tables [nd,
+// max_blocks]; ctx [nd]; the result goes to out (contiguous, q's shape)
 template <typename T, int64_t d>
-static torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& cache, int64_t layer,
-                            const torch::Tensor& tables, const torch::Tensor& ctx, float scale) {
+static void decode(const torch::Tensor& q, const torch::Tensor& out, const torch::Tensor& cache, int64_t layer,
+                   const torch::Tensor& tables, const torch::Tensor& ctx, float scale) {
   const int64_t nd = q.size(0), h = q.size(1);
   const int64_t layers = cache.size(1), kh = cache.size(3), bs = cache.size(4), g = h / kh;
   const int64_t max_blocks = tables.size(1), block_stride = layers * 2 * kh * bs * d;
@@ -116,6 +117,7 @@ static torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& cache, 
   const int64_t* tab = tables.data_ptr<int64_t>();
   const int64_t* lens = ctx.data_ptr<int64_t>();
   const T* qp = q.data_ptr<T>();
+  const int64_t q_row = q.stride(0);
   const T* kv = cache.data_ptr<T>();
   const int64_t width = max_blocks * bs;
   auto scores = torch::full({nd * kh, g, width}, -std::numeric_limits<float>::infinity(),
@@ -133,7 +135,7 @@ static torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& cache, 
           __m512bh qh[8][W];
           for (int64_t j = 0; j < g; ++j)
             for (int64_t c = 0; c < W; ++c)
-              qh[j][c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(qp + (s * h + hk * g + j) * d + c * 32));
+              qh[j][c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(qp + s * q_row + (hk * g + j) * d + c * 32));
           const __m512 sv = _mm512_set1_ps(scale);
           for (int64_t t0 = 0; t0 < n; t0 += 16) {
             const int64_t cnt = std::min<int64_t>(16, n - t0);
@@ -159,7 +161,7 @@ static torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& cache, 
         }
       }
 #endif
-      to_float(qp + (s * h + hk * g) * d, qf.data(), g * d);
+      to_float(qp + s * q_row + hk * g * d, qf.data(), g * d);
       for (int64_t x = 0; x < g * d; ++x) qf[x] *= scale;
 #if defined(__AVX512F__)
       if (g <= 8) {  // K rows read straight into registers, each shared by the g query heads
@@ -204,7 +206,6 @@ static torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& cache, 
   scores = scores.softmax(-1);  // ATen's vectorized softmax; masked tail -> 0
   NS_LAP(clock, kDecSoftmax);
   sc = scores.data_ptr<float>();
-  auto out = torch::empty_like(q);
   T* op = out.data_ptr<T>();
   at::parallel_for(0, nd * kh, 1, [&](int64_t begin, int64_t end) {  // pass 2: probabilities x V
     std::vector<float> acc(g * d), blk(bs * d);
@@ -255,27 +256,32 @@ static torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& cache, 
     }
   });
   NS_LAP(clock, kDecPV);
-  return out;
 }
 
+// q's rows may be strided (a view of the fused QKV output: no copy); the result goes to `out` when
+// given (contiguous, q's shape; a view of the backend's output), else to a new tensor.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache, int64_t layer, torch::Tensor tables,
-                                     torch::Tensor ctx, double scale) {
-  TORCH_CHECK(q.is_contiguous() && cache.is_contiguous() && tables.is_contiguous() && ctx.is_contiguous());
+                                     torch::Tensor ctx, double scale, c10::optional<torch::Tensor> out_) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2) && q.stride(0) >= q.size(1) * q.size(2));
+  TORCH_CHECK(cache.is_contiguous() && tables.is_contiguous() && ctx.is_contiguous());
   TORCH_CHECK(q.scalar_type() == cache.scalar_type() && tables.scalar_type() == torch::kLong &&
               ctx.scalar_type() == torch::kLong);
   TORCH_CHECK(cache.dim() == 6 && cache.size(5) == q.size(2) && q.size(1) % cache.size(3) == 0 &&
               layer >= 0 && layer < cache.size(1) && tables.size(0) == q.size(0) && ctx.size(0) == q.size(0));
   TORCH_CHECK(q.size(2) == 64 || q.size(2) == 128, "paged_decode_attention: head_dim 64 or 128 only");
+  const torch::Tensor out = out_.has_value() ? *out_ : torch::empty(q.sizes(), q.options());
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type());
   const bool d64 = q.size(2) == 64;
   switch (q.scalar_type()) {
-    case torch::kBFloat16: return d64 ? decode<c10::BFloat16, 64>(q, cache, layer, tables, ctx, scale)
-                                      : decode<c10::BFloat16, 128>(q, cache, layer, tables, ctx, scale);
-    case torch::kHalf: return d64 ? decode<c10::Half, 64>(q, cache, layer, tables, ctx, scale)
-                                  : decode<c10::Half, 128>(q, cache, layer, tables, ctx, scale);
-    case torch::kFloat: return d64 ? decode<float, 64>(q, cache, layer, tables, ctx, scale)
-                                   : decode<float, 128>(q, cache, layer, tables, ctx, scale);
+    case torch::kBFloat16: d64 ? decode<c10::BFloat16, 64>(q, out, cache, layer, tables, ctx, scale)
+                               : decode<c10::BFloat16, 128>(q, out, cache, layer, tables, ctx, scale); break;
+    case torch::kHalf: d64 ? decode<c10::Half, 64>(q, out, cache, layer, tables, ctx, scale)
+                           : decode<c10::Half, 128>(q, out, cache, layer, tables, ctx, scale); break;
+    case torch::kFloat: d64 ? decode<float, 64>(q, out, cache, layer, tables, ctx, scale)
+                            : decode<float, 128>(q, out, cache, layer, tables, ctx, scale); break;
     default: TORCH_CHECK(false, "paged_decode_attention: unsupported dtype");
   }
+  return out;
 }
 
 // residual += x in place (rounded to the model dtype, as the eager add), then HF's LlamaRMSNorm of
@@ -722,7 +728,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.def("paged_prefill_attention", &paged_prefill_attention);
   m.def("amx", []() { return at::native::cpublas::could_pack(torch::kBFloat16); });
-  m.def("paged_decode_attention", &paged_decode_attention);
+  m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("cache"), py::arg("layer"),
+        py::arg("tables"), py::arg("ctx"), py::arg("scale"), py::arg("out") = py::none());
   m.def("add_rms_norm", &add_rms_norm);
   m.def("rope_", &rope_);
   m.def("write_kv", &write_kv);
