@@ -105,6 +105,75 @@ static inline __m512 hsum16(const __m512* v) {
 }
 #endif
 
+// exp for x <= 0 (fp32, ~1 ulp): 2^n * e^r with |r| <= ln2/2, degree-6 Taylor
+static inline float exp_neg(float x) {
+  x = std::max(x, -87.f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
+  const float p = 1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720))))));
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+#if defined(__AVX512F__)
+// 2^x for finite x <= 0, 16 lanes. For fp32 probabilities 2^round(x) * 2^r, |r| <= 1/2, by Cephes'
+// degree-6 exp2f polynomial (~1 ulp). For bf16 ones (rounded to 8 bits next) 2^floor(x) * 2^r with
+// r = x - floor(x) in [0, 1) from one VREDUCEPS, a degree-4 fit of 2^r (relative error <= 5.3e-6), and
+// VSCALEFPS by x itself (it takes the floor): no rounding, subtraction or integer step.
+template <typename C>
+static inline __m512 exp2_16(__m512 x) {
+  if constexpr (std::is_same_v<C, c10::BFloat16>) {
+#if defined(__AVX512DQ__)
+    const __m512 r = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+#else
+    const __m512 r = _mm512_sub_ps(x, _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
+#endif
+    __m512 p = _mm512_set1_ps(1.3511545e-2f);
+    for (float c : {5.1989599e-2f, 0.24150880f, 0.69297428f, 1.0000053f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    return _mm512_scalef_ps(p, x);
+  } else {
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    for (float c : {1.339887440266574e-3f, 9.618437357674640e-3f, 5.550332471162809e-2f, 2.402264791363012e-1f,
+                    6.931472028550421e-1f, 1.f})
+      p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    return _mm512_scalef_ps(p, n);
+  }
+}
+#endif
+
+// One decode row of scores in place -> probabilities (fp32): n keys, all visible.
+static inline void softmax_inplace(float* x, int64_t n) {
+  float mx = -std::numeric_limits<float>::infinity(), sum = 0.f;
+  int64_t t = 0;
+#if defined(__AVX512F__)
+  __m512 vm = _mm512_set1_ps(mx);
+  for (; t + 16 <= n; t += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(x + t));
+  mx = _mm512_reduce_max_ps(vm);
+  for (int64_t u = t; u < n; ++u) mx = std::max(mx, x[u]);
+  constexpr float log2e = 1.44269504088896341f;
+  const __m512 l2e = _mm512_set1_ps(log2e), mneg = _mm512_set1_ps(-mx * log2e);
+  __m512 vs = _mm512_setzero_ps();
+  for (t = 0; t + 16 <= n; t += 16) {
+    const __m512 e = exp2_16<float>(_mm512_fmadd_ps(_mm512_loadu_ps(x + t), l2e, mneg));
+    vs = _mm512_add_ps(vs, e);
+    _mm512_storeu_ps(x + t, e);
+  }
+  sum = _mm512_reduce_add_ps(vs);
+#else
+  for (int64_t u = 0; u < n; ++u) mx = std::max(mx, x[u]);
+#endif
+  for (; t < n; ++t) {
+    x[t] = exp_neg(x[t] - mx);
+    sum += x[t];
+  }
+  const float inv = 1.f / sum;
+#pragma omp simd
+  for (int64_t u = 0; u < n; ++u) x[u] *= inv;
+}
+
 // q [nd, h, d] (rows may be strided); cache [N, layers, 2, kh, bs, d] (contiguous); tables [nd,
 // max_blocks]; ctx [nd]; the result goes to out (contiguous, q's shape)
 template <typename T, int64_t d>
@@ -120,8 +189,8 @@ static void decode(const torch::Tensor& q, const torch::Tensor& out, const torch
   const int64_t q_row = q.stride(0);
   const T* kv = cache.data_ptr<T>();
   const int64_t width = max_blocks * bs;
-  auto scores = torch::full({nd * kh, g, width}, -std::numeric_limits<float>::infinity(),
-                            torch::dtype(torch::kFloat));
+  // each row's first ctx entries are written by pass 1 and read by pass 2; the rest never
+  auto scores = torch::empty({nd * kh, g, width}, torch::dtype(torch::kFloat));
   float* sc = scores.data_ptr<float>();
   PhaseClock clock;
   at::parallel_for(0, nd * kh, 1, [&](int64_t begin, int64_t end) {  // pass 1: scaled q.k
@@ -203,9 +272,10 @@ static void decode(const torch::Tensor& q, const torch::Tensor& out, const torch
     }
   });
   NS_LAP(clock, kDecScores);
-  scores = scores.softmax(-1);  // ATen's vectorized softmax; masked tail -> 0
+  at::parallel_for(0, nd * kh * g, 16, [&](int64_t begin, int64_t end) {  // one row per (sequence, query head)
+    for (int64_t r = begin; r < end; ++r) softmax_inplace(sc + r * width, lens[r / (kh * g)]);
+  });
   NS_LAP(clock, kDecSoftmax);
-  sc = scores.data_ptr<float>();
   T* op = out.data_ptr<T>();
   at::parallel_for(0, nd * kh, 1, [&](int64_t begin, int64_t end) {  // pass 2: probabilities x V
     std::vector<float> acc(g * d), blk(bs * d);
@@ -443,45 +513,6 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor cache, int64_t lay
 // AVX2/AVX-512 kernels, or ATen's gemm where oneDNN has none).
 constexpr int64_t KT = 64;  // keys per tile (oneDNN's AMX packing takes at most 64 columns)
 
-
-// exp for x <= 0 (fp32, ~1 ulp): 2^n * e^r with |r| <= ln2/2, degree-6 Taylor
-static inline float exp_neg(float x) {
-  x = std::max(x, -87.f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
-  const float p = 1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720))))));
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-#if defined(__AVX512F__)
-// 2^x for finite x <= 0, 16 lanes. For fp32 probabilities 2^round(x) * 2^r, |r| <= 1/2, by Cephes'
-// degree-6 exp2f polynomial (~1 ulp). For bf16 ones (rounded to 8 bits next) 2^floor(x) * 2^r with
-// r = x - floor(x) in [0, 1) from one VREDUCEPS, a degree-4 fit of 2^r (relative error <= 5.3e-6), and
-// VSCALEFPS by x itself (it takes the floor): no rounding, subtraction or integer step.
-template <typename C>
-static inline __m512 exp2_16(__m512 x) {
-  if constexpr (std::is_same_v<C, c10::BFloat16>) {
-#if defined(__AVX512DQ__)
-    const __m512 r = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-#else
-    const __m512 r = _mm512_sub_ps(x, _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
-#endif
-    __m512 p = _mm512_set1_ps(1.3511545e-2f);
-    for (float c : {5.1989599e-2f, 0.24150880f, 0.69297428f, 1.0000053f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-    return _mm512_scalef_ps(p, x);
-  } else {
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    for (float c : {1.339887440266574e-3f, 9.618437357674640e-3f, 5.550332471162809e-2f, 2.402264791363012e-1f,
-                    6.931472028550421e-1f, 1.f})
-      p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-    return _mm512_scalef_ps(p, n);
-  }
-}
-#endif
 
 template <typename C, typename T> static inline C as(T x) { return static_cast<C>(static_cast<float>(x)); }
 template <> inline c10::BFloat16 as<c10::BFloat16, c10::BFloat16>(c10::BFloat16 x) { return x; }
