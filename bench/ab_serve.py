@@ -48,7 +48,7 @@ def main() -> int:
     def up(name: str) -> ServerProcess:
         servers[name] = ServerProcess(*args.server_args.split(), env={"PYTHONPATH": str(checkouts[name])},
                                       startup_timeout=600)
-        asyncio.run(serve_bench.run(bench_args(args, servers[name].base_url, seed=10_000)))  # warm-up
+        asyncio.run(serve_bench.run(bench_args(args, servers[name].base_url, seed=10_000, conc=args.max_concurrency)))  # warm-up
         return servers[name]
 
     try:
@@ -58,7 +58,7 @@ def main() -> int:
         for r in range(args.runs):
             for name in (("this", "base") if r % 2 == 0 else ("base", "this")):
                 s = servers[name] if not args.sequential else up(name)
-                res = asyncio.run(serve_bench.run(bench_args(args, s.base_url, seed=r)))
+                res = asyncio.run(serve_bench.run(bench_args(args, s.base_url, seed=r, conc=args.max_concurrency)))
                 if args.sequential:
                     servers.pop(name).stop()
                 if res["failed"]:

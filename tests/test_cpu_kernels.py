@@ -36,9 +36,8 @@ def _decode_case(dtype, h, kh, d, contexts, bs=16, layers=3, seed=0):
         tables.append(perm[at:at + n])
         at += n
     nd = len(contexts)
-    q = torch.randn(nd, h, d, generator=g).to(dtype)
-    k = torch.randn(nd, kh, d, generator=g).to(dtype)
-    v = torch.randn(nd, kh, d, generator=g).to(dtype)
+    # views of one fused QKV output, as the model passes them: rows strided, read in place
+    q, k, v = torch.randn(nd, h + 2 * kh, d, generator=g).to(dtype).split([h, kh, kh], dim=1)
     pos = [c - 1 for c in contexts]  # each decode writes its token at the last position
     blocks = torch.tensor([t[p // bs] for t, p in zip(tables, pos)])
     offs = torch.tensor([p % bs for p in pos])
@@ -57,6 +56,9 @@ def test_paged_decode_attention_matches_the_torch_path(kernels, dtype, h, kh, d)
         assert (attn.kernels is None) == (kern is None)
         attn.prepare(batch)
         out[name] = [attn.forward(q, k, v, layer) for layer in range(cache.shape[1])]
+        if kern is not None:  # without `out` the kernel returns a new tensor, the same values
+            again = kern.paged_decode_attention(q, cache, 0, attn.dec_table, attn.dec_ctx, d ** -0.5)
+            assert torch.equal(again, out[name][0])
     # the torch path rounds scores and probabilities to the dtype; the kernel keeps them in fp32
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     for a, b in zip(out["torch"], out["kernel"]):

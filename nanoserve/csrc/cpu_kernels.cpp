@@ -105,10 +105,80 @@ static inline __m512 hsum16(const __m512* v) {
 }
 #endif
 
-// q [nd, h, d]; cache [N, layers, 2, kh, bs, d] (contiguous); tables [nd, max_blocks]; ctx [nd]
+// exp for x <= 0 (fp32, ~1 ulp): 2^n * e^r with |r| <= ln2/2, degree-6 Taylor
+static inline float exp_neg(float x) {
+  x = std::max(x, -87.f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
+  const float p = 1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720))))));
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+#if defined(__AVX512F__)
+// 2^x for finite x <= 0, 16 lanes. For fp32 probabilities 2^round(x) * 2^r, |r| <= 1/2, by Cephes'
+// degree-6 exp2f polynomial (~1 ulp). For bf16 ones (rounded to 8 bits next) 2^floor(x) * 2^r with
+// r = x - floor(x) in [0, 1) from one VREDUCEPS, a degree-4 fit of 2^r (relative error <= 5.3e-6), and
+// VSCALEFPS by x itself (it takes the floor): no rounding, subtraction or integer step.
+template <typename C>
+static inline __m512 exp2_16(__m512 x) {
+  if constexpr (std::is_same_v<C, c10::BFloat16>) {
+#if defined(__AVX512DQ__)
+    const __m512 r = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+#else
+    const __m512 r = _mm512_sub_ps(x, _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
+#endif
+    __m512 p = _mm512_set1_ps(1.3511545e-2f);
+    for (float c : {5.1989599e-2f, 0.24150880f, 0.69297428f, 1.0000053f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    return _mm512_scalef_ps(p, x);
+  } else {
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    for (float c : {1.339887440266574e-3f, 9.618437357674640e-3f, 5.550332471162809e-2f, 2.402264791363012e-1f,
+                    6.931472028550421e-1f, 1.f})
+      p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    return _mm512_scalef_ps(p, n);
+  }
+}
+#endif
+
+// One decode row of scores in place -> probabilities (fp32): n keys, all visible.
+static inline void softmax_inplace(float* x, int64_t n) {
+  float mx = -std::numeric_limits<float>::infinity(), sum = 0.f;
+  int64_t t = 0;
+#if defined(__AVX512F__)
+  __m512 vm = _mm512_set1_ps(mx);
+  for (; t + 16 <= n; t += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(x + t));
+  mx = _mm512_reduce_max_ps(vm);
+  for (int64_t u = t; u < n; ++u) mx = std::max(mx, x[u]);
+  constexpr float log2e = 1.44269504088896341f;
+  const __m512 l2e = _mm512_set1_ps(log2e), mneg = _mm512_set1_ps(-mx * log2e);
+  __m512 vs = _mm512_setzero_ps();
+  for (t = 0; t + 16 <= n; t += 16) {
+    const __m512 e = exp2_16<float>(_mm512_fmadd_ps(_mm512_loadu_ps(x + t), l2e, mneg));
+    vs = _mm512_add_ps(vs, e);
+    _mm512_storeu_ps(x + t, e);
+  }
+  sum = _mm512_reduce_add_ps(vs);
+#else
+  for (int64_t u = 0; u < n; ++u) mx = std::max(mx, x[u]);
+#endif
+  for (; t < n; ++t) {
+    x[t] = exp_neg(x[t] - mx);
+    sum += x[t];
+  }
+  const float inv = 1.f / sum;
+#pragma omp simd
+  for (int64_t u = 0; u < n; ++u) x[u] *= inv;
+}
+
+// q [nd, h, d] (rows may be strided); cache [N, layers, 2, kh, bs, d] (contiguous); tables [nd,
+// max_blocks]; ctx [nd]; the result goes to out (contiguous, q's shape)
 template <typename T, int64_t d>
-static torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& cache, int64_t layer,
-                            const torch::Tensor& tables, const torch::Tensor& ctx, float scale) {
+static void decode(const torch::Tensor& q, const torch::Tensor& out, const torch::Tensor& cache, int64_t layer,
+                   const torch::Tensor& tables, const torch::Tensor& ctx, float scale) {
   const int64_t nd = q.size(0), h = q.size(1);
   const int64_t layers = cache.size(1), kh = cache.size(3), bs = cache.size(4), g = h / kh;
   const int64_t max_blocks = tables.size(1), block_stride = layers * 2 * kh * bs * d;
@@ -116,10 +186,11 @@ static torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& cache, 
   const int64_t* tab = tables.data_ptr<int64_t>();
   const int64_t* lens = ctx.data_ptr<int64_t>();
   const T* qp = q.data_ptr<T>();
+  const int64_t q_row = q.stride(0);
   const T* kv = cache.data_ptr<T>();
   const int64_t width = max_blocks * bs;
-  auto scores = torch::full({nd * kh, g, width}, -std::numeric_limits<float>::infinity(),
-                            torch::dtype(torch::kFloat));
+  // each row's first ctx entries are written by pass 1 and read by pass 2; the rest never
+  auto scores = torch::empty({nd * kh, g, width}, torch::dtype(torch::kFloat));
   float* sc = scores.data_ptr<float>();
   PhaseClock clock;
   at::parallel_for(0, nd * kh, 1, [&](int64_t begin, int64_t end) {  // pass 1: scaled q.k
@@ -133,7 +204,7 @@ static torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& cache, 
           __m512bh qh[8][W];
           for (int64_t j = 0; j < g; ++j)
             for (int64_t c = 0; c < W; ++c)
-              qh[j][c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(qp + (s * h + hk * g + j) * d + c * 32));
+              qh[j][c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(qp + s * q_row + (hk * g + j) * d + c * 32));
           const __m512 sv = _mm512_set1_ps(scale);
           for (int64_t t0 = 0; t0 < n; t0 += 16) {
             const int64_t cnt = std::min<int64_t>(16, n - t0);
@@ -159,7 +230,7 @@ static torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& cache, 
         }
       }
 #endif
-      to_float(qp + (s * h + hk * g) * d, qf.data(), g * d);
+      to_float(qp + s * q_row + hk * g * d, qf.data(), g * d);
       for (int64_t x = 0; x < g * d; ++x) qf[x] *= scale;
 #if defined(__AVX512F__)
       if (g <= 8) {  // K rows read straight into registers, each shared by the g query heads
@@ -201,10 +272,10 @@ static torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& cache, 
     }
   });
   NS_LAP(clock, kDecScores);
-  scores = scores.softmax(-1);  // ATen's vectorized softmax; masked tail -> 0
+  at::parallel_for(0, nd * kh * g, 16, [&](int64_t begin, int64_t end) {  // one row per (sequence, query head)
+    for (int64_t r = begin; r < end; ++r) softmax_inplace(sc + r * width, lens[r / (kh * g)]);
+  });
   NS_LAP(clock, kDecSoftmax);
-  sc = scores.data_ptr<float>();
-  auto out = torch::empty_like(q);
   T* op = out.data_ptr<T>();
   at::parallel_for(0, nd * kh, 1, [&](int64_t begin, int64_t end) {  // pass 2: probabilities x V
     std::vector<float> acc(g * d), blk(bs * d);
@@ -255,27 +326,32 @@ static torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& cache, 
     }
   });
   NS_LAP(clock, kDecPV);
-  return out;
 }
 
+// q's rows may be strided (a view of the fused QKV output: no copy); the result goes to `out` when
+// given (contiguous, q's shape; a view of the backend's output), else to a new tensor.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache, int64_t layer, torch::Tensor tables,
-                                     torch::Tensor ctx, double scale) {
-  TORCH_CHECK(q.is_contiguous() && cache.is_contiguous() && tables.is_contiguous() && ctx.is_contiguous());
+                                     torch::Tensor ctx, double scale, c10::optional<torch::Tensor> out_) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2) && q.stride(0) >= q.size(1) * q.size(2));
+  TORCH_CHECK(cache.is_contiguous() && tables.is_contiguous() && ctx.is_contiguous());
   TORCH_CHECK(q.scalar_type() == cache.scalar_type() && tables.scalar_type() == torch::kLong &&
               ctx.scalar_type() == torch::kLong);
   TORCH_CHECK(cache.dim() == 6 && cache.size(5) == q.size(2) && q.size(1) % cache.size(3) == 0 &&
               layer >= 0 && layer < cache.size(1) && tables.size(0) == q.size(0) && ctx.size(0) == q.size(0));
   TORCH_CHECK(q.size(2) == 64 || q.size(2) == 128, "paged_decode_attention: head_dim 64 or 128 only");
+  const torch::Tensor out = out_.has_value() ? *out_ : torch::empty(q.sizes(), q.options());
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type());
   const bool d64 = q.size(2) == 64;
   switch (q.scalar_type()) {
-    case torch::kBFloat16: return d64 ? decode<c10::BFloat16, 64>(q, cache, layer, tables, ctx, scale)
-                                      : decode<c10::BFloat16, 128>(q, cache, layer, tables, ctx, scale);
-    case torch::kHalf: return d64 ? decode<c10::Half, 64>(q, cache, layer, tables, ctx, scale)
-                                  : decode<c10::Half, 128>(q, cache, layer, tables, ctx, scale);
-    case torch::kFloat: return d64 ? decode<float, 64>(q, cache, layer, tables, ctx, scale)
-                                   : decode<float, 128>(q, cache, layer, tables, ctx, scale);
+    case torch::kBFloat16: d64 ? decode<c10::BFloat16, 64>(q, out, cache, layer, tables, ctx, scale)
+                               : decode<c10::BFloat16, 128>(q, out, cache, layer, tables, ctx, scale); break;
+    case torch::kHalf: d64 ? decode<c10::Half, 64>(q, out, cache, layer, tables, ctx, scale)
+                           : decode<c10::Half, 128>(q, out, cache, layer, tables, ctx, scale); break;
+    case torch::kFloat: d64 ? decode<float, 64>(q, out, cache, layer, tables, ctx, scale)
+                            : decode<float, 128>(q, out, cache, layer, tables, ctx, scale); break;
     default: TORCH_CHECK(false, "paged_decode_attention: unsupported dtype");
   }
+  return out;
 }
 
 // residual += x in place (rounded to the model dtype, as the eager add), then HF's LlamaRMSNorm of
@@ -438,39 +514,6 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor cache, int64_t lay
 constexpr int64_t KT = 64;  // keys per tile (oneDNN's AMX packing takes at most 64 columns)
 
 
-// exp for x <= 0 (fp32, ~1 ulp): 2^n * e^r with |r| <= ln2/2, degree-6 Taylor
-static inline float exp_neg(float x) {
-  x = std::max(x, -87.f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
-  const float p = 1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720))))));
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-#if defined(__AVX512F__)
-// 2^x for finite x <= 0, 16 lanes: 2^round(x) * 2^r, |r| <= 1/2. For fp32 probabilities Cephes'
-// degree-6 exp2f polynomial (~1 ulp); for bf16 ones (rounded to 8 bits next) the degree-4 Taylor
-// series of e^(r ln2) (relative error <= 4.2e-5), two FMAs fewer per 16 keys.
-template <typename C>
-static inline __m512 exp2_16(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_sub_ps(x, n);
-  __m512 p;
-  if constexpr (std::is_same_v<C, c10::BFloat16>) {
-    p = _mm512_set1_ps(9.6181291e-3f);
-    for (float c : {5.5504109e-2f, 0.24022651f, 0.69314718f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  } else {
-    p = _mm512_set1_ps(1.535336188319500e-4f);
-    for (float c : {1.339887440266574e-3f, 9.618437357674640e-3f, 5.550332471162809e-2f, 2.402264791363012e-1f,
-                    6.931472028550421e-1f, 1.f})
-      p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  }
-  return _mm512_scalef_ps(p, n);
-}
-#endif
-
 template <typename C, typename T> static inline C as(T x) { return static_cast<C>(static_cast<float>(x)); }
 template <> inline c10::BFloat16 as<c10::BFloat16, c10::BFloat16>(c10::BFloat16 x) { return x; }
 template <> inline float as<float, float>(float x) { return x; }
@@ -491,21 +534,40 @@ static inline float softmax_row(const float* s, C* p, int64_t n, int64_t valid, 
     };
     // whole vectors of visible keys unmasked; the causal edge's vector and the rest masked
     const int64_t full = std::clamp<int64_t>(valid, 0, n) / 16 * 16;
-    __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t u = 0; u < full; u += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + u));
-    if (full < valid) vmax = _mm512_mask_max_ps(vmax, live(full), vmax, _mm512_loadu_ps(s + full));
-    rmax = std::max(rmax, _mm512_reduce_max_ps(vmax) * scale);  // scale > 0
-    // e^(s * scale - max) as 2^x: one FMA to x, then 2^frac(x) by a polynomial and scalef
+    __m512 vmax[2] = {_mm512_set1_ps(-std::numeric_limits<float>::infinity()), _mm512_set1_ps(-std::numeric_limits<float>::infinity())};
+    for (int64_t u = 0; u < full; u += 16) vmax[u / 16 % 2] = _mm512_max_ps(vmax[u / 16 % 2], _mm512_loadu_ps(s + u));
+    if (full < valid) vmax[0] = _mm512_mask_max_ps(vmax[0], live(full), vmax[0], _mm512_loadu_ps(s + full));
+    rmax = std::max(rmax, _mm512_reduce_max_ps(_mm512_max_ps(vmax[0], vmax[1])) * scale);  // scale > 0
+    // e^(s * scale - max) as 2^x: one FMA to x, then 2^x by exp2_16; two vectors per step (two
+    // independent sums, and one VCVTNE2PS2BF16 rounds both to bf16)
     constexpr float log2e = 1.44269504088896341f;
     const __m512 sc = _mm512_set1_ps(scale * log2e), mneg = _mm512_set1_ps(-rmax * log2e);
-    __m512 acc = _mm512_setzero_ps();
-    for (; t < n; t += 16) {
-      __m512 e = exp2_16<C>(_mm512_fmadd_ps(_mm512_loadu_ps(s + t), sc, mneg));
-      if (t >= full) e = _mm512_maskz_mov_ps(live(t), e);
-      acc = _mm512_add_ps(acc, e);
-      store16(p + t, e);
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    auto exp16 = [&](int64_t t) {
+      const __m512 e = exp2_16<C>(_mm512_fmadd_ps(_mm512_loadu_ps(s + t), sc, mneg));
+      return t >= full ? _mm512_maskz_mov_ps(live(t), e) : e;
+    };
+    for (; t + 32 <= n; t += 32) {
+      const __m512 e0 = exp16(t), e1 = exp16(t + 16);
+      acc[0] = _mm512_add_ps(acc[0], e0);
+      acc[1] = _mm512_add_ps(acc[1], e1);
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<C, c10::BFloat16>) {
+        _mm512_storeu_si512(p + t, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e1, e0)));
+        continue;
+      }
+#endif
+      store16(p + t, e0);
+      store16(p + t + 16, e1);
     }
-    rsum = _mm512_reduce_add_ps(acc);
+    if (t < n) {  // n is a multiple of 16
+      const __m512 e0 = exp16(t);
+      acc[0] = _mm512_add_ps(acc[0], e0);
+      store16(p + t, e0);
+      t = n;
+    }
+    acc[0] = _mm512_add_ps(acc[0], acc[1]);
+    rsum = _mm512_reduce_add_ps(acc[0]);
   }
 #endif
   if (t < n)
@@ -697,7 +759,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.def("paged_prefill_attention", &paged_prefill_attention);
   m.def("amx", []() { return at::native::cpublas::could_pack(torch::kBFloat16); });
-  m.def("paged_decode_attention", &paged_decode_attention);
+  m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("cache"), py::arg("layer"),
+        py::arg("tables"), py::arg("ctx"), py::arg("scale"), py::arg("out") = py::none());
   m.def("add_rms_norm", &add_rms_norm);
   m.def("rope_", &rope_);
   m.def("write_kv", &write_kv);

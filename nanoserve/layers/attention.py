@@ -124,20 +124,24 @@ class TorchAttention(AttentionBackend):
         self.dec_bias = bias.masked_fill_(pos[None, :] >= ctx[:, None], float("-inf")).view(nd, 1, 1, -1)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-        k_cache, v_cache = self.kv_cache[:, layer, 0], self.kv_cache[:, layer, 1]  # [N, kh, bs, D]
         b = self.batch
-        if self.kernels is not None:
-            self.kernels.write_kv(k, v, self.kv_cache, layer, b.slot_blocks, b.slot_offsets)
-        else:  # indexed assignment writes in place (index_put_); `cache[idx].copy_()` would not
-            k_cache[b.slot_blocks, :, b.slot_offsets] = k
-            v_cache[b.slot_blocks, :, b.slot_offsets] = v
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous; q may be a strided view
         nd = b.num_decodes
+        if self.kernels is not None:  # they read q's strided rows in place and write straight into out
+            self.kernels.write_kv(k, v, self.kv_cache, layer, b.slot_blocks, b.slot_offsets)
+            if nd:
+                self.kernels.paged_decode_attention(q[:nd], self.kv_cache, layer, self.dec_table, self.dec_ctx,
+                                                    self.scale, out[:nd])
+            if self.pre_args is not None:
+                self.kernels.paged_prefill_attention(q[nd:], out[nd:], self.kv_cache, layer, *self.pre_args,
+                                                     self.scale, self.amx)
+            return out
+        k_cache, v_cache = self.kv_cache[:, layer, 0], self.kv_cache[:, layer, 1]  # [N, kh, bs, D]
+        # indexed assignment writes in place (index_put_); `cache[idx].copy_()` would not
+        k_cache[b.slot_blocks, :, b.slot_offsets] = k
+        v_cache[b.slot_blocks, :, b.slot_offsets] = v
         if nd:
             out[:nd] = self._decode(q[:nd], layer)
-        if self.pre_args is not None:  # reads q's strided rows in place, writes straight into out
-            self.kernels.paged_prefill_attention(q[nd:], out[nd:], self.kv_cache, layer, *self.pre_args,
-                                                 self.scale, self.amx)
         for p in self.prefills:
             qp = q[p.start:p.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             if p.blocks is None:
@@ -175,9 +179,6 @@ class TorchAttention(AttentionBackend):
         return g.transpose(0, 1).reshape(kh, -1, d)[:, :p.context_len].unsqueeze(0)
 
     def _decode(self, q: torch.Tensor, layer: int) -> torch.Tensor:
-        if self.kernels is not None:
-            return self.kernels.paged_decode_attention(q.contiguous(), self.kv_cache, layer, self.dec_table,
-                                                       self.dec_ctx, self.scale)
         nd, h, d = q.shape
         kh = self.kv_cache.shape[3]
         g = h // kh
