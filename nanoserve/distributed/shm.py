@@ -42,11 +42,29 @@ def shm_supported() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64")
 
 
+def wait_until(ready, aborted, timeout_s: float | None, what: str = "answer") -> None:
+    """Poll `ready()`: sched_yield for the first polls (a peer on another core answers within
+    microseconds), then 0.1 ms sleeps (oversubscribed cores), 1 ms once a wait without deadline
+    (an idle worker) has lasted a while. Raises on `aborted()` or after `timeout_s`."""
+    polls, deadline = 0, None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        if aborted():
+            raise RuntimeError("another tensor-parallel rank of this node failed (abort flag)")
+        if ready():
+            return
+        polls += 1
+        if polls < _SPINS:
+            os.sched_yield()
+        elif deadline is not None and time.monotonic() > deadline:
+            raise RuntimeError(f"a tensor-parallel rank did not {what} within {timeout_s}s")
+        else:
+            time.sleep(0.001 if deadline is None and polls > _SPINS + 1000 else 0.0001)
+
+
 class ShmCollectives:
     def __init__(self, path: Path, rank: int, size: int, slot_bytes: int, timeout_s: float, create: bool) -> None:
         self.rank, self.size, self.slot_bytes, self.timeout_s = rank, size, slot_bytes, timeout_s
         header = (size + 1) * _LINE * 8
-        self.path = path
         self.buf = map_segment(path, header + 2 * size * slot_bytes, create)
         self.flags = self.buf[:header].view(torch.int64)[::_LINE]  # [size] sequence numbers, [size] abort
         self.data = self.buf[header:].view(2, size, slot_bytes)
@@ -65,19 +83,8 @@ class ShmCollectives:
         return slots
 
     def _wait(self) -> None:
-        deadline, polls = time.monotonic() + self.timeout_s, 0
-        while True:
-            if int(self.flags[self.size]):
-                raise RuntimeError("another tensor-parallel rank of this node failed (abort flag)")
-            if int(self.flags[:self.size].min()) >= self.seq:
-                return
-            polls += 1
-            if polls < _SPINS:
-                os.sched_yield()
-            else:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"a tensor-parallel rank did not reach the collective within {self.timeout_s}s")
-                time.sleep(0.0001)
+        wait_until(lambda: int(self.flags[:self.size].min()) >= self.seq, lambda: bool(self.flags[self.size]),
+                   self.timeout_s, "reach the collective")
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         slots = self._exchange(t)
@@ -100,12 +107,6 @@ class ShmCollectives:
         """Make every rank's current and future waits fail (a rank of the node died)."""
         self.flags[self.size] = 1
 
-    def unlink(self) -> None:
-        try:
-            self.path.unlink()
-        except OSError:
-            pass
-
 
 class ShmChannel:
     """The step messages (distributed/channel.py's job) through shared memory, for one CPU node:
@@ -120,7 +121,6 @@ class ShmChannel:
         self.rank, self.size, self.frame_bytes, self.fallback = rank, size, frame_bytes, fallback
         self.timeout_s = timeout_s
         header = (size + 2) * _LINE * 8
-        self.path = path
         self.buf = map_segment(path, header + 2 * frame_bytes, create).numpy()
         self.flags = self.buf[:header].view("int64")[::_LINE]  # [size] read seqs, written seq, abort
         self.frames = self.buf[header:].reshape(2, frame_bytes)
@@ -150,17 +150,8 @@ class ShmChannel:
 
     def _wait(self, ready, idle: bool) -> None:
         """`idle` (a worker waiting for work): no deadline; rank 0 waiting for a reader: timeout_s."""
-        polls, deadline = 0, time.monotonic() + self.timeout_s
-        while not ready():
-            if int(self.flags[self.size + 1]):
-                raise RuntimeError("another tensor-parallel rank of this node failed (abort flag)")
-            polls += 1
-            if polls < _SPINS:
-                os.sched_yield()
-            elif not idle and time.monotonic() > deadline:
-                raise RuntimeError(f"a tensor-parallel rank did not read a step message within {self.timeout_s}s")
-            else:
-                time.sleep(0.001 if idle and polls > _SPINS + 1000 else 0.0001)
+        wait_until(ready, lambda: bool(self.flags[self.size + 1]), None if idle else self.timeout_s,
+                   "read a step message")
 
     def abort(self) -> None:
         self.flags[self.size + 1] = 1

@@ -22,7 +22,7 @@ from nanoserve.engine.model_setup import build_shard, host_blocks
 from nanoserve.engine.placement import die_with_parent
 from nanoserve.engine.workers import CopyCommand, Setup, Step, Stop, WorkerSpec
 from nanoserve.kvcache.host_tier import alloc_host_cache
-from nanoserve.kvcache.transfer import runs
+from nanoserve.kvcache.transfer import copy_block_async, copy_blocks
 from nanoserve.models.loader import ModelSource, load_config
 
 log = logging.getLogger("nanoserve.worker")
@@ -37,8 +37,7 @@ def run_copies(copies: list[CopyCommand], device_cache: torch.Tensor, host_cache
             if host_cache is None:
                 raise RuntimeError("a KV copy arrived but this rank has no host tier")
             src, dst = (device_cache, host_cache) if cmd.lane == "save" else (host_cache, device_cache)
-            for s, d, n in runs(cmd.src_ids, cmd.dst_ids):
-                dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
+            copy_blocks(src, cmd.src_ids, dst, cmd.dst_ids, copy_block_async)
             failed.append(0)
         except Exception:  # reported to rank 0 through the ack; the block is not published
             log.exception("KV %s of %d blocks failed", cmd.lane, len(cmd.src_ids))

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -42,20 +42,11 @@ class Setup:
     dtype: str
 
 
-@dataclass
+@dataclass(frozen=True)
 class CopyCommand:
     lane: str             # "save" (device -> host) or "load" (host -> device)
     src_ids: list[int]
     dst_ids: list[int]
-    acked: bool = field(default=False, compare=False)
-    failed: bool = field(default=False, compare=False)
-
-    def __getstate__(self) -> tuple:  # only the command crosses; the acks are rank 0's
-        return self.lane, self.src_ids, self.dst_ids
-
-    def __setstate__(self, state: tuple) -> None:
-        self.lane, self.src_ids, self.dst_ids = state
-        self.acked = self.failed = False
 
 
 @dataclass
@@ -76,22 +67,20 @@ class Followers:
 
     def __init__(self, channel: MessageChannel | ShmChannel, tp: TensorParallel) -> None:
         self.channel, self.tp = channel, tp
-        self.pending: list[CopyCommand] = []
-        self.in_flight: list[CopyCommand] = []
-        self.messages = 0
+        self.pending: list[tuple[CopyCommand, CopyAck]] = []
+        self.in_flight: list[CopyAck] = []
         self.failed = False  # set by the engine on a ParallelFault: the ranks are out of step
 
     def before(self, plan: StepPlan | None) -> None:
-        self.channel.send(Step(plan, self.pending))
-        self.in_flight, self.pending = self.pending, []
-        self.messages += 1
+        self.channel.send(Step(plan, [cmd for cmd, _ in self.pending]))
+        self.in_flight, self.pending = [ack for _, ack in self.pending], []
 
     def after(self) -> None:
         """Every rank has run the message's copies: a failure anywhere marks the copy failed."""
         if self.in_flight:
             flags = self.tp.reduce_flags([0] * len(self.in_flight))
-            for cmd, failed in zip(self.in_flight, flags):
-                cmd.acked, cmd.failed = True, bool(failed)
+            for ack, failed in zip(self.in_flight, flags):
+                ack.acked, ack.failed = True, bool(failed)
             self.in_flight = []
 
     def flush(self) -> None:
@@ -104,25 +93,32 @@ class Followers:
         self.channel.send(Stop())
 
 
+@dataclass
+class CopyAck:
+    """Rank 0's record of what the workers reported for one copy."""
+    acked: bool = False
+    failed: bool = False
+
+
 class ParallelTransfer(Transfer):
-    def __init__(self, local: Transfer, cmd: CopyCommand, followers: Followers) -> None:
-        self.local, self.cmd, self.followers = local, cmd, followers
+    def __init__(self, local: Transfer, ack: CopyAck, followers: Followers) -> None:
+        self.local, self.ack, self.followers = local, ack, followers
 
     @property
     def error(self) -> BaseException | None:
         if self.local.error is not None:
             return self.local.error
-        return RuntimeError("the KV copy failed on another tensor-parallel rank") if self.cmd.failed else None
+        return RuntimeError("the KV copy failed on another tensor-parallel rank") if self.ack.failed else None
 
     @property
     def seconds(self) -> float:
         return self.local.seconds
 
     def done(self) -> bool:
-        return self.cmd.acked and self.local.done()
+        return self.ack.acked and self.local.done()
 
     def wait(self, timeout: float | None = None) -> bool:
-        if not self.cmd.acked:
+        if not self.ack.acked:
             self.followers.flush()
         return self.local.wait(timeout)
 
@@ -142,10 +138,10 @@ class ParallelCopier(Copier):
         raise NotImplementedError
 
     def submit(self, lane, src, src_ids, dst, dst_ids) -> Transfer:
-        cmd = CopyCommand(lane, list(src_ids), list(dst_ids))
         handle = self.local.submit(lane, src, src_ids, dst, dst_ids)
-        self.followers.pending.append(cmd)
-        return ParallelTransfer(handle, cmd, self.followers)
+        ack = CopyAck()
+        self.followers.pending.append((CopyCommand(lane, list(src_ids), list(dst_ids)), ack))
+        return ParallelTransfer(handle, ack, self.followers)
 
     def drain(self) -> None:
         self.local.drain()

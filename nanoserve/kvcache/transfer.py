@@ -36,6 +36,18 @@ def copy_block(src: torch.Tensor, dst: torch.Tensor) -> None:
     dst.copy_(src)
 
 
+def copy_block_async(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Enqueued on the current CUDA stream (pinned host side); a plain copy on CPU."""
+    dst.copy_(src, non_blocking=True)
+
+
+def copy_blocks(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor, dst_ids: Sequence[int],
+                copy: BlockCopy = copy_block) -> None:
+    """src[src_ids[i]] -> dst[dst_ids[i]], one `copy` per run consecutive on both sides."""
+    for s, d, n in runs(src_ids, dst_ids):
+        copy(src[s:s + n], dst[d:d + n])
+
+
 def runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
     """(src start, dst start, length) of the maximal runs consecutive on both sides."""
     out: list[tuple[int, int, int]] = []
@@ -103,8 +115,7 @@ def _worker(jobs: queue.SimpleQueue) -> None:
         handle, fn, src, src_ids, dst, dst_ids = job
         t0 = time.perf_counter()
         try:
-            for s, d, n in runs(src_ids, dst_ids):
-                fn(src[s:s + n], dst[d:d + n])
+            copy_blocks(src, src_ids, dst, dst_ids, fn)
         except BaseException as e:  # reported through the handle; the bookkeeping rolls back
             handle.error = e
         handle.seconds = time.perf_counter() - t0
@@ -198,8 +209,7 @@ class CudaCopier(Copier):
         stream.wait_event(ready)
         with torch.cuda.stream(stream):
             start.record(stream)
-            for s, d, n in runs(src_ids, dst_ids):  # contiguous slabs; pinned host side
-                dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
+            copy_blocks(src, src_ids, dst, dst_ids, copy_block_async)  # contiguous slabs; pinned host side
             end.record(stream)
         return CudaTransfer(self.device, start, end)
 

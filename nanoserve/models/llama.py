@@ -42,7 +42,7 @@ class LlamaModel(nn.Module):
         self.hidden = cfg.hidden_size
         self.num_layers = cfg.num_hidden_layers
         total_heads = cfg.num_attention_heads
-        total_kv = getattr(cfg, "num_key_value_heads", None) or total_heads
+        self.total_kv_heads = total_kv = getattr(cfg, "num_key_value_heads", None) or total_heads
         self.head_dim = getattr(cfg, "head_dim", None) or self.hidden // total_heads
         self.heads = shard_heads(total_heads, total_kv, tp.size, tp.rank)
         self.num_heads, self.num_kv_heads = self.heads.num_heads, self.heads.num_kv_heads  # this rank's
@@ -92,7 +92,7 @@ class LlamaModel(nn.Module):
         leaves nothing unset."""
         d, hid, hs = self.head_dim, self.hidden, self.heads
         q, kv, inter = self.q_size, self.kv_size, self.inter
-        total_q, total_kv = self.cfg.num_attention_heads * d, self._total_kv_heads() * d
+        total_q, total_kv = self.cfg.num_attention_heads * d, self.total_kv_heads * d
         q0, kv0, i0 = hs.q_start * d, hs.kv_start * d, self.inter_start
         total_inter = self.cfg.intermediate_size
         per_layer = {  # HF suffix: (our parameter, its rows or None for all, full shape, slice dim, start)
@@ -126,9 +126,6 @@ class LlamaModel(nn.Module):
         assert all(filled[id(p)] + padding.get(id(p), 0) == p.numel() for p in self.parameters()), \
             "weight table misses a parameter"
         return targets
-
-    def _total_kv_heads(self) -> int:
-        return getattr(self.cfg, "num_key_value_heads", None) or self.cfg.num_attention_heads
 
     def load_weights(self, weights: Iterable[tuple[str, object]]) -> None:
         """Copy HF-named tensors into our (fused, sharded) parameters; refuse unknown, misshapen
