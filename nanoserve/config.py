@@ -162,9 +162,9 @@ class ServerConfig:
                                "talking to this API process over zmq; --no-engine-process runs it in a thread "
                                "of this process", negatable=True, group="scheduling")
     cpu_threads: int | None = opt(None, "engine compute threads on CPU; default: all cores but one when there "
-                                  "are >= 2. With --engine-process the API process is pinned to one core and "
-                                  "the engine to the others (unless N asks for every core: then they share "
-                                  "them)", metavar="N", group="scheduling")
+                                  "are >= 3 (the API process is then pinned to one core and the engine to the "
+                                  "others), both on 2 cores (shared with the API process; 1 with "
+                                  "--no-engine-process). N asking for every core shares them", metavar="N", group="scheduling")
     shutdown_timeout: float = opt(30.0, "on SIGTERM/SIGINT: new requests get 503 and in-flight ones may "
                                   "finish for this many seconds; what is still running then gets a 503 error "
                                   "(JSON, or an SSE error event)", group="HTTP")

@@ -258,6 +258,10 @@ def test_placement():
     assert (p.api_cpus, p.engine_cpus, p.engine_threads) == (None, None, 4)
     p = plan_placement("cpu", None, True, cpus=[3])
     assert (p.api_cpus, p.engine_cpus, p.engine_threads) == (None, None, 1)
+    p = plan_placement("cpu", None, True, cpus=[0, 1])  # 2 cores: the engine computes on both, shared
+    assert (p.api_cpus, p.engine_cpus, p.engine_threads) == (None, None, 2)
+    p = plan_placement("cpu", None, False, cpus=[0, 1])  # in the API's process: one core kept for the API
+    assert (p.api_cpus, p.engine_cpus, p.engine_threads) == (None, None, 1)
     assert plan_placement("cuda", None, True).engine_threads is None
     with pytest.raises(ValueError):
         plan_placement("cpu", 0, True)

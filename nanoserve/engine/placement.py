@@ -3,7 +3,10 @@ and the engine-side processes' lifetime (they die with the process that started 
 
 On CPU the engine's torch threads and the API process (HTTP, JSON, tokenization, SSE) would otherwise
 fight over the same cores, and a decode step stalls whenever the API side runs. With the engine in
-its own process the API keeps one core and the engine gets the others (when there are >= 2)."""
+its own process the API keeps one core and the engine gets the others, from 3 cores on. On 2 cores
+keeping one for the API halves the compute for a side that needs a few percent of a core (SSE at
+~480 tokens/s): there the engine computes on both and shares one with the API (`bench/serve_vs_vllm.py`,
+1.49x / 1.46x the output tok/s of one thread at concurrency 8 / 32)."""
 from __future__ import annotations
 
 import ctypes
@@ -13,6 +16,9 @@ import signal
 from dataclasses import dataclass
 
 log = logging.getLogger("nanoserve.placement")
+
+
+SHARE_CORES_UP_TO = 2  # on machines this small the engine computes on every core by default
 
 
 @dataclass(frozen=True)
@@ -30,7 +36,9 @@ class CpuPlacement:
 
 def plan_placement(device: str, cpu_threads: int | None, engine_process: bool,
                    cpus: list[int] | None = None) -> CpuPlacement:
-    """`cpu_threads` None = all cores but one when there are >= 2 (on CPU; elsewhere torch decides).
+    """`cpu_threads` None = on CPU all cores but one when there are >= 3, both of 2 with the engine in
+    its own process (in the API's process two threads measured worse: a 70 ms decode step against
+    51 ms with one, `bench/decode_step.py`), and elsewhere torch decides.
     Affinity is split only with the engine in its own process (threads of one process cannot be
     kept apart from torch's compute pool by a per-process setting), and only when the engine's
     threads fit the cores left after the API's one: asking for every core means sharing them."""
@@ -39,7 +47,8 @@ def plan_placement(device: str, cpu_threads: int | None, engine_process: bool,
     if device != "cpu":
         return CpuPlacement(cpu_threads)
     cpus = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
-    threads = cpu_threads or max(1, len(cpus) - 1)
+    share = engine_process and len(cpus) <= SHARE_CORES_UP_TO
+    threads = cpu_threads or (len(cpus) if share else max(1, len(cpus) - 1))
     if engine_process and len(cpus) >= 2 and threads < len(cpus):
         return CpuPlacement(threads, tuple(cpus[1:]), (cpus[0],))
     return CpuPlacement(threads)
