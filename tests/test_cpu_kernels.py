@@ -133,3 +133,35 @@ def test_embedded_model_same_tokens_with_and_without_kernels(kernels):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert abs(la.logprob - lb.logprob) < 1e-3
+
+
+
+@pytest.mark.parametrize("attr", ["none", "swish", "mul"])
+def test_linear_rows_is_each_threads_rows_through_the_same_onednn_call(kernels, attr):
+    """Each thread's rows are one single-threaded oneDNN call: bit-exact with those calls made one by
+    one, and within bf16 rounding of the fp32 matmul."""
+    from nanoserve.layers.linear import Linear
+    g = torch.Generator().manual_seed(0)
+    lin = Linear((torch.randn(320, 96, generator=g) * 0.1).bfloat16(), torch.randn(320, generator=g).bfloat16())
+    if lin.packed is None:
+        pytest.skip("no oneDNN packing in this torch build")
+    x = torch.randn(1001, 96, generator=g).bfloat16()  # not a multiple of the thread count
+    other = torch.randn(1001, 320, generator=g).bfloat16() if attr == "mul" else None
+
+    def call(rows: slice) -> torch.Tensor:
+        a = x[rows]
+        return lin.times(a, other[rows]) if attr == "mul" else lin.silu(a) if attr == "swish" else lin(a)
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        with torch.inference_mode():  # as the engine calls it: the pool threads must run in it too
+            got = kernels.linear_rows(x, lin.packed, lin.bias, 320, attr, other)
+        torch.set_num_threads(1)
+        parts = [call(slice(r, r + 334)) for r in range(0, 1001, 334)]
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got, torch.cat(parts))
+    y = torch.nn.functional.linear(x.float(), lin.weight.float(), lin.bias.float())
+    ref = torch.nn.functional.silu(y) if attr == "swish" else y * other.float() if attr == "mul" else y
+    assert (got.float() - ref).abs().max() <= 0.02 * ref.abs().max()

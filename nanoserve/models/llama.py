@@ -165,15 +165,20 @@ class LlamaModel(nn.Module):
         (layers/cpu_kernels.py, given for CPU models only) fuses each residual add with the RMSNorm
         after it and applies RoPE in place; the attention backend takes it from here too."""
         self.kernels = kernels
+        # bf16 on AMX: prefill-sized GEMMs split by rows over the threads (layers/linear.py); in fp32,
+        # and without AMX (not measured), oneDNN's own split
+        rows = (kernels.linear_rows if kernels is not None and kernels.amx() and self.embed.dtype == torch.bfloat16
+                else None)
         for layer in self.layers:
-            layer.qkv_lin = Linear(layer.qkv, layer.qkv_bias)
-            layer.o_lin = Linear(layer.o)
+            layer.qkv_lin = Linear(layer.qkv, layer.qkv_bias, rows)
+            layer.o_lin = Linear(layer.o, split_rows=rows)
             # Packed (CPU): gate and up as two GEMMs whose epilogues apply silu and the product, so
             # no [tokens, 2 * inter] tensor is written and read back by separate silu / mul passes.
-            gate, up = Linear(layer.gate_up[:self.inter]), Linear(layer.gate_up[self.inter:])
+            gate = Linear(layer.gate_up[:self.inter], split_rows=rows)
+            up = Linear(layer.gate_up[self.inter:], split_rows=rows)
             layer.gate_up_lin = None if gate.packed is not None and up.packed is not None else Linear(layer.gate_up)
             layer.gate_lin, layer.up_lin = (gate, up) if layer.gate_up_lin is None else (None, None)
-            layer.down_lin = Linear(layer.down)
+            layer.down_lin = Linear(layer.down, split_rows=rows)
         self.lm_head_lin = Linear(self.lm_head)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
