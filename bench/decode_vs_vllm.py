@@ -3,9 +3,9 @@
     python bench/decode_vs_vllm.py --runs 3 --json bench/results/decode_vs_vllm.json
 
 Cold TTFT: one fresh prompt of each --ttft-lens length (no prefix either side has seen) with
-max_tokens=1, timed around generate, each side at its default prefill chunking (nanoserve: 2048
-tokens, so a 4000-token prompt is a fresh chunk then a continuation over the cached one; vLLM's
-context is capped at 4096, hence 4000 rather than 4096).
+max_tokens=1, timed around generate (nanoserve with a 2048-token step budget, set here; the CPU default
+of 1024 measured the same on cold prompts: a 4000-token prompt is a fresh chunk then continuations over
+the cached part; vLLM at its default chunking, its context capped at 4096, hence 4000 rather than 4096).
 
 Decode: the time of one decode step with 8 sequences on one compute thread.
 The same method on both sides, from outside the engine: generate 8 fresh prompts with max_tokens=1
