@@ -29,10 +29,11 @@ def make_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
 class Nanoserve:
     def __init__(self, args) -> None:
         from nanoserve import LLM, SamplingParams
-        kw = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  kv_cache_gb=args.kv_cache_gb)
+        kw = dict(max_num_seqs=args.max_num_seqs, kv_cache_gb=args.kv_cache_gb)
         if args.block_size:
             kw["block_size"] = args.block_size
+        if args.max_num_batched_tokens:  # else the engine's default
+            kw["max_num_batched_tokens"] = args.max_num_batched_tokens
         self.llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False, **kw)
         self.SamplingParams = SamplingParams
         self.llm.generate(make_prompts(4, 64, seed=-1), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
@@ -62,7 +63,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="with --peer: auto resolves here and both use it")
     ap.add_argument("--block-size", type=int, default=0)
     ap.add_argument("--max-num-seqs", type=int, default=128)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: nanoserve's own")
     ap.add_argument("--kv-cache-gb", type=int, default=1, help="KV budget of each side (vLLM takes whole GiB)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--peer", choices=["vllm"], default=None)
