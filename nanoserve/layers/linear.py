@@ -15,10 +15,9 @@ import torch
 import torch.nn.functional as F
 
 
-# Where the split was measured faster: 2 threads (2-core AMX Xeon), 512-1535 rows. oneDNN's own split
-# of the embedded model's four projections reached 1750-2200 GFLOP/s there and 2000-3000 outside, the
-# split ~2500 throughout (e.g. 1024 rows: 3.00 vs 2.17 ms; 2048: 3.58 vs 3.98). Other thread counts
-# were not measured and keep oneDNN's.
+# Where the split measured faster (`bench/linear_split.py`, 2-core AMX Xeon): 2 threads, 512-1535 rows,
+# e.g. 1024 rows 2.08 vs oneDNN's 2.88 ms; at 1536 and 2048 rows oneDNN's own split is faster (2.86 vs
+# 3.20, 3.65 vs 4.13 ms). Other thread counts were not measured and keep oneDNN's.
 SPLIT_THREADS, SPLIT_ROWS = 2, range(512, 1536)
 
 SplitRows = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", int, str, "torch.Tensor | None"], torch.Tensor]
