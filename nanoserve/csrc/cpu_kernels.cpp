@@ -509,8 +509,8 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor cache, int64_t lay
 // `other` when given) with each of the threads computing its own rows against the whole weight, each
 // call single-threaded (oneDNN runs serially inside a parallel region). oneDNN's own split of a
 // bf16 AMX matmul over 2 threads is ~1.2x one thread's speed at 1024 rows, this one ~1.7x (the
-// embedded model's four projections: 3.53 / 2.88 / 2.08 ms, bench/linear_split.py). With fewer or more rows, and in fp32,
-// oneDNN's split measured faster: the caller (layers/linear.py) decides where to use this.
+// embedded model's four projections: 3.53 / 2.88 / 2.08 ms, bench/linear_split.py). With fewer or
+// more rows, and in fp32, oneDNN's split measured faster: the caller (layers/linear.py) decides.
 using LinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
                             c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>);
 using LinearMulFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
