@@ -37,11 +37,13 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  inline_loads: bool = False) -> None:
-        """`inline_loads` (CPU): wait for a new admission's host copy right away and run it in the same
-        step; the copy is a memcpy of a few ms on a worker thread, a step is tens of ms. On CUDA the
-        copy overlaps the step instead (no host-side wait in the step)."""
+        """`inline_loads` (CPU): wait up to `inline_load_wait` for a new admission's host copy and
+        run it in the same step; the copy is a memcpy of a few ms on a worker thread, a step is tens
+        of ms, and a copy slower than the wait joins a later step, so it costs the running requests
+        that much once. On CUDA the copy overlaps the step instead (no host-side wait in the step)."""
         self.kv = kv
         self.inline_loads = inline_loads
+        self.inline_load_wait = 0.05
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -50,6 +52,7 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
+        self.kv.hash_prompt(seq)
         self.waiting.append(seq)
 
     def _promote_loaded(self) -> None:
@@ -115,7 +118,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             if self.inline_loads and self.kv.load_state(seq) is LoadState.LOADING:
-                self.kv.complete_loads(seq)
+                self.kv.complete_loads(seq, self.inline_load_wait)
             if self.kv.load_state(seq) is not LoadState.READY:
                 seq.status = SeqStatus.LOADING  # holds its blocks, takes no budget this step
                 self.loading.append(seq)

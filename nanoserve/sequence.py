@@ -41,6 +41,7 @@ class Sequence:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chain digests of the leading full blocks
+    block_keys: list[tuple] = field(default_factory=list)    # their kvcache BlockKeys (parent digest, tokens)
     num_cached_tokens: int = 0       # prompt tokens reused from the cache at first admission
     num_device_cached_tokens: int = 0
     num_host_cached_tokens: int = 0

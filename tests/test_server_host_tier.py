@@ -50,6 +50,9 @@ def test_prefix_returns_from_host(server):
     # the device evicted, and every eviction was of a block whose KV the host also held
     assert m(metrics, "nanoserve:kv_clean_evictions_total", tier="device") > 0
     assert m(metrics, "nanoserve:kv_lossy_evictions_total", tier="device") == 0
+    for direction in ("in", "out"):  # reported, and every save and load landed
+        key = ("nanoserve:kv_transfer_failures_total", (("direction", direction), ("tier", "host")))
+        assert metrics[key] == 0, sorted(k for k in metrics if "failures" in k[0])
 
 
 def test_soak_mixed_traffic_with_disconnects_leaves_nothing_behind(server):

@@ -199,6 +199,7 @@ def test_inline_loads_run_a_host_hit_in_the_step_that_admits_it():
         eng.put_doc_on_host(0)
         eng.host.copier = ThreadCopier()
         eng.sched.inline_loads = inline
+        eng.sched.inline_load_wait = 60.0  # the copy ends long before: the test does not depend on speed
         eng.add(0, [1, 2], 1)
         seq = eng.seqs[-1]
         out = eng.sched.schedule()

@@ -58,9 +58,11 @@ def test_host_memory_honours_cgroup_limits(tmp_path):
 
 
 def test_host_pool_is_exact_size_and_zeroed():
-    cache, release = alloc_host_cache((5, 3, 7), torch.float32, pin=False, chunk_bytes=100)  # chunks of 1 block
+    cache, release, ranges = alloc_host_cache((5, 3, 7), torch.float32, pin=False, max_copy_bytes=100,
+                                              register_bytes=200)  # spans of 1 block, ranges of 2
     release()  # unpinned: nothing to release, and callable
     assert cache.shape == (5, 3, 7) and cache.numel() * 4 == 5 * 3 * 7 * 4 and not cache.any()
+    assert ranges == [(0, 2), (2, 4), (4, 5)]
 
 
 # ---- a deterministic copier for the property test ---------------------------------------------

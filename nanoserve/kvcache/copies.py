@@ -38,6 +38,29 @@ class Load:
     waiters: set[int] = field(default_factory=set)  # seq ids holding its destination blocks
 
 
+def chain_order(blocks: list[int], pool: BlockPool) -> list[int]:
+    """Published blocks reordered so each chain runs parent before child, depth first. The LRU holds
+    a freed sequence tail first; saved in table order, a chain lands in ascending host blocks and
+    later loads back as a few long copies instead of one per block."""
+    batch = {pool.block_hash[b] for b in blocks}
+    children: dict[BlockHash, list[int]] = {}
+    roots = []
+    for b in blocks:
+        parent = pool.block_key[b].parent
+        if parent in batch:
+            children.setdefault(parent, []).append(b)
+        else:
+            roots.append(b)
+    out: list[int] = []
+    for root in roots:
+        stack = [root]
+        while stack:
+            b = stack.pop()
+            out.append(b)
+            stack.extend(reversed(children.get(pool.block_hash[b], ())))
+    return out
+
+
 class TierCopies:
     def __init__(self, pool: BlockPool, host: HostTier) -> None:
         self.pool, self.host = pool, host
@@ -78,20 +101,20 @@ class TierCopies:
         many copies were started. A save that cannot start is logged, counted and skipped: it was
         optional."""
         host, pool = self.host, self.pool
-        dev_ids, keys, already = [], [], []
+        dev_ids, already = [], []
         for block in pool.dirty:  # oldest first: the next to be evicted
             if len(dev_ids) + len(already) >= n:
                 break
-            h, key = pool.block_hash[block], pool.block_key[block]
-            if host.lookup(h, key) is not None:
+            if host.lookup(pool.block_hash[block], pool.block_key[block]) is not None:
                 already.append(block)
             else:
                 dev_ids.append(block)
-                keys.append((h, key))
         for block in already:
             self.twin(block)
         if not dev_ids or not host.room():
             return 0
+        dev_ids = chain_order(dev_ids, pool)
+        keys = [(pool.block_hash[b], pool.block_key[b]) for b in dev_ids]
         for hb in protect:
             host.pool.pin(hb)
         try:
@@ -185,9 +208,10 @@ class TierCopies:
         return [sid for ld in [ld for ld in self.loads if ld.copy.handle.done()] for sid in self._end_load(ld)]
 
     def wait_for(self, seq_id: int, timeout: float) -> None:
-        """Wait (up to `timeout` each) for the loads `seq_id` waits on; the caller polls after."""
+        """Wait (up to `timeout` in all) for the loads `seq_id` waits on; the caller polls after."""
+        deadline = time.monotonic() + timeout
         for ld in list(self.waiting_on.get(seq_id, ())):
-            ld.copy.handle.wait(timeout)
+            ld.copy.handle.wait(max(0.0, deadline - time.monotonic()))
 
     def wait_oldest(self, timeout: float | None = None) -> None:
         """Block until the oldest load (else save) completes, or `timeout`; the caller polls after."""

@@ -17,14 +17,16 @@ from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from nanoserve.kvcache.block_pool import BlockHash, BlockKey, BlockPool
-from nanoserve.kvcache.transfer import Copier, Transfer, make_copier
+from nanoserve.kvcache.transfer import MAX_COPY_BYTES, Copier, Transfer, copy_span, make_copier
 
 log = logging.getLogger("nanoserve")
 GiB = 1 << 30
+REGISTER_BYTES = 64 * GiB  # one cudaHostRegister range at most (driver page-table limits; vLLM chunks the same)
 
 
 @dataclass
@@ -35,7 +37,12 @@ class TransferStats:
     bytes_out: int = 0
     seconds_in: float = 0.0
     seconds_out: float = 0.0
-    failed: int = 0         # copies that raised: nothing they touched was published
+    failed_in: int = 0      # saves that failed: nothing they touched was published
+    failed_out: int = 0     # loads that failed: their prefix is recomputed
+
+    @property
+    def failed(self) -> int:
+        return self.failed_in + self.failed_out
 
 
 @dataclass(eq=False)
@@ -72,32 +79,42 @@ def host_memory_available(proc: str = "/proc/meminfo", cgroup: str = "/sys/fs/cg
     return avail
 
 
-def alloc_host_cache(shape: tuple[int, ...], dtype: torch.dtype, pin: bool,
-                     chunk_bytes: int = GiB) -> tuple[torch.Tensor, Callable[[], None]]:
-    """Host KV pool, and the call that unpins it (also run when the tensor is collected; the owner
-    calls it first, once no copy can still target the memory). Pinned with cudaHostRegister on a
-    plain allocation, not `pin_memory=True` (the caching host allocator rounds up to a power of
-    two: 48 GiB would pin 64). Pages are touched in parallel first, at start-up, so no copy
-    page-faults inside the serving loop."""
+class HostCache(NamedTuple):
+    cache: torch.Tensor
+    release: Callable[[], None]
+    # block ranges [lo, hi), each one cudaHostRegister range; laid out (not registered) on CPU too,
+    # so CPU tests check every copy against them
+    ranges: list[tuple[int, int]]
+
+
+def alloc_host_cache(shape: tuple[int, ...], dtype: torch.dtype, pin: bool, max_copy_bytes: int = MAX_COPY_BYTES,
+                     register_bytes: int = REGISTER_BYTES) -> HostCache:
+    """Host KV pool, the call that unpins it (also run when the tensor is collected; the owner
+    calls it first, once no copy can still target the memory), and its pinned ranges. Pinned with
+    cudaHostRegister on a plain allocation, not `pin_memory=True` (the caching host allocator rounds
+    up to a power of two: 48 GiB would pin 64), in ranges of whole copy spans so that no copy
+    (`transfer.copy_blocks`) crosses one. Pages are touched in parallel first, at start-up, so no
+    copy page-faults inside the serving loop."""
     t0 = time.perf_counter()
     cache = torch.empty(shape, dtype=dtype)
     flat = cache.view(-1).view(torch.uint8)
-    block_bytes = flat.numel() // max(1, shape[0])
-    # chunks are whole blocks, so no block copy straddles two registrations
-    step = max(1, chunk_bytes // max(1, block_bytes)) * block_bytes
-    chunks = [(o, min(o + step, flat.numel())) for o in range(0, flat.numel(), step)]
-    workers = min(len(chunks), os.cpu_count() or 1) or 1
-    with ThreadPoolExecutor(workers) as ex:  # fill_ releases the GIL
-        list(ex.map(lambda c: flat[c[0]:c[1]].zero_(), chunks))
+    num_blocks = shape[0]
+    block_bytes = flat.numel() // max(1, num_blocks)
+    pieces = [(o, min(o + GiB, flat.numel())) for o in range(0, flat.numel(), GiB)]
+    with ThreadPoolExecutor(min(len(pieces), os.cpu_count() or 1) or 1) as ex:  # fill_ releases the GIL
+        list(ex.map(lambda c: flat[c[0]:c[1]].zero_(), pieces))
+    span = copy_span(block_bytes, max_copy_bytes)
+    per_range = max(1, register_bytes // (span * block_bytes)) * span
+    ranges = [(lo, min(lo + per_range, num_blocks)) for lo in range(0, num_blocks, per_range)]
     release: Callable[[], None] = lambda: None  # noqa: E731
     if pin:
         cudart = torch.cuda.cudart()
         base = flat.data_ptr()
         registered = []
         try:
-            for lo, hi in chunks:
-                torch.cuda.check_error(cudart.cudaHostRegister(base + lo, hi - lo, 0))
-                registered.append(base + lo)
+            for lo, hi in ranges:
+                torch.cuda.check_error(cudart.cudaHostRegister(base + lo * block_bytes, (hi - lo) * block_bytes, 0))
+                registered.append(base + lo * block_bytes)
         except Exception:
             for p in registered:
                 cudart.cudaHostUnregister(p)
@@ -105,9 +122,9 @@ def alloc_host_cache(shape: tuple[int, ...], dtype: torch.dtype, pin: bool,
         release = weakref.finalize(cache, _unregister, registered)
     gib = flat.numel() / GiB
     dt = time.perf_counter() - t0
-    log.info("host KV pool: %.2f GiB %s in %.1fs (%.2f s/GiB)", gib, "pinned" if pin else "allocated",
-             dt, dt / max(gib, 1e-9))
-    return cache, release
+    log.info("host KV pool: %.2f GiB %s in %.1fs (%.2f s/GiB, %d range(s))", gib,
+             "pinned" if pin else "allocated", dt, dt / max(gib, 1e-9), len(ranges))
+    return HostCache(cache, release, ranges)
 
 
 def _unregister(ptrs: list[int]) -> None:
@@ -118,13 +135,15 @@ def _unregister(ptrs: list[int]) -> None:
 
 # ---- the tier ------------------------------------------------------------------------------------
 class HostTier:
-    def __init__(self, num_blocks: int, device_cache: torch.Tensor, copier: Copier | None = None) -> None:
+    def __init__(self, num_blocks: int, device_cache: torch.Tensor, copier: Copier | None = None,
+                 register_bytes: int = REGISTER_BYTES) -> None:
         self.pool = BlockPool(num_blocks)
         self.device_cache = device_cache
-        self.cache, self._release = alloc_host_cache((num_blocks, *device_cache.shape[1:]), device_cache.dtype,
-                                                     pin=device_cache.device.type == "cuda")
-        self.block_bytes = device_cache[0].numel() * device_cache.element_size()
         self.copier = copier or make_copier(device_cache.device)
+        self.cache, self._release, self.pinned_ranges = alloc_host_cache(
+            (num_blocks, *device_cache.shape[1:]), device_cache.dtype, device_cache.device.type == "cuda",
+            self.copier.max_copy_bytes, register_bytes)
+        self.block_bytes = device_cache[0].numel() * device_cache.element_size()
         self.transfers = TransferStats()
 
     @property
@@ -155,6 +174,7 @@ class HostTier:
             if not host_ids:
                 return None
             n = len(host_ids)
+            host_ids.sort()  # `dev_ids` come in chain order: a chain lands in ascending host blocks, few runs
             handle = self.copier.submit("save", self.device_cache, dev_ids[:n], self.cache, host_ids)
         except BaseException:
             for hb in host_ids:
@@ -166,7 +186,7 @@ class HostTier:
         """Transfer counters for an ended copy ("in": a save, "out": a load); True if it succeeded."""
         t, n = self.transfers, len(copy.host_ids)
         if copy.handle.error is not None:
-            t.failed += 1
+            setattr(t, f"failed_{direction}", getattr(t, f"failed_{direction}") + 1)
             return False
         for name, v in (("blocks", n), ("bytes", n * self.block_bytes), ("seconds", copy.handle.seconds)):
             setattr(t, f"{name}_{direction}", getattr(t, f"{name}_{direction}") + v)

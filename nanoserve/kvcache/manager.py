@@ -104,16 +104,23 @@ class KVCacheManager:
         return tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
 
     def _block_key(self, seq: Sequence, i: int) -> BlockKey:
-        return BlockKey(seq.block_hashes[i - 1] if i else None, self._block_tokens(seq, i))
+        return seq.block_keys[i]
 
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
-        """Chain digests of the first `num_blocks` full blocks, extending the sequence's memo
-        (each full block is hashed once per sequence)."""
-        hashes = seq.block_hashes
+        """Chain digests of the first `num_blocks` full blocks, extending the sequence's memo of
+        digests and keys (each full block is hashed once per sequence)."""
+        hashes, keys = seq.block_hashes, seq.block_keys
         while len(hashes) < num_blocks:
-            hashes.append(chain_hash(hashes[-1] if hashes else None, self._block_tokens(seq, len(hashes)),
-                                     self.hash_salt))
+            key = BlockKey(hashes[-1] if hashes else None, self._block_tokens(seq, len(hashes)))
+            hashes.append(chain_hash(key.parent, key.tokens, self.hash_salt))
+            keys.append(key)
         return hashes[:num_blocks]
+
+    def hash_prompt(self, seq: Sequence) -> None:
+        """Digest the prompt's full blocks when the request arrives, so that admitting a long
+        prompt in a step costs lookups, not thousands of hashes."""
+        if self.enable_prefix_caching:
+            self._hashes(seq, (seq.num_tokens - 1) // self.block_size)
 
     def match_prefix(self, seq: Sequence, use_host: bool = True) -> list[PrefixHit]:
         """The sequence's leading cached full blocks, each looked up on device, then among the
@@ -197,9 +204,13 @@ class KVCacheManager:
                     table[i] = b
                     if tier is Tier.LOADING:
                         shared.add(self.copies.load_of(seq.block_hashes[i]))
-            for i, (tier, _) in enumerate(hits):
-                if tier is Tier.HOST:
-                    table[i] = self._allocate(lossy_ok)
+            # a load's destinations ascending in table order: with the host side in chain order
+            # (copies.chain_order) consecutive blocks on both sides become one copy
+            to_load = [i for i, (tier, _) in enumerate(hits) if tier is Tier.HOST]
+            for i in to_load:
+                table[i] = self._allocate(lossy_ok)
+            for i, b in zip(to_load, sorted(table[i] for i in to_load)):
+                table[i] = b
             table.extend(self._allocate(lossy_ok) for _ in range(need - sum(t is Tier.HOST for t, _ in hits)))
         except BaseException:
             self._release(table)
@@ -306,8 +317,8 @@ class KVCacheManager:
                 if stats is not None and sid not in self.copies.failed:
                     self._count_hits(*stats)  # every load it was promised has landed
 
-    def complete_loads(self, seq: Sequence, timeout: float = 1.0) -> None:
-        """Wait (up to `timeout` each) for the loads `seq` waits on, then end what is done: its
+    def complete_loads(self, seq: Sequence, timeout: float) -> None:
+        """Wait (up to `timeout` in all) for the loads `seq` waits on, then end what is done: its
         state is then READY, FAILED, or still LOADING if a copy is slow."""
         if self.copies is not None:
             self.copies.wait_for(seq.seq_id, timeout)
@@ -378,7 +389,8 @@ class KVCacheManager:
             out.append(TierReport("host", hs.total, hs.in_use, hs.cached_free, hs.free, self.block_size,
                                   self.host_stats.queries, self.host_stats.hits, self.host.pool.num_evictions,
                                   hs.in_flight, self.host.pool.num_lossy_evictions, t.bytes_in, t.bytes_out,
-                                  t.seconds_in, t.seconds_out))
+                                  t.seconds_in, t.seconds_out, t.failed_in + self.num_save_submit_failures,
+                                  t.failed_out + self.num_load_submit_failures))
         return out
 
     def check_invariants(self) -> None:

@@ -22,3 +22,5 @@ class TierReport:
     bytes_out: int = 0        # host tier: bytes copied host -> device
     seconds_in: float = 0.0
     seconds_out: float = 0.0
+    save_failures: int = 0    # host tier: saves that failed or could not start (that KV was not kept)
+    load_failures: int = 0    # host tier: loads that failed or could not start (recomputed instead)

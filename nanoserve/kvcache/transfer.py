@@ -10,8 +10,15 @@ One interface, two implementations:
 
 A block of all layers is one contiguous slab (block-major layout), so each block is one copy with
 no temporary, and a run of consecutive blocks on both sides is one copy too (`runs`: small blocks
-are copied in batches, not one launch each). Callers own the lifetime rules: a source block must not be overwritten and a
-destination block must not be read until its transfer is `done()`.
+are copied in batches, not one launch each). A copy never holds more than one *span* of blocks
+(`copy_span`, at most `MAX_COPY_BYTES`) and never crosses a multiple of the span on either side;
+the host pool is pinned in ranges of whole spans (host_tier.alloc_host_cache), so no copy crosses
+a pinned range (the driver rejects one that does: `invalid argument`).
+
+A copy that fails (or cannot be enqueued) stops its batch at the failing run; the handle still
+completes only after the runs already started, so callers release nothing a copy may still touch.
+Callers own the lifetime rules: a source block must not be overwritten and a destination block must
+not be read until its transfer is `done()`.
 """
 from __future__ import annotations
 
@@ -25,6 +32,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 BlockCopy = Callable[[torch.Tensor, torch.Tensor], None]
+# one DMA at most: multi-MiB copies already run at full PCIe/NVLink-C2C bandwidth (vLLM's offloading
+# moves whole multi-MiB blocks per copy), and a bounded copy keeps one load from monopolising a lane
+MAX_COPY_BYTES = 64 << 20
 
 
 class DeviceFault(BaseException):
@@ -41,22 +51,42 @@ def copy_block_async(src: torch.Tensor, dst: torch.Tensor) -> None:
     dst.copy_(src, non_blocking=True)
 
 
+def copy_span(block_bytes: int, max_copy_bytes: int = MAX_COPY_BYTES) -> int:
+    """Blocks one copy may hold; runs are cut at its multiples, pinned ranges are made of whole spans."""
+    return max(1, max_copy_bytes // max(1, block_bytes))
+
+
 def copy_blocks(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor, dst_ids: Sequence[int],
-                copy: BlockCopy = copy_block) -> None:
-    """src[src_ids[i]] -> dst[dst_ids[i]], one `copy` per run consecutive on both sides."""
-    for s, d, n in runs(src_ids, dst_ids):
+                copy: BlockCopy = copy_block, max_copy_bytes: int = MAX_COPY_BYTES) -> None:
+    """src[src_ids[i]] -> dst[dst_ids[i]], one `copy` per run consecutive on both sides within a span.
+    Raises at the first failing run (the runs before it are done, or queued on CUDA)."""
+    span = copy_span(src[0].numel() * src.element_size(), max_copy_bytes)
+    for s, d, n in runs(src_ids, dst_ids, span):
         copy(src[s:s + n], dst[d:d + n])
 
 
-def runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(src start, dst start, length) of the maximal runs consecutive on both sides."""
+def runs(src_ids: Sequence[int], dst_ids: Sequence[int], span: int = 0) -> list[tuple[int, int, int]]:
+    """(src start, dst start, length) of the maximal runs consecutive on both sides; with `span`, a
+    run also ends before either side reaches a multiple of it."""
     out: list[tuple[int, int, int]] = []
     for s, d in zip(src_ids, dst_ids):
-        if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == d:
+        if (out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == d
+                and (not span or (s % span and d % span))):
             out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
         else:
             out.append((s, d, 1))
     return out
+
+
+def copy_or_error(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor, dst_ids: Sequence[int],
+                  copy: BlockCopy, max_copy_bytes: int) -> BaseException | None:
+    """`copy_blocks`, with its failure returned for the handle instead of raised: both copiers then
+    complete the handle after whatever part of the batch was started, never before."""
+    try:
+        copy_blocks(src, src_ids, dst, dst_ids, copy, max_copy_bytes)
+    except Exception as e:
+        return e
+    return None
 
 
 class Transfer(ABC):
@@ -77,8 +107,9 @@ class Transfer(ABC):
 
 
 class Copier(ABC):
-    def __init__(self) -> None:
+    def __init__(self, max_copy_bytes: int = MAX_COPY_BYTES) -> None:
         self._lanes: dict[str, object] = {}
+        self.max_copy_bytes = max_copy_bytes  # the host tier pins its pool in ranges of whole spans of it
 
     def _lane(self, name: str):
         if (lane := self._lanes.get(name)) is None:
@@ -92,7 +123,8 @@ class Copier(ABC):
     @abstractmethod
     def submit(self, lane: str, src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor,
                dst_ids: Sequence[int]) -> Transfer:
-        """Start copying blocks src[src_ids[i]] -> dst[dst_ids[i]]; copies in one lane run in order."""
+        """Start copying blocks src[src_ids[i]] -> dst[dst_ids[i]]; copies in one lane run in order.
+        A failing copy does not raise here: the handle reports it once the batch has stopped."""
 
     def drain(self) -> None:
         """Block until every copy submitted so far has finished (shutdown)."""
@@ -112,11 +144,11 @@ class ThreadTransfer(Transfer):
 
 def _worker(jobs: queue.SimpleQueue) -> None:
     while (job := jobs.get()) is not None:
-        handle, fn, src, src_ids, dst, dst_ids = job
+        handle, fn, max_copy_bytes, src, src_ids, dst, dst_ids = job
         t0 = time.perf_counter()
         try:
-            copy_blocks(src, src_ids, dst, dst_ids, fn)
-        except BaseException as e:  # reported through the handle; the bookkeeping rolls back
+            handle.error = copy_or_error(src, src_ids, dst, dst_ids, fn, max_copy_bytes)
+        except BaseException as e:  # even so the handle completes: the bookkeeping rolls back
             handle.error = e
         handle.seconds = time.perf_counter() - t0
         handle._event.set()
@@ -131,8 +163,8 @@ def _stop_worker(jobs: queue.SimpleQueue, worker: threading.Thread) -> None:
 class ThreadCopier(Copier):
     """`block_copy` is injectable so tests can slow or fail copies without sleeps in this code."""
 
-    def __init__(self, block_copy: BlockCopy = copy_block) -> None:
-        super().__init__()
+    def __init__(self, block_copy: BlockCopy = copy_block, max_copy_bytes: int = MAX_COPY_BYTES) -> None:
+        super().__init__(max_copy_bytes)
         self.block_copy = block_copy
         self._last: dict[str, Transfer] = {}  # lanes are FIFO: the last one done means all are
 
@@ -151,7 +183,7 @@ class ThreadCopier(Copier):
 
     def submit(self, lane, src, src_ids, dst, dst_ids) -> Transfer:
         handle = self._last[lane] = ThreadTransfer()
-        self._lane(lane).put((handle, self.block_copy, src, list(src_ids), dst, list(dst_ids)))
+        self._lane(lane).put((handle, self.block_copy, self.max_copy_bytes, src, list(src_ids), dst, list(dst_ids)))
         return handle
 
 
@@ -188,8 +220,8 @@ class CudaTransfer(Transfer):
 
 
 class CudaCopier(Copier):
-    def __init__(self, device: torch.device) -> None:
-        super().__init__()
+    def __init__(self, device: torch.device, max_copy_bytes: int = MAX_COPY_BYTES) -> None:
+        super().__init__(max_copy_bytes)
         self.device = device
 
     def _open_lane(self, name: str) -> torch.cuda.Stream:
@@ -209,9 +241,13 @@ class CudaCopier(Copier):
         stream.wait_event(ready)
         with torch.cuda.stream(stream):
             start.record(stream)
-            copy_blocks(src, src_ids, dst, dst_ids, copy_block_async)  # contiguous slabs; pinned host side
+            # contiguous slabs inside one pinned range each; a failure still records `end` after the
+            # runs already queued, so nothing they touch is released before the DMA has finished
+            error = copy_or_error(src, src_ids, dst, dst_ids, copy_block_async, self.max_copy_bytes)
             end.record(stream)
-        return CudaTransfer(self.device, start, end)
+        handle = CudaTransfer(self.device, start, end)
+        handle.error = error
+        return handle
 
 
 def make_copier(device: torch.device) -> Copier:

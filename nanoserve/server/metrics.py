@@ -77,7 +77,12 @@ class _SnapshotCollector:
                                     labels=["model_name", "tier", "direction"])
         moved_s = CounterMetricFamily(P + "kv_transfer_seconds", "Seconds spent copying KV into (in) and "
                                       "out of a tier.", labels=["model_name", "tier", "direction"])
+        failures = CounterMetricFamily(P + "kv_transfer_failures", "KV copies between tiers that failed or "
+                                       "could not start (a save's KV not kept, a load recomputed).",
+                                       labels=["model_name", "tier", "direction"])
         for t in s.tiers:
+            failures.add_metric([m, t.tier, "in"], t.save_failures)
+            failures.add_metric([m, t.tier, "out"], t.load_failures)
             usage.add_metric([m, t.tier], t.blocks_in_use / max(1, t.blocks_total))
             for state, v in (("in_use", t.blocks_in_use), ("cached", t.blocks_cached),
                              ("free", t.blocks_free), ("total", t.blocks_total)):
@@ -91,7 +96,7 @@ class _SnapshotCollector:
             moved.add_metric([m, t.tier, "out"], t.bytes_out)
             moved_s.add_metric([m, t.tier, "in"], t.seconds_in)
             moved_s.add_metric([m, t.tier, "out"], t.seconds_out)
-        yield from (usage, blocks, queries, hits, evictions, clean, lossy, moved, moved_s)
+        yield from (usage, blocks, queries, hits, evictions, clean, lossy, moved, moved_s, failures)
 
 
 class ServerMetrics(MetricsObserver):
