@@ -19,6 +19,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
                                      "kernels cannot be interpreted on CPU")
 
 from nanoserve import LLM, SamplingParams  # noqa: E402
+from nanoserve.layers.attention import AttentionBatch  # noqa: E402
 from nanoserve.layers.backend_choice import resolve_attention  # noqa: E402
 from nanoserve.layers.triton_attention import TritonAttention  # noqa: E402
 from tests.conftest import hf_greedy, make_tiny_model  # noqa: E402
@@ -54,6 +55,64 @@ def test_triton_padded_decode_matches_torch_backend(case, extra):
     assert attn.block_table.shape == (len(case["seqs"]) + extra, 24)
     for got, want in outs:
         torch.testing.assert_close(got, want, **TOL[torch.float32])
+
+
+def _decode_vs_reference(ctx_lens: list[int], *, chunk: int, kv_heads: int = 2, group: int = 2,
+                         pad_to: int | None = None, max_blocks: int | None = None) -> TritonAttention:
+    """One pure-decode step (each row's last token new) through the Triton backend at `chunk` keys
+    per program, every row against fp32 softmax(q K^T) V over its keys gathered from the cache."""
+    d, seed = 32, sum(ctx_lens)
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    need = [-(-c // BS) for c in ctx_lens]
+    scratch = sum(need)
+    ids = list(range(scratch))
+    rng.shuffle(ids)
+    it = iter(ids)
+    tables = [[next(it) for _ in range(k)] for k in need]
+    cache = torch.randn(scratch + 1, 1, 2, BS, kv_heads, d)
+    before = cache.clone()
+    rows = pad_to or len(ctx_lens)
+    slots = [(t[(c - 1) // BS], (c - 1) % BS) for t, c in zip(tables, ctx_lens)]
+    slots += [(scratch, 0)] * (rows - len(slots))
+    batch = AttentionBatch([1] * len(ctx_lens), list(ctx_lens), tables, len(ctx_lens),
+                           torch.tensor([b for b, _ in slots]), torch.tensor([o for _, o in slots]))
+    attn = TritonAttention(cache, kv_heads * group, d ** -0.5, max_seqs=rows, max_blocks_per_seq=max_blocks or max(need),
+                           scratch_block=scratch, decode_chunk=chunk)
+    attn.prepare(batch, pad_to=pad_to)
+    q, k, v = torch.randn(rows, kv_heads * group, d), torch.randn(rows, kv_heads, d), torch.randn(rows, kv_heads, d)
+    got = attn.forward(q, k, v, 0)
+    for i, (table, c) in enumerate(zip(tables, ctx_lens)):
+        pos = torch.arange(c)
+        kv = before[torch.tensor(table)[pos // BS], 0, :, pos % BS]  # [c, 2, kv_heads, d]
+        kv[-1, 0], kv[-1, 1] = k[i], v[i]                              # this step's token
+        keys, vals = (kv[:, j].repeat_interleave(group, dim=1) for j in (0, 1))  # [c, heads, d]
+        p = (torch.einsum("hd,chd->hc", q[i], keys) * d ** -0.5).softmax(-1)
+        torch.testing.assert_close(got[i], torch.einsum("hc,chd->hd", p, vals), atol=2e-5, rtol=2e-5)
+    return attn
+
+
+@pytest.mark.parametrize("ctx_lens, kv_heads, group", [
+    ([300, 5, 64, 1, 128, 65], 2, 2),   # a long row (5 chunks of 64) among short ones, chunk edges, 1 token
+    ([63, 192, 1, 129], 1, 3),          # either side of the edges; 3 query heads per KV head
+    ([300], 1, 1),                      # one row alone: spread over `fill` programs, capped at the chunk
+    ([100], 1, 1),                      # ...and shorter than fill * chunk: spread over fill programs
+])
+def test_decode_chunks_by_context_length(ctx_lens, kv_heads, group):
+    attn = _decode_vs_reference(ctx_lens, chunk=64, kv_heads=kv_heads, group=group)
+    fill, chunks = attn._decode_chunks(len(ctx_lens), kv_heads, max(ctx_lens))
+    assert chunks == max(fill, -(-max(ctx_lens) // 64))  # the grid covers the longest row's chunks
+    with pytest.raises(ValueError, match="multiple of the key tile"):
+        TritonAttention(attn.kv_cache, attn.num_heads, attn.scale, max_seqs=1, max_blocks_per_seq=1,
+                        scratch_block=0, decode_chunk=attn.block_n + 1)
+
+
+def test_decode_graph_grid_with_short_rows():
+    """The padded (graph) step: the grid comes from the full table width (40 blocks = 640 keys,
+    10 chunks of 64), the rows are far shorter: most programs find nothing to do and exit."""
+    attn = _decode_vs_reference([1, 17, 70], chunk=64, pad_to=4, max_blocks=40)
+    assert attn.block_table.shape == (4, 40)
+    assert attn._decode_chunks(4, 2, 40 * BS) == (1, 10)
 
 
 def test_triton_choice(monkeypatch):

@@ -6,9 +6,11 @@ int32 block tables, cu_seqlens, cache_seqlens in persistent staged buffers), thr
 - `_prefill`: varlen causal attention of each sequence's query chunk over its paged context
   (bottom-right aligned: query i of a chunk of n sees keys 0..ctx-n+i), any mix of fresh
   prefills, chunk continuations, prefix hits and decodes;
-- `_decode` + `_combine`: pure-decode steps, split-KV (partial softmax per context split, then a
-  merge) so a small batch still fills the GPU; no host reads, fixed grid per batch size, hence
-  CUDA-graph capturable.
+- `_decode` + `_combine`: pure-decode steps, split-KV: each program takes one chunk of a row's
+  keys (at most `decode_chunk`, fewer when a small batch needs more programs to fill the GPU),
+  a partial softmax per chunk, then a log-sum-exp merge; so one long row becomes many programs
+  instead of a long tail. No host reads, a grid fixed by the batch size and the table's width,
+  hence CUDA-graph capturable.
 Any block size: each key's address is computed per token (block = table[pos // bs]), so 16-token
 blocks give fine prefix-cache granularity. Only the table columns a sequence needs are read.
 On CPU it runs under TRITON_INTERPRET=1 (how CI tests it); fp32 dots use IEEE precision.
@@ -98,15 +100,25 @@ def _prefill(q, k_cache, v_cache, out, tables, cu_q, cu_k, scale, sq_t, sq_h, so
 
 
 @triton.jit
+def _chunk_len(ctx, FILL, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys per decode program for a row of `ctx` keys: the row spread over FILL programs (so a
+    small batch still fills the GPU), but never more than CHUNK (so a long row spreads over more
+    programs rather than making a few long ones that the whole step waits for)."""
+    return tl.minimum(CHUNK, tl.cdiv(tl.cdiv(ctx, FILL), BLOCK_N) * BLOCK_N)
+
+
+@triton.jit
 def _decode(q, k_cache, v_cache, part_acc, part_ml, tables, lens, scale, sq_t, sq_h, sc_b, sc_t, sc_h, st_b,
-            H, G, D, BS, SPLITS: tl.constexpr, G_P: tl.constexpr, D_P: tl.constexpr, BLOCK_N: tl.constexpr,
-            IEEE: tl.constexpr):
+            H, G, D, BS, FILL, CHUNKS, CHUNK: tl.constexpr, G_P: tl.constexpr, D_P: tl.constexpr,
+            BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
     ctx = tl.load(lens + row)
-    per = tl.cdiv(tl.cdiv(ctx, SPLITS), BLOCK_N) * BLOCK_N
+    per = _chunk_len(ctx, FILL, CHUNK, BLOCK_N)
     start = sp * per
+    if start >= ctx:  # past this row's last chunk (the grid covers the longest row the table holds)
+        return
     end = tl.minimum(ctx, start + per)
     g = tl.arange(0, G_P)
     d = tl.arange(0, D_P)
@@ -121,27 +133,51 @@ def _decode(q, k_cache, v_cache, part_acc, part_ml, tables, lens, scale, sq_t, s
         valid = pos < end
         m_i, l_i, acc = _tile(qv, m_i, l_i, acc, k_cache, v_cache, tables + row * st_b, pos, valid,
                               valid[None, :], d, D, BS, sc_b, sc_t, kvh * sc_h, scale, IEEE)
-    # partials [rows, H, SPLITS, D] and [rows, H, SPLITS, 2] (max, sum); an empty split keeps -inf, 0
+    # partials [rows, H, CHUNKS, D_P] and [rows, H, CHUNKS, 2] (max, sum); only used chunks are written
     hmask = g < G
-    at = (row * H + heads).to(tl.int64) * SPLITS + sp
+    at = (row * H + heads).to(tl.int64) * CHUNKS + sp
     tl.store(part_acc + at[:, None] * D_P + d[None, :], acc, mask=hmask[:, None])
     tl.store(part_ml + at * 2, m_i, mask=hmask)
     tl.store(part_ml + at * 2 + 1, l_i, mask=hmask)
 
 
 @triton.jit
-def _combine(part_acc, part_ml, out, so_t, so_h, H, D, SPLITS: tl.constexpr, D_P: tl.constexpr):
+def _combine(part_acc, part_ml, out, lens, so_t, so_h, H, D, FILL, CHUNKS, CHUNK: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, D_P: tl.constexpr):
+    """Log-sum-exp merge of one (row, head)'s chunk partials, BLOCK_C chunks at a time, reading
+    only the chunks `_decode` wrote for this row."""
     row = tl.program_id(0)
     h = tl.program_id(1)
-    s = tl.arange(0, SPLITS)
+    ctx = tl.load(lens + row)
+    used = tl.cdiv(ctx, _chunk_len(ctx, FILL, CHUNK, BLOCK_N))
     d = tl.arange(0, D_P)
-    at = (row * H + h).to(tl.int64) * SPLITS + s
-    m = tl.load(part_ml + at * 2)
-    lsum = tl.load(part_ml + at * 2 + 1)
-    w = tl.exp(m - tl.max(m, 0))               # split 0 always has keys: the max is finite
-    acc = tl.load(part_acc + at[:, None] * D_P + d[None, :])
-    o = tl.sum(acc * w[:, None], 0) / tl.sum(lsum * w, 0)
+    base = (row * H + h).to(tl.int64) * CHUNKS
+    m_run = tl.full([1], float("-inf"), tl.float32)
+    l_run = tl.zeros([1], tl.float32)
+    acc = tl.zeros([D_P], tl.float32)
+    for c0 in range(0, used, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        ok = c < used
+        at = base + c
+        m = tl.load(part_ml + at * 2, mask=ok, other=float("-inf"))
+        m_new = tl.maximum(m_run, tl.max(m, 0))  # chunk 0 always has keys: finite from the start
+        alpha = tl.exp(m_run - m_new)
+        w = tl.exp(m - m_new)
+        l_run = l_run * alpha + tl.sum(tl.load(part_ml + at * 2 + 1, mask=ok, other=0.0) * w, 0)
+        a = tl.load(part_acc + at[:, None] * D_P + d[None, :], mask=ok[:, None], other=0.0)
+        acc = acc * alpha + tl.sum(a * w[:, None], 0)
+        m_run = m_new
+    o = acc / l_run
     tl.store(out + row * so_t + h * so_h + d, o.to(out.dtype.element_ty), mask=d < D)
+
+
+# Keys per decode program, at most. Arithmetic for the H200 case of the GPU review (not measured):
+# a 32768-token row, 8 KV heads of dim 128, bf16 -> K+V are 8 * 128 * 2 B * 2 = 4 KiB per token.
+# At 1024 keys a program reads 1024 * 512 B = 512 KiB (one KV head), and the row is 32 chunks * 8
+# heads = 256 programs, about two per SM on 132 SMs: its 128 MiB per layer spread over the whole
+# GPU (>= 28 us a layer at 4.8 TB/s, whatever the split). The old split count from rows * kv_heads
+# alone (2 at 17 or 32 rows) gave 16 programs of 16384 keys (8 MiB each): 16 SMs carried the row.
+DECODE_CHUNK = 1024
 
 
 def _p2(n: int, floor: int = 1) -> int:
@@ -154,7 +190,7 @@ class TritonAttention(FlashAttention):
 
     def __init__(self, kv_cache: torch.Tensor, num_heads: int, scale: float, *, flash=None,
                  max_seqs: int, max_blocks_per_seq: int, scratch_block: int,
-                 staging: Staging | None = None) -> None:
+                 staging: Staging | None = None, decode_chunk: int = DECODE_CHUNK) -> None:
         super().__init__(kv_cache, num_heads, scale, flash=None, max_seqs=max_seqs,
                          max_blocks_per_seq=max_blocks_per_seq, scratch_block=scratch_block, staging=staging)
         dev = kv_cache.device
@@ -162,15 +198,26 @@ class TritonAttention(FlashAttention):
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
         big = dev.type == "cuda" and not self.ieee
         self.block_m, self.block_n = (64, 64) if big else (32, 32)
+        if decode_chunk % self.block_n:
+            raise ValueError(f"decode_chunk {decode_chunk} is not a multiple of the key tile {self.block_n}")
+        self.decode_chunk = decode_chunk
 
     @property
     def graph_safe(self) -> bool:
         return True
 
-    def _splits(self, rows: int, kv_heads: int) -> int:
-        """Enough (seq, kv head, split) programs for about two waves on the GPU; a power of two."""
-        want = -(-2 * self.sms // (rows * kv_heads))
-        return min(32, _p2(want, 2))  # at least 2: no size-1 aranges
+    def _decode_chunks(self, rows: int, kv_heads: int, max_keys: int) -> tuple[int, int]:
+        """-> (fill, chunks). fill: programs per (row, kv head) for about two waves on the GPU, what
+        a row shorter than fill * decode_chunk is spread over. chunks: the grid's programs per (row,
+        kv head), enough for any row of up to max_keys; programs past a row's last chunk exit.
+        max_keys comes from the block table's width: in an eager step the longest row's blocks, in
+        a padded (graph) step the width max_model_len fixes, which a replay cannot outgrow. The
+        price is empty programs on graph replays: at max_model_len 32768, bucket 32, 8 KV heads,
+        32 * 8 * 32 = 8192 programs a layer, of which a batch of short rows (fill 2) uses at most
+        512 and the rest read one int and return (131072: 32768 programs; their cost on the GPU
+        is not measured). A device-built work list would launch only used chunks; not done."""
+        fill = min(32, -(-2 * self.sms // (rows * kv_heads)))
+        return fill, max(fill, -(-max_keys // self.decode_chunk))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         k_cache, v_cache = self.kv_cache[:, layer, 0], self.kv_cache[:, layer, 1]  # [N, bs, kh, D] views
@@ -185,16 +232,17 @@ class TritonAttention(FlashAttention):
         table = self.block_table
         if self.decode_only:
             rows = t
-            splits = self._splits(rows, kh)
+            fill, chunks = self._decode_chunks(rows, kh, table.shape[1] * self.block_size)
             d_p = _p2(d, 16)
-            part_acc = torch.empty(rows, h, splits, d_p, dtype=torch.float32, device=q.device)
-            part_ml = torch.empty(rows, h, splits, 2, dtype=torch.float32, device=q.device)
-            _decode[(rows, kh, splits)](q, k_cache, v_cache, part_acc, part_ml, table, self.cache_seqlens,
+            part_acc = torch.empty(rows, h, chunks, d_p, dtype=torch.float32, device=q.device)
+            part_ml = torch.empty(rows, h, chunks, 2, dtype=torch.float32, device=q.device)
+            _decode[(rows, kh, chunks)](q, k_cache, v_cache, part_acc, part_ml, table, self.cache_seqlens,
                                         self.scale, q.stride(0), q.stride(1), sc[0], sc[1], sc[2],
-                                        table.stride(0), h, g, d, self.block_size, SPLITS=splits,
-                                        G_P=_p2(g, 16), D_P=d_p, BLOCK_N=self.block_n, IEEE=self.ieee)
-            _combine[(rows, h)](part_acc, part_ml, out, out.stride(0), out.stride(1), h, d,
-                                SPLITS=splits, D_P=d_p)
+                                        table.stride(0), h, g, d, self.block_size, fill, chunks,
+                                        CHUNK=self.decode_chunk, G_P=_p2(g, 16), D_P=d_p, BLOCK_N=self.block_n,
+                                        IEEE=self.ieee)
+            _combine[(rows, h)](part_acc, part_ml, out, self.cache_seqlens, out.stride(0), out.stride(1), h, d,
+                                fill, chunks, CHUNK=self.decode_chunk, BLOCK_N=self.block_n, BLOCK_C=16, D_P=d_p)
             return out
         n = len(b.query_lens)
         grid = (n, h, triton.cdiv(self.max_seqlen_q, self.block_m))
