@@ -11,109 +11,49 @@ only with a KV budget of device + host (what the same memory buys without a tier
 round TTFT (mean/p50/p90), time, prompt and output throughput separately (prompt tok/s counts
 cached prompt tokens too: it is not work done) and the fraction of prompt tokens served by each
 tier; offline, also other requests' decode rate in steps while a host load is in flight vs not;
-then the no-reuse workload (unique prompts) with the host tier on vs off.
+then the no-reuse workload (unique prompts) with the host tier on vs off. TTFT's mean and
+percentiles as bench/common.py defines them; the workloads are bench/common.py's docqa and
+multiround (`longdoc` here is docqa).
 
-    python bench/tier_bench.py                       # offline engine
-    python bench/tier_bench.py --target server       # the same through the HTTP server (streaming)
-    python bench/tier_bench.py --target server --configs device,host,vllm --docs 16 --doc-len 1536 \
+    python bench/tier.py                       # offline engine
+    python bench/tier.py --target server       # the same through the HTTP server (streaming)
+    python bench/tier.py --target server --configs device,host,vllm --docs 16 --doc-len 1536 \
         --rounds 2 --concurrency 4 --output-len 16       # long-document QA, vLLM-CPU at equal device KV
-    python bench/tier_bench.py --workload multiround --concurrency 4,8,16 --tag after
+    python bench/tier.py --workload multiround --concurrency 4,8,16 --tag after
                                                      # one JSON per concurrency under bench/results/
-    python bench/tier_bench.py --table bench/results/tier_*_after.json   # the README table
+    python bench/tier.py --table bench/results/tier_*_after.json   # the README table
 
 Per config and concurrency (rounds after the first): share of prompt tokens from each tier, the
 share of *reusable* prompt tokens (full blocks some earlier request had computed) served from
 cache, lossy evictions (cached KV dropped with no copy anywhere), mean and p90 TTFT, output tok/s.
 
-The "vllm" config (server target only) is vLLM-CPU's server with the device tier's token budget
-(`--num-gpu-blocks-override`, its CPU blocks being 128 tokens; the device budget is rounded to 128
-tokens for every config) and its own prefix cache, in the dtype nanoserve's `--dtype auto` picks.
+The "vllm" config (server target only) is vLLM-CPU's server (bench/peers.py: --vllm-venv,
+--vllm-cores) with the device tier's token budget (`--num-gpu-blocks-override`, its CPU blocks being
+128 tokens; the device budget is rounded to 128 tokens for every config) and its own prefix cache,
+in the dtype nanoserve's `--dtype auto` picks.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
-import random
 import statistics
-import subprocess
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
+
+from common import RequestResult, Workload, auto_dtype, cpu_name, distribution_ms, write_json
+from peers import ServerSpec, add_peer_args, peer_config, start
 
 GiB = 1 << 30
 
 
-BLOCK = 16  # nanoserve's CPU block size: what "reusable" counts in
-
-
-@dataclass
-class Done:
-    prompt_tokens: int
-    output_tokens: int
-    ttft: float
-    device_cached: int
-    host_cached: int
-    index: int = 0
-    output_ids: list[int] | None = None  # offline only (the server returns text)
-
-
-class Workload:
-    """Rounds of token-id prompts, built per target from its own earlier outputs (multiround), and
-    the count of prompt tokens an earlier request had computed (full blocks, as a chain)."""
-
-    def __init__(self, args, kind: str, reuse: bool = True, seed: int = 0) -> None:
-        self.args, self.kind, self.reuse = args, kind, reuse
-        self.rng = random.Random(seed)
-        n = args.users if kind == "multiround" else args.docs
-        self.contexts = [self.tok(args.doc_len) for _ in range(n)]
-        self.questions = [[self.tok(args.question_len) for _ in range(n)] for _ in range(args.rounds)]
-        self.answers = [[self.tok(args.output_len) for _ in range(n)] for _ in range(args.rounds)]
-
-    def tok(self, n: int) -> list[int]:
-        return [self.rng.randrange(100, 40000) for _ in range(n)]
-
-    def new_state(self) -> dict:
-        return {"history": [list(c) for c in self.contexts], "seen": set()}
-
-    def prompts(self, rnd: int, state: dict) -> list[list[int]]:
-        if self.kind == "multiround":
-            return [h + self.questions[rnd][u] for u, h in enumerate(state["history"])]
-        ctx = self.contexts if self.reuse else [self.tok(self.args.doc_len) for _ in self.contexts]
-        return [c + self.questions[rnd][i] for i, c in enumerate(ctx)]
-
-    @staticmethod
-    def _chain(ids: list[int]):
-        h = None
-        for i in range(len(ids) // BLOCK):
-            h = hash((h, tuple(ids[i * BLOCK:(i + 1) * BLOCK])))
-            yield h
-
-    def reusable(self, prompt: list[int], state: dict) -> int:
-        n = 0
-        for h in self._chain(prompt[:len(prompt) - 1]):  # the last prompt token is always computed
-            if h not in state["seen"]:
-                break
-            n += BLOCK
-        return n
-
-    def observe(self, rnd: int, state: dict, prompts: list[list[int]], done: list[Done]) -> None:
-        for d in done:
-            out = d.output_ids if d.output_ids is not None else self.answers[rnd][d.index]
-            full = prompts[d.index] + (out if d.output_ids is not None else [])
-            state["seen"].update(self._chain(full[:len(full) - 1]))  # KV exists for all but the last token
-            if self.kind == "multiround":
-                state["history"][d.index] = prompts[d.index] + out
-
-
-def summarize(name: str, rnd: int, done: list[Done], elapsed: float, reusable: int, lossy: int | None) -> dict:
-    ttft = sorted(d.ttft * 1000 for d in done)
+def summarize(name: str, rnd: int, done: list[RequestResult], elapsed: float, reusable: int,
+              lossy: int | None) -> dict:
+    ttft = distribution_ms([d.ttft for d in done])
     prompt = sum(d.prompt_tokens for d in done)
     cached = sum(d.device_cached + d.host_cached for d in done)
-    row = {"config": name, "round": rnd, "ttft_mean_ms": statistics.mean(ttft),
-           "ttft_p50_ms": statistics.median(ttft), "ttft_p90_ms": ttft[int(0.9 * (len(ttft) - 1))],
-           "ttft_ms": ttft, "time_s": elapsed, "prompt_tok_s": prompt / elapsed,
+    row = {"config": name, "round": rnd, "ttft_mean_ms": ttft["mean"], "ttft_p50_ms": ttft["median"],
+           "ttft_p90_ms": ttft["p90"], "ttft_ms": sorted(d.ttft * 1e3 for d in done), "time_s": elapsed, "prompt_tok_s": prompt / elapsed,
            "output_tok_s": sum(d.output_tokens for d in done) / elapsed,
            "device_hit": sum(d.device_cached for d in done) / prompt,
            "host_hit": sum(d.host_cached for d in done) / prompt,
@@ -140,7 +80,7 @@ class OfflineTarget:
         # others' decode steps, split by whether a host load was in flight: [steps, decode tokens, seconds]
         self.decode = {"loading": [0, 0, 0.0], "idle": [0, 0, 0.0]}
 
-    def round(self, rnd: int, prompts) -> list[Done]:
+    def round(self, rnd: int, prompts) -> list[RequestResult]:
         eng, pending, done = self.eng, list(enumerate(prompts)), []
         while pending or eng.has_unfinished():
             while pending and len(eng.requests) < self.args.concurrency:  # closed loop
@@ -156,10 +96,11 @@ class OfflineTarget:
                 row[2] += time.perf_counter() - t0
             for out in outs:
                 if out.finished:
-                    done.append(Done(len(out.prompt_token_ids), len(out.outputs[0].token_ids),
-                                     out.metrics["first_token"] - out.metrics["arrival"],
-                                     out.num_device_cached_tokens, out.num_host_cached_tokens,
-                                     int(out.request_id.split("-")[1]), list(out.outputs[0].token_ids)))
+                    done.append(RequestResult(
+                        True, prompt_tokens=len(out.prompt_token_ids), output_tokens=len(out.outputs[0].token_ids),
+                        ttft=out.metrics["first_token"] - out.metrics["arrival"],
+                        device_cached=out.num_device_cached_tokens, host_cached=out.num_host_cached_tokens,
+                        index=int(out.request_id.split("-")[1]), output_ids=list(out.outputs[0].token_ids)))
         eng.check_invariants()
         return sorted(done, key=lambda d: d.index)
 
@@ -194,38 +135,15 @@ def cli_flags(cfg: dict) -> list[str]:
 
 class ServerTarget:
     def __init__(self, args, cfg: dict) -> None:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from tests.server_fixture import ServerProcess
         self.args = args
         if "vllm_blocks" in cfg:
-            from export_hf import export_embedded_hf
-            from vllm_peer import VllmServer
-            self.server = VllmServer(export_embedded_hf(), args.dtype, port=8100, num_blocks=cfg["vllm_blocks"])
+            self.server = start(ServerSpec("vllm", "vllm"), peer_config(args, args.dtype), num_blocks=cfg["vllm_blocks"])
         else:
-            self.server = ServerProcess(*cli_flags(cfg), "--dtype", args.dtype,
-                                        *(["--model", args.model] if args.model else []))
+            flags = cli_flags(cfg) + (["--model", args.model] if args.model else [])
+            self.server = start(ServerSpec("nanoserve", "nanoserve", flags=flags), peer_config(args, args.dtype))
+        print(f"  {self.server.label}: {self.server.cores}", flush=True)
         import httpx
         self.model = httpx.get(self.server.base_url + "/models").json()["data"][0]["id"]
-
-    async def _one(self, client, prompt) -> Done:
-        body = {"model": self.model, "prompt": prompt, "max_tokens": self.args.output_len, "temperature": 0,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-        t0 = time.perf_counter()
-        ttft, usage = None, {}
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:500]}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("choices") and ttft is None:
-                    ttft = time.perf_counter() - t0
-                usage = chunk.get("usage") or usage
-        det = usage.get("prompt_tokens_details") or {}
-        device = det.get("device_cached_tokens", det.get("cached_tokens") or 0)  # vLLM: only cached_tokens
-        return Done(usage["prompt_tokens"], usage["completion_tokens"], ttft or 0.0, device,
-                    det.get("host_cached_tokens", 0))
 
     def lossy(self) -> int | None:
         import httpx
@@ -234,23 +152,27 @@ class ServerTarget:
                 return int(float(line.split()[-1]))
         return None
 
-    def round(self, rnd: int, prompts) -> list[Done]:
+    def round(self, rnd: int, prompts) -> list[RequestResult]:
         import httpx
 
-        async def run() -> list[Done]:
-            sem = asyncio.Semaphore(self.args.concurrency)
-            async with httpx.AsyncClient(base_url=self.server.url, timeout=600) as client:
-                async def limited(p):
-                    async with sem:
-                        return await self._one(client, p)
-                return await asyncio.gather(*(limited(p) for p in prompts))
+        from serve import send_round
+
+        async def run() -> list[RequestResult]:
+            async with httpx.AsyncClient(timeout=600) as client:
+                return await send_round(client, self.server.base_url + "/completions", self.model, prompts,
+                                        self.args.output_len, self.args.concurrency)
         done = asyncio.run(run())
-        for i, d in enumerate(done):
-            d.index = i
+        if failed := [d.error for d in done if not d.ok]:
+            raise RuntimeError(f"{len(failed)} requests failed: {failed[0]}")
         return done
 
     def close(self) -> None:
         self.server.stop()
+
+
+def workload(args, kind: str, reuse: bool = True, seed: int = 0) -> Workload:
+    n = args.users if kind == "multiround" else args.docs
+    return Workload(kind, n, args.doc_len, args.question_len, args.output_len, args.rounds, reuse, seed)
 
 
 def run_side_by_side(args, configs: dict[str, dict], wl: Workload, rounds: int) -> dict[str, list[dict]]:
@@ -284,7 +206,7 @@ def later_summary(rows: list[dict]) -> dict:
     later = [r for r in rows if r["round"] > 0]
     if not later:
         return {}
-    ttft = sorted(t for r in later for t in r["ttft_ms"])
+    ttft = [t / 1e3 for r in later for t in r["ttft_ms"]]
     reusable = sum(r["reusable_tokens"] for r in later)
     lossy = [r["lossy_evictions"] for r in rows]
     return {"device_hit": statistics.mean(r["device_hit"] for r in later),
@@ -292,7 +214,7 @@ def later_summary(rows: list[dict]) -> dict:
             "reusable_hit": (sum(r["reusable_hit"] * r["reusable_tokens"] for r in later if r["reusable_tokens"])
                              / reusable) if reusable else None,
             "lossy_evictions": None if None in lossy else sum(lossy),
-            "ttft_mean_ms": statistics.mean(ttft), "ttft_p90_ms": ttft[int(0.9 * (len(ttft) - 1))],
+            "ttft_mean_ms": distribution_ms(ttft)["mean"], "ttft_p90_ms": distribution_ms(ttft)["p90"],
             "output_tok_s": statistics.median(r["output_tok_s"] for r in later),
             "prompt_tok_s": statistics.median(r["prompt_tok_s"] for r in later)}
 
@@ -324,7 +246,8 @@ def table(paths: list[str]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", choices=["offline", "server"], default="offline")
-    ap.add_argument("--workload", choices=["longdoc", "multiround"], default="longdoc")
+    ap.add_argument("--workload", choices=["longdoc", "docqa", "multiround"], default="longdoc",
+                    help="longdoc and docqa are the same workload")
     ap.add_argument("--model", default=None, help="tier budgets below are sized for the embedded model")
     ap.add_argument("--docs", type=int, default=16, help="longdoc: documents")
     ap.add_argument("--users", type=int, default=16, help="multiround: users (conversations)")
@@ -334,16 +257,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--noreuse-rounds", type=int, default=5)
     ap.add_argument("--concurrency", default="2", help="one or more, comma-separated: one run each")
-    ap.add_argument("--configs", default="off,device,host,device-big,noreuse")
+    ap.add_argument("--configs", default="off,device,host,device-big,noreuse",
+                    help="comma-separated: off (no prefix caching), device, host (device + host tier), device-big "
+                         "(device only with both budgets), noreuse (unique prompts, host on vs off), vllm (server)")
     ap.add_argument("--json", default=None, metavar="FILE", help="write the rows here (one concurrency)")
     ap.add_argument("--tag", default=None, help="write bench/results/tier_<workload>_c<N>_<tag>.json per run")
     ap.add_argument("--table", nargs="+", default=None, metavar="JSON", help="print the markdown table and exit")
     ap.add_argument("--host-offload-watermark", type=int, default=0, help="blocks (0: nanoserve's default)")
+    add_peer_args(ap)
     args = ap.parse_args()
     if args.table:
         return table(args.table)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from vllm_peer import auto_dtype, cpu_name
     args.dtype = auto_dtype()
     wanted = args.configs.split(",")
     if "vllm" in wanted and args.target != "server":
@@ -374,10 +298,10 @@ def run_one(args, wanted: list[str], cpu: str) -> None:
           f"{device_tokens} tokens = {device_gb:.3f} GiB (~{n // 4} of {n} contexts + the running requests), "
           f"host {host_gb:.3f} GiB; target {args.target}; dtype {args.dtype}; {cpu}", flush=True)
     results = run_side_by_side(args, {k: v for k, v in configs.items() if k in wanted},
-                               Workload(args, args.workload), args.rounds)
+                               workload(args, args.workload), args.rounds)
     out: dict = {"cpu": cpu, "dtype": args.dtype, "args": {k: v for k, v in vars(args).items() if k != "table"}}
     if "noreuse" in wanted:
-        unique = Workload(argparse.Namespace(**{**vars(args), "rounds": args.noreuse_rounds}), "longdoc",
+        unique = workload(argparse.Namespace(**{**vars(args), "rounds": args.noreuse_rounds}), "longdoc",
                           reuse=False, seed=1)
         nr = run_side_by_side(args, {"noreuse-off": base, "noreuse-host": host}, unique, args.noreuse_rounds)
         results.update(nr)
