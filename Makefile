@@ -36,7 +36,7 @@ test-fast: install-test
 	$(BIN)/python -m pytest -q -m "not server"
 
 bench: install
-	$(BIN)/python bench/offline_throughput.py
+	$(BIN)/python bench/throughput.py
 
 clean:
 	rm -rf $(VENV) *.egg-info

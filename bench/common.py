@@ -190,8 +190,10 @@ class Workload:
     def observe(self, rnd: int, state: dict, prompts: list[list[int]], done: list[RequestResult]) -> None:
         for d in done:
             out = d.output_ids if d.output_ids is not None else self.answers[rnd][d.index]
-            full = prompts[d.index] + (out if d.output_ids is not None else [])
-            state["seen"].update(self._chain(full[:len(full) - 1]))  # KV exists for all but the last token
+            # once a token was generated, KV exists for the whole prompt and every generated token but the
+            # last; over HTTP the generated ids are unknown, so only the prompt counts
+            kv = prompts[d.index] + out[:-1] if d.output_ids is not None else prompts[d.index]
+            state["seen"].update(self._chain(kv))
             if self.kind == "multiround":
                 state["history"][d.index] = prompts[d.index] + out
 

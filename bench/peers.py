@@ -29,7 +29,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import ROOT, embedded_gguf, export_embedded_hf
+from common import embedded_gguf, export_embedded_hf
 
 MARKER = "NANOSERVE_VLLM_RESULT "
 KINDS = ("nanoserve", "vllm", "llamacpp")
@@ -139,6 +139,12 @@ def kill_group(proc: subprocess.Popen) -> None:
             time.sleep(0.2)
 
 
+def nanoserve_tree() -> Path:
+    """The checkout whose nanoserve this process runs (PYTHONPATH=<tree> picks another one)."""
+    import nanoserve
+    return Path(nanoserve.__file__).resolve().parents[1]
+
+
 def nanoserve_cores(flags: list[str]) -> str:
     from nanoserve.engine.placement import plan_placement
     threads = int(flags[flags.index("--cpu-threads") + 1]) if "--cpu-threads" in flags else None
@@ -160,7 +166,7 @@ def start(spec: ServerSpec, cfg: PeerConfig, num_blocks: int | None = None) -> S
     if spec.kind == "nanoserve":
         cmd = [sys.executable, "-m", "nanoserve.server.cli", "--host", "127.0.0.1", "--port", str(port),
                "--dtype", cfg.dtype, "--kv-cache-gb", str(cfg.kv_cache_gb), "--log-level", "warning", *spec.flags]
-        tree = spec.tree or ROOT
+        tree = spec.tree or nanoserve_tree()
         return Server(spec.label, cmd, port, f"{nanoserve_cores(spec.flags)} ({tree})", {"PYTHONPATH": str(tree)})
     if spec.kind == "vllm":
         env, cores = vllm_env(cfg)

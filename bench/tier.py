@@ -77,6 +77,8 @@ class OfflineTarget:
         self.args = args
         self.eng = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, **cfg))
         self.params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+        import torch
+        self.cores = f"offline engine in this process, {torch.get_num_threads()} compute thread(s)"
         # others' decode steps, split by whether a host load was in flight: [steps, decode tokens, seconds]
         self.decode = {"loading": [0, 0, 0.0], "idle": [0, 0, 0.0]}
 
@@ -141,7 +143,7 @@ class ServerTarget:
         else:
             flags = cli_flags(cfg) + (["--model", args.model] if args.model else [])
             self.server = start(ServerSpec("nanoserve", "nanoserve", flags=flags), peer_config(args, args.dtype))
-        print(f"  {self.server.label}: {self.server.cores}", flush=True)
+        self.cores = self.server.cores
         import httpx
         self.model = httpx.get(self.server.base_url + "/models").json()["data"][0]["id"]
 
@@ -179,6 +181,8 @@ def run_side_by_side(args, configs: dict[str, dict], wl: Workload, rounds: int) 
     """All configs up at once, rounds interleaved (A0 B0 A1 B1 ...): machine drift hits them alike."""
     cls = OfflineTarget if args.target == "offline" else ServerTarget
     targets = {name: cls(args, cfg) for name, cfg in configs.items()}
+    for name, target in targets.items():
+        print(f"  {name}: {target.cores}", flush=True)
     rows: dict[str, list[dict]] = {name: [] for name in configs}
     states = {name: wl.new_state() for name in configs}
     last_lossy = {name: t.lossy() for name, t in targets.items()}
