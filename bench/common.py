@@ -110,16 +110,14 @@ def print_serving_metrics(s: dict, title: str) -> None:
         print(f"first error: {s['first_error']}")
 
 
-def comparison_table(medians: dict[str, dict[str, float]], runs: int) -> str:
-    """Markdown: each metric's median per side, and every other side over the first."""
-    names = list(medians)
-    head = f"| metric (median of {runs}) | " + " | ".join(names) + " | " + " | ".join(
-        f"{n} / {names[0]}" for n in names[1:]) + " |"
-    lines = [head, "|---" * (1 + 2 * len(names) - 1) + "|"]
-    for m in next(iter(medians.values())):
-        cells = [f"{medians[n][m]:.1f}" for n in names] + [f"{medians[n][m] / medians[names[0]][m]:.3f}x"
-                                                            for n in names[1:]]
-        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+def comparison_table(rows: dict[str, dict[str, float]], title: str) -> str:
+    """Markdown: per row {side: value}, each side's value and every other side's over the first's."""
+    names = list(next(iter(rows.values())))
+    head = [title, *names, *(f"{n} / {names[0]}" for n in names[1:])]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for label, v in rows.items():
+        cells = [f"{v[n]:.1f}" for n in names] + [f"{v[n] / v[names[0]]:.3f}x" for n in names[1:]]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -32,7 +32,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from common import ROOT, alternated, auto_dtype, cpu_name, run_in_tree, token_prompts, write_json
+from common import ROOT, alternated, auto_dtype, comparison_table, cpu_name, run_in_tree, token_prompts, write_json
 from peers import VllmOffline, add_peer_args, peer_config
 
 
@@ -68,9 +68,11 @@ class Breakdown:
         model, attn, acc = eng.model, eng.runner.attn, self.acc
         for layer in model.layers:
             for attr, label in [("qkv_lin", "linear qkv"), ("o_lin", "linear o"), ("gate_lin", "linear gate+up"),
-                                ("up_lin", "linear gate+up"), ("gate_up_lin", "linear gate+up"), ("down_lin", "linear down")]:
+                                ("up_lin", "linear gate+up"), ("gate_up_lin", "linear gate+up"),
+                                ("down_lin", "linear down")]:
                 if getattr(layer, attr, None) is not None:
-                    setattr(layer, attr, Timed(getattr(layer, attr), acc, {"__call__": label, "silu": label, "times": label}))
+                    labels = dict.fromkeys(("__call__", "silu", "times"), label)
+                    setattr(layer, attr, Timed(getattr(layer, attr), acc, labels))
         model.lm_head_lin = Timed(model.lm_head_lin, acc, {"__call__": "lm head"})
         if model.kernels is not None:
             model.kernels = Timed(model.kernels, acc, {"add_rms_norm": "add+rmsnorm", "rope_": "rope"})
@@ -84,7 +86,8 @@ class Breakdown:
         acc = self.acc
         parts = {k: v for k, v in acc.items() if not k.startswith("_")}
         inner = sum(v for k, v in parts.items() if k not in ("attention", "kv write"))
-        parts["attention backend: Python, copies"] = acc["_attn_forward"] - parts.get("attention", 0) - parts.get("kv write", 0)
+        parts["attention backend: Python, copies"] = (acc["_attn_forward"] - parts.get("attention", 0)
+                                                      - parts.get("kv write", 0))
         parts["model: other (embed, views, Python)"] = acc["_model"] - inner - acc["_attn_forward"]
         parts["runner: batch building"] = acc["_runner"] - acc["_model"]
         parts["engine: schedule, sample, output"] = total - acc["_runner"]
@@ -133,7 +136,8 @@ def measure(side, args, r: int) -> dict:
         best = sorted(runs, key=lambda x: x["elapsed_s"])[len(runs) // 2]
         out["ttft_ms"][str(n)] = best["elapsed_s"] * 1e3
         if "parts_s" in best:
-            out["parts_ms"][f"ttft {n}"] = {k: v * 1e3 for k, v in best["parts_s"].items()} | {"total": best["elapsed_s"] * 1e3}
+            out["parts_ms"][f"ttft {n}"] = ({k: v * 1e3 for k, v in best["parts_s"].items()}
+                                            | {"total": best["elapsed_s"] * 1e3})
     for b in args.batches:
         for c in args.contexts:
             key, seed = f"{b} x {c}", 5000 + 1000 * r + b + c
@@ -142,7 +146,8 @@ def measure(side, args, r: int) -> dict:
             out["decode_step_ms"][key] = (more["elapsed_s"] - one["elapsed_s"]) / args.decode_steps * 1e3
             out["prefill_ms"][key] = one["elapsed_s"] * 1e3
             if "parts_s" in one:
-                parts = {k: (more["parts_s"].get(k, 0) - v) / args.decode_steps * 1e3 for k, v in one["parts_s"].items()}
+                parts = {k: (more["parts_s"].get(k, 0) - v) / args.decode_steps * 1e3
+                         for k, v in one["parts_s"].items()}
                 out["parts_ms"][f"decode {key}"] = parts | {"total": out["decode_step_ms"][key]}
     return out
 
@@ -201,16 +206,12 @@ def main() -> int:
     print(f"\n{cpu_name()}; dtype {args.dtype}; medians of {args.runs}")
     for name, side in sides.items():
         print(f"  {name}: {side.cores}")
-    names = list(sides)
-    rows = [("cold TTFT", "ttft_ms", " tokens"), ("decode step", "decode_step_ms", ""),
-            ("prefill + first token", "prefill_ms", "")]
-    print("| measurement (ms) | " + " | ".join(names) + " | " + " | ".join(f"{n} / {names[0]}" for n in names[1:])
-          + " |\n" + "|---" * (2 * len(names)) + "|")
-    for title, what, unit in rows:
-        for k in med[names[0]][what]:
-            vals = [med[n][what][k] for n in names]
-            print(f"| {title}, {k}{unit} | " + " | ".join(f"{v:.1f}" for v in vals) + " | "
-                  + " | ".join(f"{v / vals[0]:.2f}x" for v in vals[1:]) + " |")
+    rows = {f"{title}, {k}{unit}": {n: med[n][what][k] for n in sides}
+            for title, what, unit in (("cold TTFT", "ttft_ms", " tokens"), ("decode step", "decode_step_ms", ""),
+                                      ("prefill + first token", "prefill_ms", ""))
+            for k in med["nanoserve"][what]}
+    if rows:
+        print(comparison_table(rows, "measurement (ms)"))
     parts = {}
     if args.breakdown and runs["nanoserve"][0]["parts_ms"]:
         rs = runs["nanoserve"]
@@ -220,10 +221,11 @@ def main() -> int:
         print("\nnanoserve, where the time goes (ms, share of the total), medians\n| part | " + " | ".join(cases)
               + " |\n" + "|---" * (1 + len(cases)) + "|")
         for k in sorted(parts[cases[0]], key=lambda k: (k == "total", -parts[cases[0]][k])):
-            print(f"| {k} | " + " | ".join(f"{parts[c].get(k, 0):.1f} ({100 * parts[c].get(k, 0) / parts[c]['total']:.0f}%)"
-                                          for c in cases) + " |")
+            print(f"| {k} | " + " | ".join(
+                f"{parts[c].get(k, 0):.1f} ({100 * parts[c].get(k, 0) / parts[c]['total']:.0f}%)" for c in cases) + " |")
     write_json(args.json, {"cpu": cpu_name(), "dtype": args.dtype, "args": vars(args),
-                           "cores": {k: s.cores for k, s in sides.items()}, "runs": runs, "medians": med, "parts_ms": parts})
+                           "cores": {k: s.cores for k, s in sides.items()}, "runs": runs, "medians": med,
+                           "parts_ms": parts})
     return 0
 
 

@@ -190,9 +190,9 @@ class VllmOffline:
 
     def __init__(self, cfg: PeerConfig) -> None:
         env, self.cores = vllm_env(cfg)
-        self.proc = subprocess.Popen([cfg.vllm_python, os.path.abspath(__file__), "--vllm-worker", export_embedded_hf(),
-                                      cfg.dtype], env={**os.environ, **env}, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     start_new_session=True)
+        cmd = [cfg.vllm_python, os.path.abspath(__file__), "--vllm-worker", export_embedded_hf(), cfg.dtype]
+        self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, start_new_session=True)
         self.startup = self._result()
 
     def _result(self) -> dict:
@@ -235,7 +235,8 @@ def _vllm_worker(hf_dir: str, dtype: str) -> None:
         t0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": ids} for ids in job["prompts"]], params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
-        print(MARKER + json.dumps({"elapsed_s": elapsed, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+        print(MARKER + json.dumps({"elapsed_s": elapsed,
+                                   "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
                                    "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs)}), flush=True)
 
 
@@ -250,7 +251,8 @@ def main() -> int:
     args = ap.parse_args()
     spec = ServerSpec.parse(args.check)
     server = start(spec, peer_config(args, args.dtype))
-    print(f"{spec.label} up at {server.base_url}, process group {server.proc.pid}; {server.cores}; log {server.log.name}")
+    print(f"{spec.label} up at {server.base_url}, process group {server.proc.pid}; {server.cores}; "
+          f"log {server.log.name}")
     server.stop()
     print("stopped")
     return 0

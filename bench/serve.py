@@ -64,11 +64,13 @@ async def stream_completion(client: httpx.AsyncClient, url: str, model: str, pro
                         res.itl.append(now - last)
                     last = now
                 if usage := chunk.get("usage"):
-                    res.prompt_tokens, res.output_tokens = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
+                    res.prompt_tokens = usage.get("prompt_tokens", 0)
+                    res.output_tokens = usage.get("completion_tokens", 0)
                     det = usage.get("prompt_tokens_details") or {}
                     # nanoserve splits its cached tokens by tier; vLLM reports only cached_tokens
                     res.host_cached = det.get("host_cached_tokens", 0) or 0
-                    res.device_cached = det.get("device_cached_tokens", (det.get("cached_tokens") or 0) - res.host_cached)
+                    res.device_cached = det.get("device_cached_tokens",
+                                                (det.get("cached_tokens") or 0) - res.host_cached)
         res.e2el = last - start
         res.ok = res.ttft > 0
         res.error = "" if res.ok else "no token received"
@@ -178,11 +180,13 @@ def compare(args, specs: list[ServerSpec]) -> dict:
             srv.stop()
     out = {"cpu": cpu_name(), "dtype": dtype, "cores": cores, "args": vars(args), "by_concurrency": {}}
     for c in concs:
-        med = {label: {m: statistics.median(f(s) for s in raw[c][label]) for m, f in HEADLINE.items()} for label in labels}
+        med = {label: {m: statistics.median(f(s) for s in raw[c][label]) for m, f in HEADLINE.items()}
+               for label in labels}
         print(f"\n{args.workload}, concurrency {c}; {cpu_name()}; dtype {dtype}")
         for s in specs:
             print(f"  {s.label} ({s.kind}): {cores[s.label]}")
-        print(comparison_table(med, args.runs))
+        print(comparison_table({m: {label: med[label][m] for label in labels} for m in HEADLINE},
+                               f"metric (median of {args.runs})"))
         out["by_concurrency"][c] = {"medians": med, "raw": raw[c]}
     return out
 

@@ -33,8 +33,8 @@ class Nanoserve:
         import torch
 
         from nanoserve import LLM, SamplingParams
-        kw = {k: v for k, v in (("block_size", args.block_size), ("max_num_batched_tokens", args.max_num_batched_tokens),
-                                ("tensor_parallel_size", args.tensor_parallel_size)) if v}  # else the engine's default
+        kw = {k: getattr(args, k) for k in ("block_size", "max_num_batched_tokens", "tensor_parallel_size")
+              if getattr(args, k)}  # else the engine's default
         self.llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False, max_num_seqs=args.max_num_seqs,
                        kv_cache_gb=args.kv_cache_gb, **kw)
         self.SamplingParams = SamplingParams
@@ -47,7 +47,8 @@ class Nanoserve:
         outs = self.llm.generate(prompts, params)
         elapsed = time.perf_counter() - t0
         assert all(len(o.outputs[0].token_ids) == output_len for o in outs)
-        return {"elapsed_s": elapsed, "output_tokens": len(prompts) * output_len, "prompt_tokens": sum(map(len, prompts))}
+        return {"elapsed_s": elapsed, "output_tokens": len(prompts) * output_len,
+                "prompt_tokens": sum(map(len, prompts))}
 
 
 class OtherTree:
@@ -66,7 +67,8 @@ class OtherTree:
 def summarize(runs: list[dict]) -> dict:
     el = statistics.median(r["elapsed_s"] for r in runs)
     out, total = runs[0]["output_tokens"], runs[0]["output_tokens"] + runs[0]["prompt_tokens"]
-    return {"elapsed_s": el, "output_tok_s": out / el, "total_tok_s": total / el, "runs_s": [r["elapsed_s"] for r in runs]}
+    return {"elapsed_s": el, "output_tok_s": out / el, "total_tok_s": total / el,
+            "runs_s": [r["elapsed_s"] for r in runs]}
 
 
 def main() -> int:
@@ -112,7 +114,8 @@ def main() -> int:
         if "vllm" in sides:
             sides["vllm"].close()
     result = {"cpu": cpu_name(), "dtype": args.dtype, "workload": vars(args),
-              "cores": {k: s.cores for k, s in sides.items()}, **{k: dict(summarize(v), runs=v) for k, v in runs.items()}}
+              "cores": {k: s.cores for k, s in sides.items()},
+              **{k: dict(summarize(v), runs=v) for k, v in runs.items()}}
     for name in sides:
         s = result[name]
         print(f"{name:9s}: {s['output_tok_s']:.1f} output tok/s, {s['total_tok_s']:.1f} total tok/s "
@@ -121,7 +124,8 @@ def main() -> int:
         result[f"ratio_output_tok_s_nanoserve_over_{other}"] = ratio = (
             result["nanoserve"]["output_tok_s"] / result[other]["output_tok_s"])
         per_run = [o["elapsed_s"] / n["elapsed_s"] for n, o in zip(runs["nanoserve"], runs[other])]
-        print(f"ratio nanoserve / {other} (median / median): {ratio:.3f}x; per run {', '.join(f'{x:.2f}' for x in per_run)}")
+        print(f"ratio nanoserve / {other} (median / median): {ratio:.3f}x; "
+              f"per run {', '.join(f'{x:.2f}' for x in per_run)}")
     write_json(args.json, result)
     print(json.dumps(result, default=str))
     return 0

@@ -53,7 +53,8 @@ def summarize(name: str, rnd: int, done: list[RequestResult], elapsed: float, re
     prompt = sum(d.prompt_tokens for d in done)
     cached = sum(d.device_cached + d.host_cached for d in done)
     row = {"config": name, "round": rnd, "ttft_mean_ms": ttft["mean"], "ttft_p50_ms": ttft["median"],
-           "ttft_p90_ms": ttft["p90"], "ttft_ms": sorted(d.ttft * 1e3 for d in done), "time_s": elapsed, "prompt_tok_s": prompt / elapsed,
+           "ttft_p90_ms": ttft["p90"], "ttft_ms": sorted(d.ttft * 1e3 for d in done), "time_s": elapsed,
+           "prompt_tok_s": prompt / elapsed,
            "output_tok_s": sum(d.output_tokens for d in done) / elapsed,
            "device_hit": sum(d.device_cached for d in done) / prompt,
            "host_hit": sum(d.host_cached for d in done) / prompt,
@@ -139,7 +140,8 @@ class ServerTarget:
     def __init__(self, args, cfg: dict) -> None:
         self.args = args
         if "vllm_blocks" in cfg:
-            self.server = start(ServerSpec("vllm", "vllm"), peer_config(args, args.dtype), num_blocks=cfg["vllm_blocks"])
+            self.server = start(ServerSpec("vllm", "vllm"), peer_config(args, args.dtype),
+                                num_blocks=cfg["vllm_blocks"])
         else:
             flags = cli_flags(cfg) + (["--model", args.model] if args.model else [])
             self.server = start(ServerSpec("nanoserve", "nanoserve", flags=flags), peer_config(args, args.dtype))
@@ -326,10 +328,8 @@ def run_one(args, wanted: list[str], cpu: str) -> None:
         if out["summary"].get(other) and out["summary"].get("host"):
             print(f"  TTFT mean host / {other}: "
                   f"{out['summary']['host']['ttft_mean_ms'] / out['summary'][other]['ttft_mean_ms']:.2f}x")
-    path = args.json or (f"bench/results/tier_{args.workload}_c{args.concurrency}_{args.tag}.json" if args.tag else None)
-    if path:
-        Path(path).write_text(json.dumps(out, indent=1))
-        print(f"wrote {path}")
+    write_json(args.json or (args.tag and f"bench/results/tier_{args.workload}_c{args.concurrency}_{args.tag}.json"),
+               out)
 
 
 if __name__ == "__main__":
