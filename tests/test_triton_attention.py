@@ -57,14 +57,16 @@ def test_triton_padded_decode_matches_torch_backend(case, extra):
         torch.testing.assert_close(got, want, **TOL[torch.float32])
 
 
-def _decode_vs_reference(ctx_lens: list[int], *, chunk: int, kv_heads: int = 2, group: int = 2,
-                         pad_to: int | None = None, max_blocks: int | None = None) -> TritonAttention:
-    """One pure-decode step (each row's last token new) through the Triton backend at `chunk` keys
-    per program, every row against fp32 softmax(q K^T) V over its keys gathered from the cache."""
-    d, seed = 32, sum(ctx_lens)
+def _step_vs_reference(seqs: list[tuple[int, int]], *, chunk: int, kv_heads: int = 2, group: int = 2,
+                       pad_to: int | None = None, max_blocks: int | None = None) -> TritonAttention:
+    """One step of (cached tokens, new tokens) sequences (pure decode when every row has one new
+    token) through the Triton backend at `chunk` keys per program; every query against fp32
+    causal softmax(q K^T) V over its keys gathered from the cache as it was, plus the new K/V."""
+    d, seed = 32, sum(done + new for done, new in seqs)
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    need = [-(-c // BS) for c in ctx_lens]
+    ctx = [done + new for done, new in seqs]
+    need = [-(-c // BS) for c in ctx]
     scratch = sum(need)
     ids = list(range(scratch))
     rng.shuffle(ids)
@@ -72,23 +74,29 @@ def _decode_vs_reference(ctx_lens: list[int], *, chunk: int, kv_heads: int = 2, 
     tables = [[next(it) for _ in range(k)] for k in need]
     cache = torch.randn(scratch + 1, 1, 2, BS, kv_heads, d)
     before = cache.clone()
-    rows = pad_to or len(ctx_lens)
-    slots = [(t[(c - 1) // BS], (c - 1) % BS) for t, c in zip(tables, ctx_lens)]
-    slots += [(scratch, 0)] * (rows - len(slots))
-    batch = AttentionBatch([1] * len(ctx_lens), list(ctx_lens), tables, len(ctx_lens),
+    slots = [(t[p // BS], p % BS) for (done, new), t in zip(seqs, tables) for p in range(done, done + new)]
+    tokens = pad_to or len(slots)
+    slots += [(scratch, 0)] * (tokens - len(slots))
+    decode = all(new == 1 for _, new in seqs)
+    batch = AttentionBatch([new for _, new in seqs], ctx, tables, len(seqs) if decode else 0,
                            torch.tensor([b for b, _ in slots]), torch.tensor([o for _, o in slots]))
-    attn = TritonAttention(cache, kv_heads * group, d ** -0.5, max_seqs=rows, max_blocks_per_seq=max_blocks or max(need),
-                           scratch_block=scratch, decode_chunk=chunk)
+    attn = TritonAttention(cache, kv_heads * group, d ** -0.5, max_seqs=max(tokens, len(seqs)),
+                           max_blocks_per_seq=max_blocks or max(need), scratch_block=scratch, decode_chunk=chunk)
     attn.prepare(batch, pad_to=pad_to)
-    q, k, v = torch.randn(rows, kv_heads * group, d), torch.randn(rows, kv_heads, d), torch.randn(rows, kv_heads, d)
+    q = torch.randn(tokens, kv_heads * group, d)
+    k, v = torch.randn(tokens, kv_heads, d), torch.randn(tokens, kv_heads, d)
     got = attn.forward(q, k, v, 0)
-    for i, (table, c) in enumerate(zip(tables, ctx_lens)):
-        pos = torch.arange(c)
-        kv = before[torch.tensor(table)[pos // BS], 0, :, pos % BS]  # [c, 2, kv_heads, d]
-        kv[-1, 0], kv[-1, 1] = k[i], v[i]                              # this step's token
-        keys, vals = (kv[:, j].repeat_interleave(group, dim=1) for j in (0, 1))  # [c, heads, d]
-        p = (torch.einsum("hd,chd->hc", q[i], keys) * d ** -0.5).softmax(-1)
-        torch.testing.assert_close(got[i], torch.einsum("hc,chd->hd", p, vals), atol=2e-5, rtol=2e-5)
+    row = 0
+    for (done, new), table in zip(seqs, tables):
+        pos = torch.arange(done + new)
+        kv = before[torch.tensor(table)[pos // BS], 0, :, pos % BS]  # [ctx, 2, kv_heads, d]
+        kv[done:, 0], kv[done:, 1] = k[row:row + new], v[row:row + new]  # this step's tokens
+        keys, vals = (kv[:, j].repeat_interleave(group, dim=1) for j in (0, 1))  # [ctx, heads, d]
+        s = torch.einsum("qhd,chd->qhc", q[row:row + new], keys) * d ** -0.5
+        s = s.masked_fill(pos[None, None, :] > done + torch.arange(new)[:, None, None], float("-inf"))
+        want = torch.einsum("qhc,chd->qhd", s.softmax(-1), vals)
+        torch.testing.assert_close(got[row:row + new], want, atol=2e-5, rtol=2e-5)
+        row += new
     return attn
 
 
@@ -99,7 +107,7 @@ def _decode_vs_reference(ctx_lens: list[int], *, chunk: int, kv_heads: int = 2, 
     ([100], 1, 1),                      # ...and shorter than fill * chunk: spread over fill programs
 ])
 def test_decode_chunks_by_context_length(ctx_lens, kv_heads, group):
-    attn = _decode_vs_reference(ctx_lens, chunk=64, kv_heads=kv_heads, group=group)
+    attn = _step_vs_reference([(c - 1, 1) for c in ctx_lens], chunk=64, kv_heads=kv_heads, group=group)
     fill, chunks = attn._decode_chunks(len(ctx_lens), kv_heads, max(ctx_lens))
     assert chunks == max(fill, -(-max(ctx_lens) // 64))  # the grid covers the longest row's chunks
     with pytest.raises(ValueError, match="multiple of the key tile"):
@@ -110,9 +118,23 @@ def test_decode_chunks_by_context_length(ctx_lens, kv_heads, group):
 def test_decode_graph_grid_with_short_rows():
     """The padded (graph) step: the grid comes from the full table width (40 blocks = 640 keys,
     10 chunks of 64), the rows are far shorter: most programs find nothing to do and exit."""
-    attn = _decode_vs_reference([1, 17, 70], chunk=64, pad_to=4, max_blocks=40)
+    attn = _step_vs_reference([(0, 1), (16, 1), (69, 1)], chunk=64, pad_to=4, max_blocks=40)
     assert attn.block_table.shape == (4, 40)
     assert attn._decode_chunks(4, 2, 40 * BS) == (1, 10)
+
+
+@pytest.mark.parametrize("seqs, group", [
+    ([(290, 3)], 3),                     # a short suffix over a long cached prefix: keys in chunks
+    ([(300, 1), (250, 40), (0, 7)], 1),  # with a decode row, a chunk continuation and a fresh prefill
+    ([(127, 1), (64, 64), (0, 1)], 1),   # at the chunk edges, one-token rows
+    ([(10, 40)], 1),                     # a query tile reaching into a chunk its first rows cannot see
+])
+def test_prefill_key_chunks(seqs, group):
+    """Few query tiles (one KV head; 4 'SMs' under the interpreter): the keys are split too."""
+    attn = _step_vs_reference(seqs, chunk=32, kv_heads=1, group=group)
+    chunks, per = attn._prefill_chunks(attn.num_heads, [new for _, new in seqs])
+    longest = max(done + new for done, new in seqs)
+    assert chunks > 1 and chunks * per >= longest and per % attn.block_n == 0
 
 
 def test_triton_choice(monkeypatch):

@@ -5,7 +5,9 @@ int32 block tables, cu_seqlens, cache_seqlens in persistent staged buffers), thr
 - `_store_kv`: each new token's K and V into its (block, offset) slot;
 - `_prefill`: varlen causal attention of each sequence's query chunk over its paged context
   (bottom-right aligned: query i of a chunk of n sees keys 0..ctx-n+i), any mix of fresh
-  prefills, chunk continuations, prefix hits and decodes;
+  prefills, chunk continuations, prefix hits and decodes; when the query tiles are too few
+  programs to fill the GPU (a short suffix over a long cached prefix), the keys are split into
+  chunks too, merged as below;
 - `_decode` + `_combine`: pure-decode steps, split-KV: each program takes one chunk of a row's
   keys (at most `decode_chunk`, fewer when a small batch needs more programs to fill the GPU),
   a partial softmax per chunk, then a log-sum-exp merge; so one long row becomes many programs
@@ -61,18 +63,23 @@ def _tile(qv, m_i, l_i, acc, k_cache, v_cache, table_row, pos, valid, visible, d
     kt = tl.load(k_cache + base[:, None] + d[None, :], mask=kvmask, other=0.0)
     s = tl.where(visible, _dot(qv, tl.trans(kt), IEEE) * scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(s - m_new[:, None])
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet: no NaN
+    alpha = tl.exp(m_i - m_ref)
+    p = tl.exp(s - m_ref[:, None])
     vt = tl.load(v_cache + base[:, None] + d[None, :], mask=kvmask, other=0.0)
     return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, IEEE)
 
 
 @triton.jit
-def _prefill(q, k_cache, v_cache, out, tables, cu_q, cu_k, scale, sq_t, sq_h, so_t, so_h, sc_b, sc_t, sc_h, st_b,
-             G, D, BS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_P: tl.constexpr, IEEE: tl.constexpr):
+def _prefill(q, k_cache, v_cache, out, part_acc, part_ml, tables, cu_q, cu_k, scale, sq_t, sq_h, so_t, so_h,
+             sc_b, sc_t, sc_h, st_b, H, G, D, BS, CHUNKS, KCHUNK, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             D_P: tl.constexpr, IEEE: tl.constexpr):
+    """CHUNKS == 1: the tile's output. Else this program takes keys [sp * KCHUNK, +KCHUNK) and
+    writes partials for `_combine` (a query that sees none of them: max -inf)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
-    mt = tl.program_id(2)
+    mt = tl.program_id(2) // CHUNKS
+    sp = tl.program_id(2) % CHUNKS
     q0 = tl.load(cu_q + b)
     qlen = tl.load(cu_q + b + 1) - q0
     ctx = tl.load(cu_k + b + 1) - tl.load(cu_k + b)
@@ -88,15 +95,22 @@ def _prefill(q, k_cache, v_cache, out, tables, cu_q, cu_k, scale, sq_t, sq_h, so
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_P], tl.float32)
-    hi = tl.minimum(ctx, ctx - qlen + (mt + 1) * BLOCK_M)  # keys past the tile's last query: unseen
-    for n0 in range(0, hi, BLOCK_N):
+    lo = sp * KCHUNK
+    hi = tl.minimum(tl.minimum(ctx, ctx - qlen + (mt + 1) * BLOCK_M), lo + KCHUNK)  # past the last query: unseen
+    for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < hi
         m_i, l_i, acc = _tile(qv, m_i, l_i, acc, k_cache, v_cache, tables + b * st_b, pos, valid,
                               valid[None, :] & (pos[None, :] <= qpos[:, None]), d, D, BS, sc_b, sc_t,
                               kvh * sc_h, scale, IEEE)
-    o = acc / l_i[:, None]
-    tl.store(out + rows[:, None] * so_t + h * so_h + d[None, :], o.to(out.dtype.element_ty), mask=qmask)
+    if CHUNKS == 1:
+        o = acc / l_i[:, None]
+        tl.store(out + rows[:, None] * so_t + h * so_h + d[None, :], o.to(out.dtype.element_ty), mask=qmask)
+    else:
+        at = (rows * H + h) * CHUNKS + sp
+        tl.store(part_acc + at[:, None] * D_P + d[None, :], acc, mask=qmask)
+        tl.store(part_ml + at * 2, m_i, mask=i < qlen)
+        tl.store(part_ml + at * 2 + 1, l_i, mask=i < qlen)
 
 
 @triton.jit
@@ -143,13 +157,17 @@ def _decode(q, k_cache, v_cache, part_acc, part_ml, tables, lens, scale, sq_t, s
 
 @triton.jit
 def _combine(part_acc, part_ml, out, lens, so_t, so_h, H, D, FILL, CHUNKS, CHUNK: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, D_P: tl.constexpr):
-    """Log-sum-exp merge of one (row, head)'s chunk partials, BLOCK_C chunks at a time, reading
-    only the chunks `_decode` wrote for this row."""
+             BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, D_P: tl.constexpr, DECODE: tl.constexpr):
+    """Log-sum-exp merge of one (row, head)'s chunk partials, BLOCK_C chunks at a time. DECODE:
+    only the chunks `_decode` wrote for this row; prefill: all (a chunk the query saw nothing of
+    has max -inf, sum 0: weight 0)."""
     row = tl.program_id(0)
     h = tl.program_id(1)
-    ctx = tl.load(lens + row)
-    used = tl.cdiv(ctx, _chunk_len(ctx, FILL, CHUNK, BLOCK_N))
+    if DECODE:
+        ctx = tl.load(lens + row)
+        used = tl.cdiv(ctx, _chunk_len(ctx, FILL, CHUNK, BLOCK_N))
+    else:
+        used = CHUNKS
     d = tl.arange(0, D_P)
     base = (row * H + h).to(tl.int64) * CHUNKS
     m_run = tl.full([1], float("-inf"), tl.float32)
@@ -219,6 +237,19 @@ class TritonAttention(FlashAttention):
         fill = min(32, -(-2 * self.sms // (rows * kv_heads)))
         return fill, max(fill, -(-max_keys // self.decode_chunk))
 
+    def _prefill_chunks(self, heads: int, query_lens: list[int]) -> tuple[int, int]:
+        """-> (chunks, keys per chunk) for a step with prefill: key chunks only when the query tiles
+        (times heads) are too few for about two waves on the GPU, e.g. a short suffix over a long
+        cached prefix, and no more chunks than the longest context has decode_chunk-key pieces; so
+        the partials stay small (chunks * programs stays near two waves). From host lists: prefill
+        steps are not graph-captured. H200 arithmetic (not measured): one 16-token suffix over a
+        32768-token prefix, 32 heads: 9 chunks of 3648 keys, 288 programs instead of 32.
+        Not done: a long-context row among many tiles still walks all its keys in its programs."""
+        programs = heads * sum(-(-n // self.block_m) for n in query_lens)
+        chunks = max(1, min(-(-2 * self.sms // programs), -(-self.max_seqlen_k // self.decode_chunk)))
+        per = -(-self.max_seqlen_k // chunks)
+        return chunks, -(-per // self.block_n) * self.block_n
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         k_cache, v_cache = self.kv_cache[:, layer, 0], self.kv_cache[:, layer, 1]  # [N, bs, kh, D] views
         b = self.batch
@@ -242,12 +273,21 @@ class TritonAttention(FlashAttention):
                                         CHUNK=self.decode_chunk, G_P=_p2(g, 16), D_P=d_p, BLOCK_N=self.block_n,
                                         IEEE=self.ieee)
             _combine[(rows, h)](part_acc, part_ml, out, self.cache_seqlens, out.stride(0), out.stride(1), h, d,
-                                fill, chunks, CHUNK=self.decode_chunk, BLOCK_N=self.block_n, BLOCK_C=16, D_P=d_p)
+                                fill, chunks, CHUNK=self.decode_chunk, BLOCK_N=self.block_n, BLOCK_C=16, D_P=d_p,
+                                DECODE=True)
             return out
-        n = len(b.query_lens)
-        grid = (n, h, triton.cdiv(self.max_seqlen_q, self.block_m))
-        _prefill[grid](q, k_cache, v_cache, out, table, self.cu_seqlens_q, self.cu_seqlens_k, self.scale,
-                       q.stride(0), q.stride(1), out.stride(0), out.stride(1), sc[0], sc[1], sc[2],
-                       table.stride(0), g, d, self.block_size, BLOCK_M=self.block_m, BLOCK_N=self.block_n,
-                       D_P=_p2(d, 16), IEEE=self.ieee)
+        n, d_p = len(b.query_lens), _p2(d, 16)
+        chunks, kchunk = self._prefill_chunks(h, b.query_lens)
+        # one chunk: the kernel writes `out` itself, the partials' pointers go unused
+        part_acc = torch.empty(t, h, chunks, d_p, dtype=torch.float32, device=q.device) if chunks > 1 else out
+        part_ml = torch.empty(t, h, chunks, 2, dtype=torch.float32, device=q.device) if chunks > 1 else out
+        grid = (n, h, triton.cdiv(self.max_seqlen_q, self.block_m) * chunks)
+        _prefill[grid](q, k_cache, v_cache, out, part_acc, part_ml, table, self.cu_seqlens_q, self.cu_seqlens_k,
+                       self.scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1), sc[0], sc[1], sc[2],
+                       table.stride(0), h, g, d, self.block_size, chunks, kchunk, BLOCK_M=self.block_m,
+                       BLOCK_N=self.block_n, D_P=d_p, IEEE=self.ieee)
+        if chunks > 1:
+            _combine[(t, h)](part_acc, part_ml, out, self.cu_seqlens_k, out.stride(0), out.stride(1), h, d, 1,
+                             chunks, CHUNK=self.decode_chunk, BLOCK_N=self.block_n, BLOCK_C=16, D_P=d_p,
+                             DECODE=False)
         return out
