@@ -21,7 +21,7 @@ from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence
 from tests.conftest import hf_greedy
 from tests.test_host_tier import GatedCopy
-from bench.gpu_tier_check import forget_device_cache
+from bench.gpu_check import forget_device_cache
 from tests.test_transfer import ADD, FakeEngine, ManualCopier, run_ops
 
 

@@ -19,12 +19,12 @@ from nanoserve.kvcache.manager import KVCacheManager, LoadState
 from nanoserve.kvcache.transfer import Copier, ThreadCopier, Transfer
 from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence, SeqStatus
-from bench.gpu_tier_check import check_round_trip, forget_device_cache
+from bench.gpu_check import check_round_trip, forget_device_cache
 from tests.conftest import hf_greedy, make_tiny_model
 from tests.test_host_tier import GatedCopy
 
 
-# ---- exact round trip (the same check bench/gpu_tier_check.py runs on CUDA) ----------------------
+# ---- exact round trip (the same check bench/gpu_check.py runs on CUDA) ---------------------------
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
