@@ -62,7 +62,7 @@ class FakeEvent:
 
 def _fenced_llm(monkeypatch, tiny, stream: FakeStream, **kw) -> LLM:
     real = staging_mod.Staging
-    monkeypatch.setattr("nanoserve.runner.Staging", lambda device: real(device, FakeEvent(stream), stream.copy))
+    monkeypatch.setattr("nanoserve.runner.model_runner.Staging", lambda device: real(device, FakeEvent(stream), stream.copy))
     return LLM(str(tiny), dtype="float32", attention_backend="flash", flash_attn_module=REF, num_kv_blocks=8,
                max_num_batched_tokens=64, max_num_seqs=4, **kw)
 

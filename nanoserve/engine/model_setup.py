@@ -16,7 +16,8 @@ from nanoserve.layers import cpu_kernels
 from nanoserve.layers.backend_choice import resolve_attention
 from nanoserve.models.llama import LlamaModel
 from nanoserve.models.loader import ModelSource, iter_weights
-from nanoserve.runner import KVLayout, ModelRunner, RunnerOptions, profile_memory
+from nanoserve.runner.memory_profile import profile_memory
+from nanoserve.runner.model_runner import KVLayout, ModelRunner, RunnerOptions
 
 log = logging.getLogger("nanoserve")
 GiB = 1 << 30
@@ -60,7 +61,7 @@ def _num_device_blocks(config: EngineConfig, model: LlamaModel, layout: KVLayout
     if config.kv_cache_gb is not None:
         budget = config.kv_cache_gb * GiB / ranks
     elif device.type == "cuda":
-        # the largest step's activations and the decode graphs, measured (runner.profile_memory)
+        # the largest step's activations and the decode graphs, measured (runner/memory_profile.py)
         prof = profile_memory(model, layout, device, opts)
         opts.cuda_graphs = opts.cuda_graphs and prof.graphs_ok  # the real runner would fail the same way
         free, total = torch.cuda.mem_get_info(device)

@@ -28,7 +28,7 @@ from nanoserve.distributed.channel import MessageChannel
 from nanoserve.distributed.parallel import ParallelFault, Rendezvous, TensorParallel, leave
 from nanoserve.distributed.shm import ShmChannel
 from nanoserve.kvcache.transfer import Copier, Transfer
-from nanoserve.runner import StepPlan
+from nanoserve.runner.step_plan import StepPlan
 
 log = logging.getLogger("nanoserve")
 
