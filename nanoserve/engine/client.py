@@ -1,5 +1,6 @@
 """EngineClient: the API side's one handle on the engine core (core.py), in its own process (`ipc://`,
-the default) or in a thread of this process (`inproc://`): same messages, same output processing.
+the default) or in a thread of this process (`inproc://`; starting, sockets and stopping: core_handle.py):
+same messages, same output processing.
 
 A receiver thread takes the core's batches, turns token ids into text and stop strings
 (output_processor.py), observes latency metrics, and fans outputs out to per-request asyncio queues
@@ -9,15 +10,9 @@ EngineError, `alive` turns False (/health 503) and `on_dead` is called (the CLI 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
-import json
 import logging
-import os
-import shutil
 import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -25,21 +20,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import zmq
-
 from nanoserve.config import EngineConfig
+from nanoserve.engine.core_handle import CoreHandle
 from nanoserve.engine.output_processor import OutputProcessor
-from nanoserve.engine.placement import CpuPlacement, apply_engine_placement
-from nanoserve.engine.protocol import (Abort, Add, Batch, EngineDead, EngineError, EngineSnapshot,
-                                       EngineStartError, FailAll, Finish, MetricsObserver, ModelInfo,
-                                       PromptRequest, Ready, SnapshotAsk, Stop, decode_from_engine, encode,
-                                       make_prompt_request)
+from nanoserve.engine.placement import CpuPlacement
+from nanoserve.engine.protocol import (Abort, Add, Batch, EngineDead, EngineError, EngineSnapshot, FailAll, Finish,
+                                       MetricsObserver, ModelInfo, PromptRequest, SnapshotAsk, Stop,
+                                       decode_from_engine, make_prompt_request)
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import SamplingParams
 
 log = logging.getLogger("nanoserve.client")
-
-POLL_MS = 100  # how quickly a dead engine core is noticed
 
 
 class Frontend:
@@ -79,17 +70,11 @@ class EngineClient:
         `make_engine`: "module:function" building the LLMEngine from the config (fault tests wrap it)."""
         self.config = config
         self.observer = observer or MetricsObserver()
-        self.placement = placement or CpuPlacement()
-        self.log_level = log_level
         self.on_dead = on_dead
-        self.in_process = in_process
-        self.make_engine = make_engine
         self.frontend: Frontend | None = None
-        self.proc: subprocess.Popen | None = None
         self.exit_reason: str | None = None         # set when the engine core died unasked
-        self._core_thread: threading.Thread | None = None
-        self._core_exit = 1                           # in-process core: its return code once it ended
         self._lock = threading.Lock()               # guards the input socket and the fields below
+        self.core = CoreHandle(config, placement or CpuPlacement(), log_level, in_process, make_engine, self._lock)
         self._streams: dict[str, _Stream] = {}
         self._snap_waiters: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._tokens = itertools.count()
@@ -98,7 +83,6 @@ class EngineClient:
         self._snapshot = EngineSnapshot()
         self._stopping = False
         self._dead = False
-        self._closed = False                        # sockets closed, core ended
         self._thread: threading.Thread | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -107,25 +91,10 @@ class EngineClient:
         metadata; the tokenizer is then read here). Raises EngineStartError. With a process, call it
         from a thread that lives as long as the engine should: the process is killed when that
         thread exits (PR_SET_PDEATHSIG follows the thread that started it)."""
-        if self._started():
+        if self.core.started:
             return
-        self._ctx = zmq.Context()
-        self._in, self._out = self._ctx.socket(zmq.PUSH), self._ctx.socket(zmq.PULL)
-        for s in (self._in, self._out):
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.SNDHWM, 0)
-            s.setsockopt(zmq.RCVHWM, 0)
-        if self.in_process:
-            self._dir = None
-            addrs = (f"inproc://engine-input-{id(self)}", f"inproc://engine-output-{id(self)}")
-        else:
-            self._dir = tempfile.mkdtemp(prefix="nanoserve-ipc-")
-            addrs = (f"ipc://{self._dir}/input", f"ipc://{self._dir}/output")
-        self._in.bind(addrs[0])
-        self._out.bind(addrs[1])
-        self._start_core(*addrs)
+        info = self.core.start()
         try:
-            info = self._handshake()
             from nanoserve.models.loader import ModelSource, load_tokenizer
             tok = load_tokenizer(ModelSource(info.model_name, Path(info.source_path)), self.config.tokenizer)
         except BaseException:
@@ -135,84 +104,40 @@ class EngineClient:
         self._thread = threading.Thread(target=self._receive, name="nanoserve-engine-client", daemon=True)
         self._thread.start()
 
-    def _started(self) -> bool:
-        return self.proc is not None or self._core_thread is not None
-
-    def _start_core(self, input_addr: str, output_addr: str) -> None:
-        if self.in_process:
-            from nanoserve.engine.core import serve
-            apply_engine_placement(self.placement)
-
-            def run() -> None:  # an exception leaves _core_exit at 1
-                self._core_exit = serve(self.config, self._ctx, input_addr, output_addr, None, self.make_engine)
-
-            self._core_thread = threading.Thread(target=run, name="nanoserve-engine-core", daemon=True)
-            self._core_thread.start()
-            log.info("engine core started in a thread of this process")
-            return
-        spec = {"config": dataclasses.asdict(self.config), "input": input_addr, "output": output_addr,
-                "parent_pid": os.getpid(), "log_level": self.log_level, "make_engine": self.make_engine,
-                "placement": dataclasses.asdict(self.placement)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "nanoserve.engine.core", json.dumps(spec)])
-        log.info("engine process started (pid %d)", self.proc.pid)
-
-    def _core_exit_code(self) -> int | None:
-        if self.proc is not None:
-            return self.proc.poll()
-        return None if self._core_thread.is_alive() else self._core_exit
-
-    def _handshake(self) -> ModelInfo:
-        while True:
-            if self._out.poll(POLL_MS):
-                msg = decode_from_engine(self._out.recv())
-                if isinstance(msg, Ready):
-                    return msg.info
-                raise EngineStartError(msg.message)
-            if (code := self._core_exit_code()) is not None:
-                raise EngineStartError(f"the engine core exited with code {code} while loading the model")
-
     def stop(self, timeout: float = 10.0) -> None:
         """Abort everything still in flight and stop the engine core (idempotent)."""
-        if not self._started() or self._closed:
+        if not self.core.started or self.core.closed:
             return
         with self._lock:
             self._stopping = True
             if not self._dead:
                 self._send(Stop())
-        if self.proc is not None:
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                log.warning("the engine process did not stop in %.0fs; killing it", timeout)
-        else:
-            self._core_thread.join(timeout)
+        self.core.wait(timeout)
         self._kill()
 
     def _kill(self) -> None:
-        self._closed = True
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        self.core.kill()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(10)
-        with self._lock:  # no send can race the close
-            self._in.close()
-        self._out.close()
-        if self._core_thread is not None:
-            self._core_thread.join(10)
-        if self._core_thread is None or not self._core_thread.is_alive():
-            self._ctx.term()  # (an in-process core that would not stop keeps the context: term() would hang)
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
+        self.core.close()
 
     @property
     def alive(self) -> bool:
-        return self._started() and self.frontend is not None and not self._dead and not self._stopping
+        return self.core.started and self.frontend is not None and not self._dead and not self._stopping
 
     @property
     def pid(self) -> int:
         """The engine core's process (this process when it runs in a thread)."""
-        return self.proc.pid if self.proc is not None else os.getpid()
+        return self.core.pid
+
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        """The engine core's process; None when it runs in a thread."""
+        return self.core.proc
+
+    @property
+    def _core_thread(self) -> threading.Thread | None:  # the in-process core (tests/test_server_faults.py reads it)
+        return self.core.thread
 
     # ---- asyncio side ----------------------------------------------------------------------
     @property
@@ -279,33 +204,22 @@ class EngineClient:
                 self._snap_waiters.pop(token, None)
 
     def _send(self, msg) -> None:
-        """Callers hold self._lock (zmq sockets are not thread-safe). Never blocks: a PUSH socket
-        with no peer (the engine process just died) would block forever; what is not delivered
-        then is failed by the receiver thread when it sees the core gone."""
-        if self._closed:
-            return
-        try:
-            self._in.send(encode(msg), zmq.NOBLOCK)
-        except zmq.Again:
-            log.warning("the engine core is not reachable; %s not delivered", type(msg).__name__)
+        """Callers hold self._lock (zmq sockets are not thread-safe); never blocks (CoreHandle.send)."""
+        self.core.send(msg)
 
     # ---- receiver thread -------------------------------------------------------------------
     def _receive(self) -> None:
         while True:
-            if self._out.poll(POLL_MS):
+            if self.core.poll():
                 self._receive_pending()
-            code = self._core_exit_code()
+            code = self.core.exit_code()
             if code is not None:
                 self._receive_pending()  # what it sent before exiting still counts
                 self._core_exited(code)
                 return
 
     def _receive_pending(self) -> None:
-        while True:
-            try:
-                data = self._out.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        while (data := self.core.recv_nowait()) is not None:
             try:
                 msg = decode_from_engine(data)
                 if isinstance(msg, Batch):
@@ -376,7 +290,7 @@ class EngineClient:
             if self._stopping:
                 err: Exception = EngineDead("the server is shutting down")
             else:
-                where = "engine process" if self.proc is not None else "engine core thread"
+                where = "engine process" if self.core.proc is not None else "engine core thread"
                 self.exit_reason = f"the {where} died unexpectedly (exit code {code})"
                 err = EngineError(f"{self.exit_reason}; this request was lost")
             streams, self._streams = self._streams, {}
