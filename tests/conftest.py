@@ -2,6 +2,7 @@
 an HF transformers reference for greedy decoding."""
 from __future__ import annotations
 
+import os
 import random
 import zlib
 from pathlib import Path
@@ -10,6 +11,10 @@ import pytest
 import torch
 
 from nanoserve.models.loader import embedded_source, materialize
+
+# The KV budget of in-process engines whose test does not size the cache itself, as the test servers'
+# --kv-cache-gb: the CPU default (up to 4 GiB, zeroed at start) costs seconds of CPU per engine.
+KV_GB = 0.25
 
 TINY_CONFIGS = {
     # name: (model class name, config overrides)
@@ -22,9 +27,37 @@ TINY_CONFIGS = {
 }
 
 
+# Under pytest-xdist (`make test`: 2 workers on 2 cores) each worker's in-process torch gets its share
+# of the cores: two workers' OpenMP pools of every core each would spin against each other.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
+
+@pytest.fixture(autouse=True)
+def _keep_cpu_placement():
+    """An in-process tensor-parallel engine pins this process to rank 0's cores and cuts torch's
+    threads; put both back so later tests (and the servers they start, which inherit the
+    affinity) keep every core."""
+    cpus, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    yield
+    if os.sched_getaffinity(0) != cpus:
+        os.sched_setaffinity(0, cpus)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
+# The files that take longest, longest first: `make test` hands whole files to its two workers in this
+# order (--dist loadfile --no-loadscope-reorder), so none of them starts last and runs alone.
+HEAVY_FIRST = ["test_tensor_parallel.py", "test_flash_attention.py", "test_triton_attention.py", "test_correctness.py",
+               "test_engine_process.py", "test_server_options.py", "test_server_api.py", "test_server_host_tier.py",
+               "test_host_tier.py", "test_transfer.py", "test_kvcache.py", "test_server_faults.py"]
+
+
 def pytest_collection_modifyitems(items) -> None:
     """`server`: the test starts a real server or an engine core (seconds each); `make test-fast`
     (pytest -m "not server") leaves them out while developing. CI runs everything."""
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
     for item in items:
         if "server" in item.fixturenames or any(hasattr(item.module, n) for n in ("ServerProcess", "EngineClient")):
             item.add_marker(pytest.mark.server)
@@ -56,9 +89,21 @@ def make_tiny_model(out: Path, name: str, tokenizer_dir: Path) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def tiny_path(tmp_path_factory, embedded_dir):
+    """tiny_path(name): that tiny model, written once per session (it is the same for a name)."""
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            made[name] = make_tiny_model(tmp_path_factory.mktemp(name), name, embedded_dir)
+        return made[name]
+    return get
+
+
 @pytest.fixture(scope="session", params=list(TINY_CONFIGS))
-def tiny_model(request, tmp_path_factory, embedded_dir) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp(request.param), request.param, embedded_dir)
+def tiny_model(request, tiny_path) -> Path:
+    return tiny_path(request.param)
 
 
 def hf_greedy(model_dir_or_model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

@@ -13,12 +13,13 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from conftest import hf_greedy, make_tiny_model, random_prompts
+from conftest import hf_greedy, random_prompts
 from nanoserve.distributed.parallel import TensorParallel, shard_heads, vocab_rows
 from nanoserve.distributed.shm import ShmChannel, ShmCollectives
 from nanoserve.engine.workers import CopyCommand, Followers, ParallelCopier
@@ -145,12 +146,12 @@ def test_shared_memory_channel_delivers_every_message_in_order(tmp_path):
 # ---- same tokens --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name,collectives", [("llama-gqa-tied", "shm"), ("llama-gqa-tied", "gloo"),
                                               ("llama3-rope-scaling", "shm"), ("qwen2-bias", "shm")])
-def test_two_ranks_match_one_rank_and_hf(name, collectives, tmp_path_factory, embedded_dir, monkeypatch):
+def test_two_ranks_match_one_rank_and_hf(name, collectives, tiny_path, monkeypatch):
     """gqa-tied: 2 KV heads, one per rank; rope-scaling: 1 KV head, replicated; qwen2: QKV bias,
     untied LM head. Collectives through shared memory (one CPU node), and through gloo."""
     if collectives == "gloo":  # rank 0 sizes the shared-memory slots; 0 = none
         monkeypatch.setattr("nanoserve.engine.llm_engine.shm_slot_bytes", lambda *a: 0)
-    path = make_tiny_model(tmp_path_factory.mktemp(name), name, embedded_dir)
+    path = tiny_path(name)
     prompts = random_prompts(4, 3, 60, seed=7)
     kw = dict(dtype="float32", block_size=16, num_kv_blocks=64)
     with LLM(str(path), **kw) as one:
@@ -175,9 +176,9 @@ def test_embedded_model_on_three_ranks_matches_one_rank_and_hf(embedded_dir):
 
 
 # ---- the host tier -------------------------------------------------------------------------------------
-def test_host_tier_round_trips_on_two_ranks(tmp_path_factory, embedded_dir):
+def test_host_tier_round_trips_on_two_ranks(tiny_path):
     """Device holds ~2 of 5 documents; later rounds load them from every rank's host slice."""
-    path = make_tiny_model(tmp_path_factory.mktemp("tp-host"), "llama-gqa-tied", embedded_dir)
+    path = tiny_path("llama-gqa-tied")
     docs = random_prompts(5, 40, 40, vocab=5000, seed=3)
     prompts = [d + q for d, q in zip(docs, random_prompts(5, 3, 3, vocab=5000, seed=4))]
     expected = hf_greedy(path, prompts, GREEDY.max_tokens)
@@ -228,49 +229,94 @@ def test_a_save_is_published_only_when_every_rank_reports_it(peer_failed):
     assert tier.transfers.failed == int(peer_failed)
 
 
-# ---- the server ------------------------------------------------------------------------------------------
+# ---- the server ----------------------------------------------------------------------------------------
+# The server tests run on a tiny Llama: the embedded model's 3-rank split is checked in-process above;
+# here the point is the server around the ranks. Every answer is compared with one rank's.
+TINY = "llama-gqa-tied"
+
+
 @pytest.fixture(scope="module")
-def tp_server():
-    srv = ServerProcess("-tp", "3", "--dtype", "float32")
+def one_rank(tiny_path):
+    with LLM(str(tiny_path(TINY)), dtype="float32", num_kv_blocks=256) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def tp_server(tiny_path):
+    """Its device cache holds about two of the concurrent test's eight documents; a host tier behind."""
+    path = tiny_path(TINY)
+    srv = ServerProcess("--model", str(path), "--served-model-name", TINY, "--dtype", "float32", "-tp", "2",
+                        "--block-size", "4", "--num-kv-blocks", "40", "--host-cache-gb", "0.01", "--max-num-seqs", "8")
     yield srv
-    if srv.proc.poll() is None:
-        srv.stop()
+    srv.stop()
 
 
-def test_openai_request_through_three_ranks(tp_server):
+def test_openai_request_through_two_ranks(tp_server, one_rank):
     out = tp_server.client().chat.completions.create(
-        model="smollm2-135m-instruct", messages=[{"role": "user", "content": "Name a colour."}],
-        max_tokens=8, temperature=0)
+        model=TINY, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=8, temperature=0)
     assert out.choices[0].message.content and out.usage.completion_tokens > 0
-    ref = tp_server.client().completions.create(model="smollm2-135m-instruct", prompt="The capital of France is",
-                                                max_tokens=6, temperature=0)
-    with LLM(dtype="float32", num_kv_blocks=32) as one:
-        assert ref.choices[0].text == one.generate(["The capital of France is"],
-                                                   SamplingParams(temperature=0, max_tokens=6))[0].outputs[0].text
+    ref = tp_server.client().completions.create(model=TINY, prompt="The capital of France is", max_tokens=6,
+                                                temperature=0)
+    assert ref.choices[0].text == one_rank.generate(["The capital of France is"],
+                                                    SamplingParams(temperature=0, max_tokens=6))[0].outputs[0].text
 
 
-def test_killed_worker_fails_the_request_and_the_server_exits_non_zero(tp_server):
-    [core] = tp_server.children
-    workers = child_pids(core)
-    assert len(workers) == 2
-    stream = tp_server.client().completions.create(model="smollm2-135m-instruct", prompt="Once upon a time",
-                                                   max_tokens=4000, temperature=0, stream=True,
-                                                   extra_body={"ignore_eos": True})
-    next(iter(stream))  # the request is running
-    os.kill(workers[0], signal.SIGKILL)
-    with pytest.raises(openai.APIError, match="tensor-parallel"):
-        for _ in stream:
-            pass
-    t0 = time.monotonic()
-    code = tp_server.proc.wait(30)
-    assert code != 0 and time.monotonic() - t0 < 30
-    assert not wait_gone([core, *workers], 15), "a rank outlived the server"
+def test_concurrent_requests_with_host_tier_on_two_ranks_match_one_rank(tp_server, one_rank):
+    """32 streamed requests at once over 8 shared documents through `-tp 2` with a device cache that
+    holds about two of them and a host tier: loads, saves and their acks under load; every answer
+    equals one rank's, and nothing is left held."""
+    import asyncio
+    docs = random_prompts(8, 48, 48, vocab=5000, seed=11)
+    prompts = [docs[i % 8] + q for i, q in enumerate(random_prompts(32, 2, 6, vocab=5000, seed=12))]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = [o.outputs[0].text for o in one_rank.generate(prompts, params)]
+    hits0 = m(tp_server.metrics(), "nanoserve:prefix_cache_hits_total", tier="host")
+
+    async def ask(client, p):
+        chunks = await client.completions.create(model=TINY, prompt=p, max_tokens=6, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True})
+        return "".join([c.choices[0].text async for c in chunks if c.choices])
+
+    async def main():
+        client = tp_server.async_client()
+        return await asyncio.gather(*(ask(client, p) for p in prompts))
+    try:
+        got = asyncio.run(main())
+        snap = tp_server.metrics()
+    finally:
+        assert tp_server.terminate() == 0  # runs last on this server: saves and loads in flight end cleanly
+    assert got == expected
+    assert m(snap, "nanoserve:prefix_cache_hits_total", tier="host") > hits0
 
 
-def test_two_nodes_on_one_machine_serve_like_one_rank(tmp_path, embedded_dir):
+def test_killed_worker_fails_the_request_and_the_server_exits_non_zero(tiny_path):
+    srv = ServerProcess("--model", str(tiny_path(TINY)), "--served-model-name", TINY, "--dtype", "float32", "-tp", "2")
+    try:
+        [core] = srv.children
+        [worker] = child_pids(core)
+        # about the longest request the context allows (512): the kill lands hundreds of steps before its end
+        max_len = httpx.get(srv.base_url + "/models").json()["data"][0]["max_model_len"]
+        stream = srv.client().completions.create(model=TINY, prompt="Once upon a time", max_tokens=max_len - 16,
+                                                 temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True})
+        next(iter(stream))  # the request is running
+        os.kill(worker, signal.SIGKILL)
+        with pytest.raises(openai.APIError, match="tensor-parallel"):
+            for _ in stream:
+                pass
+        t0 = time.monotonic()
+        code = srv.proc.wait(30)
+        assert code != 0 and time.monotonic() - t0 < 30
+        assert not wait_gone([core, worker], 15), "a rank outlived the server"
+    finally:
+        if srv.proc.poll() is None:
+            srv.stop()
+
+
+def test_two_nodes_on_one_machine_serve_like_one_rank(tiny_path, one_rank):
     """--nnodes 2: node 1 runs only its worker, node 0 the API and rank 0; they meet at
     --master-addr/--master-port (gloo collectives: shared memory is for one node)."""
-    path = make_tiny_model(tmp_path / "tiny", "llama-gqa-tied", embedded_dir)
+    path = tiny_path(TINY)
     port = str(free_port())
     dist = ["-tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port]
     node1 = subprocess.Popen([sys.executable, "-m", "nanoserve.server.cli", *dist, "--node-rank", "1"],
@@ -281,36 +327,4 @@ def test_two_nodes_on_one_machine_serve_like_one_rank(tmp_path, embedded_dir):
     finally:
         assert srv.terminate() == 0
     assert node1.wait(30) == 0, node1.stderr.read()
-    with LLM(str(path), dtype="float32", num_kv_blocks=64) as one:
-        assert got.choices[0].text == one.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
-
-
-def test_concurrent_requests_with_host_tier_on_two_ranks_match_one_rank(tmp_path, embedded_dir):
-    """32 streamed requests at once over 8 shared documents through `-tp 2` with a device cache that
-    holds about two of them and a host tier: loads, saves and their acks under load; every answer
-    equals one rank's, and nothing is left held."""
-    import asyncio
-    path = make_tiny_model(tmp_path / "tiny", "llama-gqa-tied", embedded_dir)
-    docs = random_prompts(8, 48, 48, vocab=5000, seed=11)
-    prompts = [docs[i % 8] + q for i, q in enumerate(random_prompts(32, 2, 6, vocab=5000, seed=12))]
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    with LLM(str(path), dtype="float32", num_kv_blocks=256) as one:
-        expected = [o.outputs[0].text for o in one.generate(prompts, params)]
-    srv = ServerProcess("--model", str(path), "--dtype", "float32", "-tp", "2", "--block-size", "4",
-                        "--num-kv-blocks", "40", "--host-cache-gb", "0.01", "--max-num-seqs", "8")
-
-    async def ask(client, p):
-        chunks = await client.completions.create(model=str(path), prompt=p, max_tokens=6, temperature=0,
-                                                 stream=True, extra_body={"ignore_eos": True})
-        return "".join([c.choices[0].text async for c in chunks if c.choices])
-
-    async def main():
-        client = srv.async_client()
-        return await asyncio.gather(*(ask(client, p) for p in prompts))
-    try:
-        got = asyncio.run(main())
-        snap = srv.metrics()
-    finally:
-        assert srv.terminate() == 0
-    assert got == expected
-    assert m(snap, "nanoserve:prefix_cache_hits_total", tier="host") > 0
+    assert got.choices[0].text == one_rank.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
