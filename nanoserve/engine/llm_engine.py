@@ -2,8 +2,8 @@
 is the output processor's job, on the API side).
 
 Not thread-safe by itself: the engine core (engine/core.py) or the offline LLM drives it from one
-thread. `make_request` only reads immutable state, so request validation errors reach the caller
-before anything is queued."""
+thread. `make_request` only reads immutable state (requests.py), so request validation errors reach
+the caller before anything is queued."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,15 +12,15 @@ import os
 import time
 import weakref
 from dataclasses import dataclass, field
-from itertools import count
 
 import torch
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.grammar import GrammarMatchers
-from nanoserve.engine.protocol import ModelInfo, PromptRequest, check_prompt_request, make_prompt_request
+from nanoserve.engine.protocol import ModelInfo, PromptRequest
 from nanoserve.distributed.parallel import TensorParallel, join, leave
 from nanoserve.engine.model_setup import build_shard, host_blocks
+from nanoserve.engine.requests import Request, RequestBuilder, eos_token_ids, max_token_chars
 from nanoserve.engine.workers import (Followers, LocalWorkers, ParallelCopier, Setup, describe_fault, plan_node,
                                       shm_slot_bytes, start_worker, stop_workers)
 from nanoserve.kvcache.host_tier import HostTier
@@ -37,16 +37,6 @@ from nanoserve.sequence import Sequence
 log = logging.getLogger("nanoserve")
 
 GiB = 1 << 30
-
-
-@dataclass
-class Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
-    arrival_time: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -92,19 +82,16 @@ class LLMEngine:
                                    inline_loads=self.device.type == "cpu")
         self.sampler = Sampler(config.seed, self.device)
         self.grammars = GrammarMatchers(self.tokenizer, self.model.vocab_size)  # constrained sequences
-        self.eos_token_ids = self._eos_ids()
-        # the longest text one token can stand for: a prompt longer than max_model_len times this
-        # cannot fit, whatever its tokenization
-        self.max_token_chars = max((len(t or "") for t in self.tokenizer.convert_ids_to_tokens(
-            list(range(len(self.tokenizer))))), default=1) or 1
+        eos_ids = eos_token_ids(self.tokenizer, self.hf_config, self.source.path)
+        self.max_token_chars = max_token_chars(self.tokenizer)
         self.requests: dict[str, Request] = {}
         # which requests a failure inside the current step concerns; None until scheduling has decided
         self.step_request_ids: set[str] | None = None
         self.stats = EngineStats()
-        self._seq_ids = count()
         self.model_name = self.source.name
         self.info = ModelInfo(self.model_name, str(self.source.path), self.model.vocab_size, self.max_model_len,
-                              self.max_token_chars, tuple(sorted(self.eos_token_ids)))
+                              self.max_token_chars, tuple(sorted(eos_ids)))
+        self.request_builder = RequestBuilder(self.info, self.tokenizer, eos_ids, self.grammars, self.device)
         log.info("model %s loaded in %.1fs (%s, %s)", self.model_name, time.monotonic() - t0,
                  self.device, str(self.dtype).removeprefix("torch."))
         log.info("KV cache: device %d blocks x %d tokens = %d tokens, %.2f GiB; %s; max_model_len %d",
@@ -146,44 +133,18 @@ class LLMEngine:
             copier = ParallelCopier(copier, self.followers)
         return HostTier(blocks, self.runner.kv_cache, copier)
 
-    def _eos_ids(self) -> frozenset[int]:
-        ids: set[int] = set()
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        eos = getattr(self.hf_config, "eos_token_id", None)
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        try:
-            from transformers import GenerationConfig
-            gen = GenerationConfig.from_pretrained(self.source.path)
-            eos = gen.eos_token_id
-            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        except Exception:  # no generation_config.json: the tokenizer's EOS is enough
-            pass
-        return frozenset(ids)
-
     # ---- requests -------------------------------------------------------------------------
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        return self.request_builder.tokenize(prompt, add_special_tokens)
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                      add_special_tokens: bool = True) -> Request:
         """Validate and tokenize; raises InvalidRequest naming the bad field."""
-        return self.request_from(make_prompt_request(self.info, self.tokenize, request_id, prompt, params,
-                                                     add_special_tokens))
+        return self.request_builder.make(request_id, prompt, params, add_special_tokens)
 
     def request_from(self, preq: PromptRequest) -> Request:
-        """The engine's request (one sequence per choice) for a validated one (checked again here:
-        the engine trusts no sender)."""
-        check_prompt_request(self.info, preq)
-        params, ids = preq.params, preq.prompt_token_ids
-        self.grammars.check(params.structured)  # compiled once per distinct grammar, cached
-        seqs = []
-        for i in range(params.n):
-            gen = (torch.Generator(device=self.device).manual_seed((params.seed + i) & 0xFFFF_FFFF_FFFF_FFFF)
-                   if params.seed is not None else None)
-            seqs.append(Sequence(next(self._seq_ids), preq.request_id, i, ids, params, preq.max_tokens,
-                                 self.eos_token_ids, generator=gen, parent=seqs[0] if seqs else None))
-        return Request(preq.request_id, preq.prompt, ids, params, seqs, preq.arrival_time)
+        """The engine's request for a validated one (checked again: the engine trusts no sender)."""
+        return self.request_builder.build(preq)
 
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
