@@ -28,8 +28,12 @@ install-test: $(VENV)/.installed-test
 serve: install
 	$(BIN)/nanoserve --host 127.0.0.1 --port 8000
 
+# Two pytest-xdist workers, one test file at a time each (module servers and engines stay shared),
+# the heaviest files first (conftest.py orders them): on two cores one worker computes while the
+# other waits on a server or worker process starting. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: install-test
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # while developing: everything but the tests that start a server or an engine core
 test-fast: install-test

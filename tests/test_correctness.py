@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from nanoserve import LLM, SamplingParams
-from tests.conftest import hf_greedy, random_prompts
+from tests.conftest import KV_GB, hf_greedy, random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -21,7 +21,7 @@ def tiny_case(tiny_model):
 
 def test_matches_hf_mixed_batch(tiny_case):
     path, prompts, expected = tiny_case
-    llm = LLM(str(path), dtype="float32", block_size=16)
+    llm = LLM(str(path), dtype="float32", block_size=16, kv_cache_gb=KV_GB)
     assert run(llm, prompts) == expected
     # same prompts again: full-block prefix hits, identical tokens
     outs = llm.generate(prompts, GREEDY)
@@ -33,7 +33,7 @@ def test_matches_hf_mixed_batch(tiny_case):
 
 def test_matches_hf_chunked_prefill(tiny_case):
     path, prompts, expected = tiny_case
-    llm = LLM(str(path), dtype="float32", block_size=4, max_num_batched_tokens=7)
+    llm = LLM(str(path), dtype="float32", block_size=4, max_num_batched_tokens=7, kv_cache_gb=KV_GB)
     assert run(llm, prompts) == expected
 
 
@@ -49,7 +49,7 @@ def test_matches_hf_under_preemption(tiny_case):
 
 def test_matches_hf_without_prefix_caching(tiny_case):
     path, prompts, expected = tiny_case
-    llm = LLM(str(path), dtype="float32", enable_prefix_caching=False)
+    llm = LLM(str(path), dtype="float32", enable_prefix_caching=False, kv_cache_gb=KV_GB)
     assert run(llm, prompts) == expected
     assert all(o.num_cached_tokens == 0 for o in llm.generate(prompts, GREEDY))
 
@@ -59,7 +59,7 @@ def test_prompt_logprobs_match_hf(tiny_case):
     import torch
     from transformers import AutoModelForCausalLM
     path, prompts, _ = tiny_case
-    llm = LLM(str(path), dtype="float32", block_size=4, max_num_batched_tokens=16)
+    llm = LLM(str(path), dtype="float32", block_size=4, max_num_batched_tokens=16, kv_cache_gb=KV_GB)
     llm.generate(prompts, GREEDY)  # warm the prefix cache: prompt logprobs must not use it
     params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -77,7 +77,7 @@ def test_prompt_logprobs_match_hf(tiny_case):
 
 @pytest.fixture(scope="module")
 def embedded_llm_fp32(embedded_dir):
-    return LLM(dtype="float32")
+    return LLM(dtype="float32", kv_cache_gb=KV_GB)
 
 
 def test_embedded_model_matches_hf_from_gguf(embedded_llm_fp32):

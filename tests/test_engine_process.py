@@ -19,7 +19,6 @@ import time
 import httpx
 import pytest
 
-from conftest import make_tiny_model
 from nanoserve.config import EngineConfig
 from nanoserve.engine.client import EngineClient
 from nanoserve.engine.placement import plan_placement
@@ -33,8 +32,8 @@ PROMPTS = ["hello world", "The quick brown fox jumps over", "a b c d e f g"]
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, embedded_dir):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-proc"), "llama-gqa-tied", embedded_dir)
+def tiny(tiny_path):
+    return tiny_path("llama-gqa-tied")
 
 
 def _config(path) -> EngineConfig:

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import KV_GB
 from nanoserve import LLM, InvalidRequest, SamplingParams
 
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(max_model_len=256)
+    return LLM(max_model_len=256, kv_cache_gb=KV_GB)
 
 
 def ok(llm):
@@ -77,7 +78,7 @@ def test_explicit_context_length_beyond_kv_refuses_to_start(tiny_model):
     with pytest.raises(ValueError, match=r"--max-model-len 64 does not fit the KV cache: it holds 32 tokens"):
         LLM(str(tiny_model), dtype="float32", block_size=4, num_kv_blocks=8, max_model_len=64)
     with pytest.raises(ValueError, match="max_position_embeddings 512"):
-        LLM(str(tiny_model), dtype="float32", max_model_len=513)
+        LLM(str(tiny_model), dtype="float32", max_model_len=513, kv_cache_gb=KV_GB)
     assert LLM(str(tiny_model), dtype="float32", block_size=4, num_kv_blocks=8,
                max_model_len=32).engine.max_model_len == 32
 

@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 import torch
 
+from conftest import KV_GB
 from nanoserve import LLM, SamplingParams
 from nanoserve.layers.sampler import Sampler, apply_penalties
 from nanoserve.sequence import Sequence
@@ -89,7 +90,7 @@ def test_seeded_rows_do_not_depend_on_the_batch():
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM()
+    return LLM(kv_cache_gb=KV_GB)
 
 
 def test_seed_reproduces_and_differs(llm):

@@ -13,7 +13,6 @@ import time
 import httpx
 import pytest
 
-from conftest import make_tiny_model
 from nanoserve.config import EngineConfig
 from nanoserve.engine.client import EngineClient
 from nanoserve.engine.protocol import EngineError
@@ -24,10 +23,9 @@ from tests.faulty_engine import PLAN_ENV, FaultPlan
 
 
 @pytest.fixture(scope="module", params=["process", "thread"])
-def setup(request, tmp_path_factory, embedded_dir):
-    tmp = tmp_path_factory.mktemp(f"faults-{request.param}")
-    path = make_tiny_model(tmp, "llama-gqa-tied", embedded_dir)
-    plan = FaultPlan(tmp / "plan.json")
+def setup(request, tmp_path_factory, tiny_path):
+    path = tiny_path("llama-gqa-tied")
+    plan = FaultPlan(tmp_path_factory.mktemp(f"faults-{request.param}") / "plan.json")
     plan.arm()
     os.environ[PLAN_ENV] = str(plan.path)  # read by the engine (inherited by its process)
     aengine = EngineClient(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=64, block_size=16),
@@ -62,9 +60,13 @@ def test_step_error_fails_requests_and_engine_keeps_serving(setup):
     aengine, plan, _ = setup
 
     async def run():
-        plan.arm(3)
-        results = await asyncio.gather(_collect(aengine, "a", max_tokens=8),
-                                       _collect(aengine, "b", max_tokens=8), return_exceptions=True)
+        # the fault is armed once both requests run, so the failing step holds both whatever the
+        # machine's speed (arming first let a loaded machine step "a" alone before "b" arrived)
+        tasks = [asyncio.create_task(_collect(aengine, rid, max_tokens=200)) for rid in "ab"]
+        while (await aengine.snapshot()).num_running < 2:
+            await asyncio.sleep(0.01)
+        plan.arm(1)
+        results = await asyncio.gather(*tasks, return_exceptions=True)
         assert all(isinstance(r, EngineError) for r in results), results
         assert "injected fault" in str(results[0])
         snap = await _settled(aengine)

@@ -1,5 +1,5 @@
-"""Server options that need their own server: API key (from NANOSERVE_API_KEY) together with
---no-prefix-caching, and --max-queue with graceful SIGTERM; plus `--help`."""
+"""Server options that need their own server: API key (from NANOSERVE_API_KEY), --no-prefix-caching
+and --max-queue with graceful SIGTERM on one server, --shutdown-timeout on another; plus `--help`."""
 from __future__ import annotations
 
 import dataclasses
@@ -39,9 +39,16 @@ def test_help_explains_every_flag():
 
 @pytest.fixture(scope="module")
 def keyed():
-    s = ServerProcess("--no-prefix-caching", "--served-model-name", "tiny", env={"NANOSERVE_API_KEY": KEY})
+    """One server for the option tests that leave it as they found it (one server start fewer);
+    the last test here stops it. One sequence at a time, one waiting: the other tests send one
+    request at a time."""
+    s = ServerProcess("--no-prefix-caching", "--served-model-name", "tiny", "--max-num-seqs", "1", "--max-queue", "1",
+                      env={"NANOSERVE_API_KEY": KEY})
     yield s
     s.stop()
+
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def test_api_key(keyed):
@@ -67,16 +74,9 @@ def test_no_prefix_caching_reports_zero_cached(keyed):
         assert r.usage.prompt_tokens_details.cached_tokens == 0
 
 
-@pytest.fixture(scope="module")
-def queued():
-    s = ServerProcess("--max-num-seqs", "1", "--max-queue", "1")
-    yield s
-    s.stop()
-
-
-def test_max_queue_gives_503_with_retry_after(queued):
+def test_max_queue_gives_503_with_retry_after(keyed):
     def one(i):
-        return httpx.post(queued.base_url + "/completions", timeout=120,
+        return httpx.post(keyed.base_url + "/completions", timeout=120, headers=AUTH,
                           json={"prompt": f"Item {i}:", "max_tokens": 24, "ignore_eos": True, "temperature": 0})
     with ThreadPoolExecutor(8) as ex:
         rs = list(ex.map(one, range(8)))
@@ -92,13 +92,13 @@ def test_max_queue_gives_503_with_retry_after(queued):
     assert one(99).status_code == 200
 
 
-def test_sigterm_finishes_in_flight_and_exits_0(queued):
-    """Runs last in this module: it stops the server."""
+def test_sigterm_finishes_in_flight_and_exits_0(keyed):
+    """Runs last on this server: it stops it."""
     chunks: list[str] = []
     first = threading.Event()
 
     def stream():
-        with httpx.stream("POST", queued.base_url + "/completions", timeout=120,
+        with httpx.stream("POST", keyed.base_url + "/completions", timeout=120, headers=AUTH,
                           json={"prompt": "Once upon a time", "max_tokens": 20, "ignore_eos": True,
                                 "stream": True}) as r:
             for line in r.iter_lines():
@@ -110,14 +110,14 @@ def test_sigterm_finishes_in_flight_and_exits_0(queued):
     t.start()
     assert first.wait(60)
     t0 = time.monotonic()
-    code = queued.terminate(timeout=90)
+    code = keyed.terminate(timeout=90)
     t.join(30)
-    assert code == 0, queued.logs()
+    assert code == 0, keyed.logs()
     assert chunks[-1] == "data: [DONE]"  # the in-flight request was allowed to finish
     assert any('"finish_reason": "length"' in c for c in chunks)
     assert time.monotonic() - t0 < 60
     with pytest.raises(httpx.ConnectError):
-        httpx.get(queued.url + "/health", timeout=5)
+        httpx.get(keyed.url + "/health", timeout=5)
 
 
 def test_sigterm_after_shutdown_timeout_fails_the_rest_cleanly():
