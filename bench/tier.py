@@ -116,8 +116,7 @@ class OfflineTarget:
             if r.tier == "host":
                 print(f"  host tier: {r.bytes_in / 2**20:.0f} MiB in ({r.seconds_in:.2f}s), "
                       f"{r.bytes_out / 2**20:.0f} MiB out ({r.seconds_out:.2f}s), "
-                      f"{getattr(self.eng.kv, 'num_transfer_waits', 0)} allocations waited for a copy, "
-                      f"{getattr(self.eng.kv, 'num_deferred', 0)} admissions deferred for saves")
+                      f"{self.eng.kv.policy.num_deferred} admissions deferred for saves")
                 for k, (steps, toks, secs) in self.decode.items():
                     if steps:
                         print(f"  others' decode, host load {'in flight' if k == 'loading' else 'none':9s}: "

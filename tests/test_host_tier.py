@@ -221,7 +221,7 @@ def test_manager_with_host_tier_keeps_kv_content_and_accounting(prompts, host_bl
     device_report, host_report = kv.reports()
     assert device_report.blocks_in_use == 0 and host_report.blocks_in_use == 0
     assert host_report.hit_tokens <= host_report.query_tokens
-    assert kv.num_lossy_with_room == 0  # uncopied KV dropped only when the host had no room
+    assert kv.policy.num_lossy_with_room == 0  # uncopied KV dropped only when the host had no room
 
 
 def test_manager_property_setup_reaches_the_host_tier():

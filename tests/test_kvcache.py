@@ -100,8 +100,8 @@ def test_prefix_matching_reuses_only_equal_prefixes(prompts):
 def test_forced_digest_collision_never_shares_kv(monkeypatch):
     """Even if every block digest collided, two chains whose blocks hold equal tokens under
     different parents never share a block: the stored parent is compared on lookup."""
-    from nanoserve.kvcache import manager as manager_mod
-    monkeypatch.setattr(manager_mod, "chain_hash", lambda parent, tokens, salt=b"": b"\0" * 32)
+    from nanoserve.kvcache import prefix as prefix_mod
+    monkeypatch.setattr(prefix_mod, "chain_hash", lambda parent, tokens, salt=b"": b"\0" * 32)
     kv = KVCacheManager(num_blocks=16, block_size=2)
     victim = Sequence(0, "v", 0, [1, 2, 3, 4, 9], SP(), 4, frozenset())
     assert kv.admit(victim, 5)

@@ -155,3 +155,27 @@ def test_a_chain_saved_in_table_order_loads_back_in_few_copies():
     loads = [c for c in copy.copies if c[0] == "load"]
     assert sum(n for _, _, n, _ in loads) == 6 and len(loads) == 1
     assert kv.host_stats.hits == 6 * BS
+
+
+def test_cpu_admission_waits_for_its_saves_instead_of_deferring_a_step():
+    """A request that needs dirty blocks saved first: with inline copies (CPU) the scheduler waits
+    for those saves and runs it in the same step; without (CUDA) it is deferred to a later step.
+    Either way nothing is dropped."""
+    for inline in (False, True):
+        device, host, kv, sched = _engine(6, 16, lambda src, dst: dst.copy_(src), 64, 64)
+        seq = Sequence(100, "fill", 0, list(range(12)), SamplingParams(), 1, frozenset())
+        assert kv.admit(seq, 12)
+        seq.num_computed_tokens = 12
+        kv.publish_computed(seq)
+        kv.free(seq)  # six dirty cached blocks, nothing on host
+        sched.inline_loads = inline
+        sched.inline_load_wait = 60.0  # the memcpy ends long before: nothing depends on speed
+        new = Sequence(1, "1", 0, [50, 51, 52, 53, 54], SamplingParams(), 1, frozenset())
+        sched.add(new)
+        out = sched.schedule()
+        assert [s.seq for s in out.scheduled] == ([new] if inline else [])
+        assert kv.policy.num_deferred == 1 and kv.pool.num_lossy_evictions == 0
+        kv.drain_transfers()
+        if not inline:
+            assert [s.seq for s in sched.schedule().scheduled] == [new]
+        sched.check_invariants()

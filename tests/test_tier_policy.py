@@ -83,7 +83,7 @@ def test_admission_defers_and_saves_instead_of_dropping_uncopied_kv():
     assert kv.pool.stats().cached_free == 6 and not kv.pool.clean
     seq = Sequence(1, "1", 0, [50, 51, 52, 53, 54], SamplingParams(), 1, frozenset())
     assert not kv.admit(seq, 5)  # would need 3 dirty evictions: defer, and save them
-    assert kv.num_deferred == 1 and len(kv.copies.saves) == 1 and len(kv.copies.saves[0].dev_ids) == 3
+    assert kv.policy.num_deferred == 1 and len(kv.copies.saves) == 1 and len(kv.copies.saves[0].dev_ids) == 3
     assert kv.pool.num_evictions == 0 and not seq.block_table
     kv.check_invariants()
     assert not kv.admit(seq, 5)  # the saves are still running: defer again, start nothing more
@@ -111,7 +111,7 @@ def test_without_host_room_the_oldest_dirty_block_is_dropped_and_counted():
     assert len(kv.pool.clean) == 2 and kv.host.room() == 0  # host full of twins: nothing gains by evicting one
     seq = Sequence(1, "1", 0, [50, 51, 52, 53, 54, 55, 56], SamplingParams(), 1, frozenset())
     assert kv.admit(seq, 7)  # needs 4: two clean, then two dirty, since the host has no room
-    assert kv.pool.num_lossy_evictions == 2 and kv.num_lossy_with_room == 0
+    assert kv.pool.num_lossy_evictions == 2 and kv.policy.num_lossy_with_room == 0
     assert kv.reports()[0].lossy_evictions == 2
     kv.check_invariants()
 
@@ -167,7 +167,7 @@ def test_running_sequence_sits_out_a_step_rather_than_drop_kv():
     seq.num_computed_tokens = 2
     seq.token_ids += [3]  # its next token needs a new block: only dirty ones are left
     out = sched.schedule()
-    assert not out.scheduled and not out.num_preempted and kv.copies.saves and kv.num_deferred == 1
+    assert not out.scheduled and not out.num_preempted and kv.copies.saves and kv.policy.num_deferred == 1
     sched.wait_for_transfers(timeout=5)  # nothing was scheduled: the engine waits on the save
     assert not copier.pending
     assert sched.schedule().scheduled and kv.pool.num_lossy_evictions == 0
@@ -242,9 +242,9 @@ class PolicyEngine(FakeEngine):
 
     def check(self) -> None:
         super().check()
-        assert self.kv.num_avoidable_lossy == 0, "uncopied KV dropped while the host had room"
+        assert self.kv.policy.num_avoidable_lossy == 0, "uncopied KV dropped while the host had room"
         self.counts["lossy"] = self.kv.pool.num_lossy_evictions
-        self.counts["deferred"] = self.kv.num_deferred
+        self.counts["deferred"] = self.kv.policy.num_deferred
 
     def finish_all(self) -> None:
         """As FakeEngine's, but also: with every copy completed at once, no request waits at the
@@ -327,7 +327,7 @@ def test_engine_long_documents_concurrently_lose_nothing_with_default_flags(tiny
     assert all(o.num_cached_tokens == (len(p) - 1) // 4 * 4 for o, p in zip(outs, prompts))
     assert sum(o.num_host_cached_tokens for o in outs) > 0
     dev, host = eng.kv.reports()
-    assert dev.lossy_evictions == 0 and dev.evictions > 0 and eng.kv.num_lossy_with_room == 0
+    assert dev.lossy_evictions == 0 and dev.evictions > 0 and eng.kv.policy.num_lossy_with_room == 0
     eng.close()
 
 

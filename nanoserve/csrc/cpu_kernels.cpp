@@ -63,7 +63,7 @@ template <typename T> constexpr bool kVec16 = std::is_same_v<T, c10::BFloat16> |
 #endif
 
 // Per-phase time of the attention kernels, summed over threads: only in the build that
-// bench/attention_phases.py makes with -DNS_PHASE_TIMES (a clock read per phase per tile).
+// the experiment bench/attention_phases.py (at c256b25) made with -DNS_PHASE_TIMES (a clock read per phase per tile).
 #if defined(NS_PHASE_TIMES)
 #include <chrono>
 enum Phase { kPack, kQload, kQK, kSoftmax, kPV, kStore, kDecScores, kDecSoftmax, kDecPV, kPhases };
@@ -509,7 +509,7 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor cache, int64_t lay
 // `other` when given) with each of the threads computing its own rows against the whole weight, each
 // call single-threaded (oneDNN runs serially inside a parallel region). oneDNN's own split of a
 // bf16 AMX matmul over 2 threads is ~1.2x one thread's speed at 1024 rows, this one ~1.7x (the
-// embedded model's four projections: 3.53 / 2.88 / 2.08 ms, bench/linear_split.py). With fewer or
+// embedded model's four projections: 3.53 / 2.88 / 2.08 ms, experiment bench/linear_split.py at c256b25). With fewer or
 // more rows, and in fp32, oneDNN's split measured faster: the caller (layers/linear.py) decides.
 using LinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
                             c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>);

@@ -1,7 +1,7 @@
 """Collectives through shared memory for the ranks of one CPU node.
 
 gloo over loopback TCP costs ~0.5-1.2 ms per all-reduce on these machines; a 12-layer model makes
-26 of them per step (bench/tp_offline.py measured 23 ms of a 63 ms step). Here each rank copies its
+26 of them per step (the experiment bench/tp_offline.py at c256b25 measured 23 ms of a 63 ms step). Here each rank copies its
 tensor into its own slot of a /dev/shm segment, publishes a sequence number, waits until every rank
 has published it, and reads the slots: the sum (all-reduce, added in rank order, so every rank gets
 the same bits) or the concatenation (the logits gather, rank 0 only).

@@ -5,7 +5,7 @@ constrained sampling rows filled each step, and the matcher advanced by each sam
 Lifecycle: a matcher is made when its request is added, advanced once per sampled token, and freed
 when its sequence finishes (stop, length, abort, failure). Preemption keeps a sequence's generated
 tokens (the resume recomputes their KV), so its matcher stays valid across it: nothing to roll back.
-Measured (bench/structured_cost.py): a template of a realistic schema costs ~1.5 ms, a copy ~1 us."""
+Measured (experiment bench/structured_cost.py at c256b25): a template of a realistic schema costs ~1.5 ms, a copy ~1 us."""
 from __future__ import annotations
 
 import logging

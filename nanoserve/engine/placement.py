@@ -5,7 +5,7 @@ On CPU the engine's torch threads and the API process (HTTP, JSON, tokenization,
 fight over the same cores, and a decode step stalls whenever the API side runs. With the engine in
 its own process the API keeps one core and the engine gets the others, from 3 cores on. On 2 cores
 keeping one for the API halves the compute, and sharing it costs far less: there the engine computes
-on both and shares one with the API (`bench/serve_vs_vllm.py`
+on both and shares one with the API (`bench/serve.py`
 at concurrency 32, one session: 478 output tok/s against 322 with one engine thread)."""
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def plan_placement(device: str, cpu_threads: int | None, engine_process: bool,
                    cpus: list[int] | None = None) -> CpuPlacement:
     """`cpu_threads` None = on CPU all cores but one when there are >= 3, both of 2 with the engine in
     its own process (in the API's process two threads measured worse: a 70 ms decode step against
-    51 ms with one, `bench/decode_step.py`), and elsewhere torch decides.
+    51 ms with one, experiment `bench/decode_step.py` at c256b25), and elsewhere torch decides.
     Affinity is split only with the engine in its own process (threads of one process cannot be
     kept apart from torch's compute pool by a per-process setting), and only when the engine's
     threads fit the cores left after the API's one: asking for every core means sharing them."""

@@ -213,6 +213,12 @@ class TierCopies:
         for ld in list(self.waiting_on.get(seq_id, ())):
             ld.copy.handle.wait(max(0.0, deadline - time.monotonic()))
 
+    def wait_saves(self, timeout: float) -> None:
+        """Wait (up to `timeout` in all) for every save in flight; the caller polls after."""
+        deadline = time.monotonic() + timeout
+        for c in list(self.saves):
+            c.handle.wait(max(0.0, deadline - time.monotonic()))
+
     def wait_oldest(self, timeout: float | None = None) -> None:
         """Block until the oldest load (else save) completes, or `timeout`; the caller polls after."""
         if self.loads:

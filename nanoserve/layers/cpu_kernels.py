@@ -9,10 +9,10 @@ of a layer's context, then two small bmm calls that each cost more in call overh
 this kernel reads each K and V row once, in fp32, two passes (scores, softmax, weighted V). On the
 embedded model at 8 sequences x ~300 tokens, one core, it alone took the decode step from ~57 to
 ~49 ms. `add_rms_norm`, `rope_` and `write_kv` each replace several small eager ops of a layer (a
-decode step of a small model is as much per-op overhead as math); bench/decode_vs_vllm.py
+decode step of a small model is as much per-op overhead as math); bench/latency.py
 measures the whole step. `paged_prefill_attention` attends every prefill chunk of a step (fresh or
 over cached context) flash-style on GEMM tiles (AMX where the CPU has it: `amx()`);
-bench/prefill_rate.py measures its FLOP rate against the linear layers' and PyTorch's SDPA.
+The experiment bench/prefill_rate.py (at c256b25) measured its FLOP rate against the linear layers' and PyTorch's SDPA.
 
 Without a compiler, or with NANOSERVE_CPU_KERNELS=0, `load()` returns None and the torch path runs;
 tests compare the two."""

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 
-# Where the split measured faster (`bench/linear_split.py`, 2-core AMX Xeon): 2 threads, 512-1535 rows,
+# Where the split measured faster (experiment `bench/linear_split.py` at c256b25, 2-core AMX Xeon): 2 threads, 512-1535 rows,
 # e.g. 1024 rows 2.08 vs oneDNN's 2.88 ms; at 1536 and 2048 rows oneDNN's own split is faster (2.86 vs
 # 3.20, 3.65 vs 4.13 ms). Other thread counts were not measured and keep oneDNN's.
 SPLIT_THREADS, SPLIT_ROWS = 2, range(512, 1536)

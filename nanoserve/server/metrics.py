@@ -16,7 +16,7 @@ TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 
                 10.0, 20.0, 40.0, 80.0, 160.0)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                1.0, 2.5, 5.0, 10.0, 20.0)
-# fine geometric buckets (x1.25 from 0.5 ms to ~40 s): bench/decode_step.py reads medians from them
+# fine geometric buckets (x1.25 from 0.5 ms to ~40 s): the removed experiment bench/decode_step.py (at c256b25) read medians from them
 STEP_BUCKETS = tuple(round(0.0005 * 1.25 ** i, 6) for i in range(51))
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0)
