@@ -1,7 +1,7 @@
 """The other tensor-parallel ranks, seen from the engine (rank 0): starting the ones on this node,
 the messages they get, and the KV copies they mirror.
 
-One scheduler, N workers. Rank 0 plans each step (runner.StepPlan) and broadcasts it before its
+One scheduler, N workers. Rank 0 plans each step (runner/step_plan.py) and broadcasts it before its
 own forward; the ranks meet in the model's collectives. Block ids are the same on every rank (each
 holds its heads' slice of every block), so the prefix cache and the host tier's bookkeeping exist
 once, on rank 0; a host-tier copy that rank 0 begins is sent to the workers with the next message,
