@@ -22,6 +22,7 @@ from hypothesis import given, strategies as st
 from conftest import hf_greedy, random_prompts
 from nanoserve.distributed.parallel import TensorParallel, shard_heads, vocab_rows
 from nanoserve.distributed.shm import ShmChannel, ShmCollectives
+from nanoserve.engine.tp_messages import decode
 from nanoserve.engine.workers import CopyCommand, Followers, ParallelCopier
 from nanoserve.kvcache.host_tier import HostTier
 from nanoserve.kvcache.transfer import ThreadCopier
@@ -207,11 +208,12 @@ class _Peers(TensorParallel):
 
 
 class _Channel:
+    """What the workers would receive: each message's bytes, decoded as they decode them."""
     def __init__(self) -> None:
         self.sent = []
 
-    def send(self, msg) -> None:
-        self.sent.append(msg)
+    def send(self, data: bytes) -> None:
+        self.sent.append(decode(data))
 
 
 @pytest.mark.parametrize("peer_failed", [False, True])

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import datetime
 import logging
+import secrets
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,8 +134,8 @@ def join(rv: Rendezvous, rank: int, device: torch.device) -> tuple[TensorParalle
     (an idle server sends nothing for hours; a dead peer is still noticed, as a closed connection)."""
     cuda = device.type == "cuda"
     timeout = datetime.timedelta(seconds=rv.timeout_s)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{rv.master_addr}:{rv.master_port}",
-                            rank=rank, world_size=rv.world_size, timeout=timeout)
+    dist.init_process_group("nccl" if cuda else "gloo", store=_store(rv, rank, timeout), rank=rank,
+                            world_size=rv.world_size, timeout=timeout)
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if cuda else dist.group.WORLD
     channel = MessageChannel(dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365)))
     tp = TensorParallel(rank, rv.world_size, dist.group.WORLD, cpu_group)
@@ -142,26 +144,62 @@ def join(rv: Rendezvous, rank: int, device: torch.device) -> tuple[TensorParalle
     return tp, channel
 
 
+def _store(rv: Rendezvous, rank: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The rendezvous store. torch's own listens on every interface whatever address it is given;
+    rank 0's listens on --master-addr only (a socket bound there, handed to it: the store closes it)."""
+    if rank != 0:
+        return dist.TCPStore(rv.master_addr, rv.master_port, rv.world_size, is_master=False, timeout=timeout)
+    family, kind, proto, _, addr = socket.getaddrinfo(rv.master_addr, rv.master_port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            raise OSError(e.errno, f"rank 0 cannot listen on --master-addr {rv.master_addr} port {rv.master_port} "
+                                   f"({e.strerror}): give an address of node 0 itself") from None
+        sock.listen(128)
+        store = dist.TCPStore(rv.master_addr, rv.master_port, rv.world_size, is_master=True, timeout=timeout,
+                              wait_for_workers=False, master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()
+    return store
+
+
 def _open_shm(tp: TensorParallel, rv: Rendezvous, gloo: MessageChannel) -> tuple[ShmCollectives, ShmChannel] | None:
-    """Rank 0 creates the segments, the others map them, then they are unlinked (the mappings
-    stay): no file outlives the ranks, however they end. A failure on any rank: gloo for everyone."""
-    paths = [Path("/dev/shm") / f"nanoserve-tp-{rv.master_port}-{what}" for what in ("collectives", "messages")]
-    opened, failed, why = None, 0, ""
-    for creating in (True, False):  # every rank takes part in both votes
-        if creating == (tp.rank == 0) and not failed:
-            try:
-                if creating:
-                    for p in paths:  # left by an engine on this port that died mid-setup
-                        p.unlink(missing_ok=True)
-                opened = (ShmCollectives(paths[0], tp.rank, tp.size, rv.shm_slot_bytes, rv.timeout_s, creating),
-                          ShmChannel(paths[1], tp.rank, tp.size, MESSAGE_FRAME_BYTES, rv.timeout_s, creating, gloo))
-            except (OSError, RuntimeError) as e:
-                failed, why = 1, str(e)
-        failed = tp.reduce_flags([failed])[0]
+    """Rank 0 creates the segments (mode 0600, O_EXCL) under a random name that it then sends the
+    others over gloo: no local user can predict it, pre-create it or read it from a command line.
+    Once mapped everywhere they are unlinked (the mappings stay): no file outlives the ranks,
+    however they end. A name already taken stops start-up on every rank (someone made it: never
+    map it); any other failure on any rank: gloo for everyone."""
+    token = torch.zeros(16, dtype=torch.uint8)
     if tp.rank == 0:
-        for p in paths:
-            p.unlink(missing_ok=True)
-    if failed:
+        token = torch.frombuffer(bytearray(secrets.token_bytes(16)), dtype=torch.uint8)
+    dist.broadcast(token, src=0, group=tp.cpu_group)
+    name = bytes(token.tolist()).hex()
+    paths = [Path("/dev/shm") / f"nanoserve-tp-{name}-{what}" for what in ("collectives", "messages")]
+    opened, state, why, made = None, 0, "", []  # state: 0 ok, 1 unavailable (gloo), 2 name taken (stop)
+    for creating in (True, False):  # every rank takes part in both votes
+        if creating == (tp.rank == 0) and not state:
+            try:
+                coll = ShmCollectives(paths[0], tp.rank, tp.size, rv.shm_slot_bytes, rv.timeout_s, creating)
+                made += paths[:1] if creating else []
+                msgs = ShmChannel(paths[1], tp.rank, tp.size, MESSAGE_FRAME_BYTES, rv.timeout_s, creating, gloo)
+                made += paths[1:] if creating else []
+                opened = (coll, msgs)
+            except FileExistsError as e:
+                state, why = 2, str(e)
+            except (OSError, RuntimeError) as e:
+                state, why = 1, str(e)
+        state = tp.reduce_flags([state])[0]
+    for p in made:
+        p.unlink(missing_ok=True)
+    if state == 2:
+        raise RuntimeError(f"tensor-parallel shared-memory segment already exists before rank 0 created it "
+                           f"({why or 'seen by rank 0'}): another local user may be interfering; not starting")
+    if state:
         if tp.rank == 0:
             log.warning("shared-memory collectives unavailable (%s); using gloo", why or "a rank could not map them")
         return None

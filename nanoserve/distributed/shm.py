@@ -13,23 +13,26 @@ or as soon as the node's watchdog raises the abort flag. Tensors larger than a s
 from __future__ import annotations
 
 import os
-import pickle
 import platform
 import time
 from pathlib import Path
 
 import torch
 
+from nanoserve.distributed.channel import check_length
+
 _LINE = 8  # int64s per cache line: each rank's flag on its own line
 _SPINS = 2000  # polls with sched_yield before the waits start sleeping (oversubscribed cores)
 
 
 def map_segment(path: Path, nbytes: int, create: bool) -> torch.Tensor:
-    """A shared uint8 tensor over a /dev/shm file; `create` allocates it first (ENOSPC then, not
-    SIGBUS on first touch, when /dev/shm is small)."""
+    """A shared uint8 tensor over a /dev/shm file; `create` makes it (readable and writable by this
+    user only; FileExistsError if the name is taken: never map a file someone else made) and
+    allocates it (ENOSPC then, not SIGBUS on first touch, when /dev/shm is small)."""
     if create:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
+            os.fchmod(fd, 0o600)  # whatever the umask
             os.posix_fallocate(fd, 0, nbytes)
         finally:
             os.close(fd)
@@ -109,8 +112,8 @@ class ShmCollectives:
 
 
 class ShmChannel:
-    """The step messages (distributed/channel.py's job) through shared memory, for one CPU node:
-    rank 0 writes a pickled message into one of two frames and publishes its sequence number; each
+    """The step messages (distributed/channel.py's job, bytes) through shared memory, for one CPU node:
+    rank 0 writes an encoded message into one of two frames and publishes its sequence number; each
     rank reads it and publishes that it has. Rank 0 reuses a frame only once every rank has read
     the message before last in it. A message larger than a frame goes through `fallback` (gloo),
     which the frame says. An idle worker polls with growing sleeps (up to 1 ms): no deadline, since
@@ -126,8 +129,7 @@ class ShmChannel:
         self.frames = self.buf[header:].reshape(2, frame_bytes)
         self.seq = 0
 
-    def send(self, msg: object) -> None:
-        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    def send(self, data: bytes) -> None:
         self.seq += 1
         self._wait(lambda: int(self.flags[1:self.size].min()) >= self.seq - 2, idle=False)
         frame, n = self.frames[self.seq % 2], len(data)
@@ -137,16 +139,17 @@ class ShmChannel:
             frame[8:8 + n] = memoryview(data)
         self.flags[self.size] = self.seq
         if big:
-            self.fallback.send(msg)
+            self.fallback.send(data)
 
-    def recv(self) -> object:
+    def recv(self) -> bytes:
+        """A message's bytes (a copy: the frame is rewritten once read); ValueError on a corrupt length."""
         self.seq += 1
         self._wait(lambda: int(self.flags[self.size]) >= self.seq, idle=True)
         frame = self.frames[self.seq % 2]
         n = int(frame[:8].view("int64")[0])
-        msg = self.fallback.recv() if n < 0 else pickle.loads(frame[8:8 + n].tobytes())
+        data = self.fallback.recv() if n == -1 else frame[8:8 + check_length(n, self.frame_bytes - 8)].tobytes()
         self.flags[self.rank] = self.seq
-        return msg
+        return data
 
     def _wait(self, ready, idle: bool) -> None:
         """`idle` (a worker waiting for work): no deadline; rank 0 waiting for a reader: timeout_s."""

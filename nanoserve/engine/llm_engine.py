@@ -119,8 +119,8 @@ class LLMEngine:
         self.followers = Followers(channel, self.tp)
         # also at interpreter exit: an offline LLM nobody closed must not leave its workers waiting
         self._stop_workers = weakref.finalize(self, stop_workers, self.followers, self.local_workers)
-        channel.send(Setup(dataclasses.asdict(self.config), self.source.name, str(self.source.path),
-                           str(self.dtype).removeprefix("torch.")))
+        self.followers.send(Setup(dataclasses.asdict(self.config), self.source.name, str(self.source.path),
+                                   str(self.dtype).removeprefix("torch.")))
         log.info("tensor parallel: %d ranks (%d on this node), collectives through %s", self.tp.size, len(specs),
                  "NCCL" if self.device.type == "cuda" else "shared memory" if self.tp.shm else "gloo")
 

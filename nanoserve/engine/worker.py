@@ -2,10 +2,12 @@
 does (model_setup.build_shard), then runs whatever rank 0 sends, in order: each step's KV copies
 (on its own slices of the two tiers), then the step's forward. It never decides anything.
 
-It stops on Stop (exit 0). Anything else that goes wrong ends the process with a non-zero code:
-rank 0 then sees a closed connection inside its next collective and fails its requests, rather
-than run on with ranks that disagree. Started by rank 0 on its own node, by `nanoserve
---node-rank K` on the others: `python -m nanoserve.engine.worker SPEC_JSON`."""
+It stops on Stop (exit 0), and on a message that does not decode as the one expected (exit 2:
+malformed, truncated or of another version; engine/tp_messages.py), running nothing of it.
+Anything else that goes wrong ends the process with a non-zero code: rank 0 then sees a closed
+connection inside its next collective and fails its requests, rather than run on with ranks that
+disagree. Started by rank 0 on its own node, by `nanoserve --node-rank K` on the others:
+`python -m nanoserve.engine.worker SPEC_JSON`."""
 from __future__ import annotations
 
 import json
@@ -20,7 +22,8 @@ from nanoserve.config import EngineConfig
 from nanoserve.distributed.parallel import Rendezvous, join, leave
 from nanoserve.engine.model_setup import build_shard, host_blocks
 from nanoserve.engine.placement import die_with_parent
-from nanoserve.engine.workers import CopyCommand, Setup, Step, Stop, WorkerSpec
+from nanoserve.engine.tp_messages import CopyCommand, MessageError, Setup, Step, Stop, decode
+from nanoserve.engine.workers import WorkerSpec
 from nanoserve.kvcache.host_tier import alloc_host_cache
 from nanoserve.kvcache.transfer import copy_block_async, copy_blocks
 from nanoserve.models.loader import ModelSource, load_config
@@ -45,11 +48,15 @@ def run_copies(copies: list[CopyCommand], device_cache: torch.Tensor, host_cache
     return failed
 
 
-def _next(channel) -> object:
+def _next(channel, expect: type | tuple[type, ...]) -> Setup | Step | Stop:
+    """The next message, decoded as one of `expect` (MessageError if it is not one: nothing of it runs)."""
     try:
-        return channel.recv()
+        data = channel.recv()
+    except ValueError as e:  # a corrupt frame length
+        raise MessageError(str(e)) from None
     except RuntimeError as e:  # rank 0's connection closed: it is gone, so is this engine
         raise RankZeroGone(str(e)) from None
+    return decode(data, expect)
 
 
 class RankZeroGone(Exception):
@@ -61,8 +68,7 @@ def serve(spec: WorkerSpec) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     tp, channel = join(spec.rendezvous, spec.rank, device)
-    setup = channel.recv()
-    assert isinstance(setup, Setup), f"expected Setup first, got {type(setup).__name__}"
+    setup = _next(channel, Setup)
     config = EngineConfig(**setup.config)
     source = ModelSource(setup.model_name, Path(setup.model_path))
     shard = build_shard(config, source, load_config(source), device, getattr(torch, setup.dtype), tp)
@@ -71,8 +77,7 @@ def serve(spec: WorkerSpec) -> int:
                                    pin=device.type == "cuda")[0] if blocks else None)
     log.info("rank %d ready: %d KV blocks, %d host blocks", tp.rank, shard.num_blocks, blocks)
     with torch.inference_mode():
-        while not isinstance(msg := _next(channel), Stop):
-            assert isinstance(msg, Step), f"unexpected message {type(msg).__name__}"
+        while not isinstance(msg := _next(channel, (Step, Stop)), Stop):
             flags = run_copies(msg.copies, shard.runner.kv_cache, host_cache)
             if msg.plan is not None:
                 shard.runner.execute(msg.plan)
@@ -100,6 +105,9 @@ def main(argv: list[str]) -> int:
     except RankZeroGone as e:
         log.error("rank 0 is gone (%s); exiting", str(e).split(" This is")[0])
         return 1
+    except MessageError as e:  # not rank 0's plan, or not this version's: run nothing of it
+        log.error("tensor-parallel rank %d stops: %s", spec.rank, e)
+        return 2
     except Exception:
         log.exception("tensor-parallel rank %d failed", spec.rank)
         return 1

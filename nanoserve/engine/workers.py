@@ -1,5 +1,5 @@
 """The other tensor-parallel ranks, seen from the engine (rank 0): starting the ones on this node,
-the messages they get, and the KV copies they mirror.
+the messages they get (engine/tp_messages.py: typed, never pickled), and the KV copies they mirror.
 
 One scheduler, N workers. Rank 0 plans each step (runner/step_plan.py) and broadcasts it before its
 own forward; the ranks meet in the model's collectives. Block ids are the same on every rank (each
@@ -27,37 +27,11 @@ from nanoserve.config import EngineConfig
 from nanoserve.distributed.channel import MessageChannel
 from nanoserve.distributed.parallel import ParallelFault, Rendezvous, TensorParallel, leave
 from nanoserve.distributed.shm import ShmChannel
+from nanoserve.engine.tp_messages import CopyCommand, Message, Setup, Step, Stop, encode  # Setup: for llm_engine
 from nanoserve.kvcache.transfer import Copier, Transfer
 from nanoserve.runner.step_plan import StepPlan
 
 log = logging.getLogger("nanoserve")
-
-
-# ---- messages (rank 0 -> workers) -------------------------------------------------------------
-@dataclass
-class Setup:
-    config: dict          # EngineConfig fields: rank 0's, so every node runs the same settings
-    model_name: str
-    model_path: str       # the (materialized) model folder; other nodes need the same path
-    dtype: str
-
-
-@dataclass(frozen=True)
-class CopyCommand:
-    lane: str             # "save" (device -> host) or "load" (host -> device)
-    src_ids: list[int]
-    dst_ids: list[int]
-
-
-@dataclass
-class Step:
-    plan: StepPlan | None  # None: copies only (rank 0 waits for one and has no step to run)
-    copies: list[CopyCommand]
-
-
-@dataclass
-class Stop:
-    pass
 
 
 # ---- rank 0's side of the copies -----------------------------------------------------------------
@@ -71,8 +45,11 @@ class Followers:
         self.in_flight: list[CopyAck] = []
         self.failed = False  # set by the engine on a ParallelFault: the ranks are out of step
 
+    def send(self, msg: Message) -> None:
+        self.channel.send(encode(msg))
+
     def before(self, plan: StepPlan | None) -> None:
-        self.channel.send(Step(plan, [cmd for cmd, _ in self.pending]))
+        self.send(Step(plan, [cmd for cmd, _ in self.pending]))
         self.in_flight, self.pending = [ack for _, ack in self.pending], []
 
     def after(self) -> None:
@@ -90,7 +67,7 @@ class Followers:
             self.after()
 
     def stop(self) -> None:
-        self.channel.send(Stop())
+        self.send(Stop())
 
 
 @dataclass
