@@ -11,7 +11,7 @@ import torch
 from nanoserve import LLM, SamplingParams
 from nanoserve.kvcache.host_tier import HostTier
 from nanoserve.kvcache.transfer import ThreadCopier
-from tests.conftest import hf_greedy
+from tests.conftest import KV_GB, hf_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -173,7 +173,7 @@ def test_embedded_model_identical_from_host(embedded_dir):
         llm.generate([f], params)
     again = llm.generate([q[1]], params)[0]
     assert again.num_host_cached_tokens > 0
-    fresh = LLM(dtype="float32", enable_prefix_caching=False)
+    fresh = LLM(dtype="float32", enable_prefix_caching=False, kv_cache_gb=KV_GB)
     assert again.outputs[0].token_ids == fresh.generate([q[1]], params)[0].outputs[0].token_ids
     assert first.outputs[0].token_ids == fresh.generate([q[0]], params)[0].outputs[0].token_ids
 
@@ -245,6 +245,6 @@ def test_manager_property_setup_reaches_the_host_tier():
 
 def test_host_budget_beyond_available_memory_is_refused(tiny_model):
     with pytest.raises(ValueError, match="more than this machine has available"):
-        LLM(str(tiny_model), dtype="float32", host_cache_gb=100_000)
+        LLM(str(tiny_model), dtype="float32", host_cache_gb=100_000, kv_cache_gb=KV_GB)
     with pytest.raises(ValueError, match="needs prefix caching"):
-        LLM(str(tiny_model), dtype="float32", host_cache_gb=0.01, enable_prefix_caching=False)
+        LLM(str(tiny_model), dtype="float32", host_cache_gb=0.01, enable_prefix_caching=False, kv_cache_gb=KV_GB)

@@ -20,7 +20,7 @@ from nanoserve.kvcache.transfer import Copier, ThreadCopier, Transfer
 from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence, SeqStatus
 from bench.gpu_check import check_round_trip, forget_device_cache
-from tests.conftest import hf_greedy, make_tiny_model
+from tests.conftest import hf_greedy
 from tests.test_host_tier import GatedCopy
 
 
@@ -440,8 +440,8 @@ def test_failed_copies_publish_nothing_and_the_sequence_recomputes():
 
 # ---- the real engine with slowed copies --------------------------------------------------------
 @pytest.fixture(scope="module")
-def one_tiny(tmp_path_factory, embedded_dir):
-    return make_tiny_model(tmp_path_factory.mktemp("transfer-tiny"), "llama-gqa-tied", embedded_dir)
+def one_tiny(tiny_path):
+    return tiny_path("llama-gqa-tied")
 
 
 def _engine_with_doc_on_host(path, num_kv_blocks: int = 40):
