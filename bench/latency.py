@@ -6,6 +6,7 @@ time goes inside nanoserve's forward pass.
     python bench/latency.py --threads 1 --peer vllm --runs 3      # per core, against vLLM-CPU
     python bench/latency.py --threads 2 --base /tmp/base --decode-batch ''   # A/B of cold TTFT
     python bench/latency.py --threads 1 --breakdown --decode-batch ''        # where a prefill's time goes
+    python bench/latency.py --tp-wire --decode-batch 1,32    # a tensor-parallel step message's codec
 
 Cold TTFT: one fresh prompt (random token ids, no prefix any side has seen) with max_tokens=1, timed
 around generate; median of --prompts prompts per length and run. Decode step: --decode-steps K; the
@@ -20,6 +21,9 @@ worker, keeping the first for its scheduler); default: torch's own. vLLM-CPU kee
 with that checkout's nanoserve. --breakdown: every call of each part of nanoserve's forward pass
 is timed (the linear layers by projection, norms, RoPE, KV write, attention, LM head; the rest is
 the attention backend's Python and copies, batch building, scheduling and sampling).
+--tp-wire: encode + decode of the decode step that rank 0 sends to the other tensor-parallel ranks
+(a batch of rows 16 blocks past --decode-ctx each), with the typed codec and with pickle (what it
+replaced), median of 20,000; no model is loaded.
 """
 from __future__ import annotations
 
@@ -152,6 +156,32 @@ def measure(side, args, r: int) -> dict:
     return out
 
 
+def tp_wire(batches: list[int], ctx: int, reps: int = 20_000) -> None:
+    import pickle
+    from nanoserve.engine.tp_messages import Step, decode, encode
+    from nanoserve.runner.step_plan import StepPlan
+
+    def median_us(fn) -> float:
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter_ns()
+            fn()
+            times.append(time.perf_counter_ns() - t0)
+        return statistics.median(times) / 1000
+    for b in batches:
+        blocks = ctx // 16 + 1
+        tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(b)]
+        pos = [ctx - i % 5 for i in range(b)]
+        step = Step(StepPlan([1000 + i for i in range(b)], pos, [t[p // 16] for t, p in zip(tables, pos)],
+                             [p % 16 for p in pos], [], [1] * b, [p + 1 for p in pos], tables, b, None), [])
+        assert decode(encode(step)) == step
+        typed, pickled = len(encode(step)), len(pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL))
+        t = median_us(lambda: decode(encode(step)))
+        p = median_us(lambda: pickle.loads(pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)))
+        print(f"batch {b}, {blocks}-block tables: typed {t:.1f} us ({typed} B), pickle {p:.1f} us ({pickled} B); "
+              f"{cpu_name()}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="nanoserve --model (default: the embedded SmolLM2-135M)")
@@ -167,6 +197,7 @@ def main() -> int:
     ap.add_argument("--peer", choices=["vllm"], default=None, help="alternate with vLLM-CPU's offline LLM")
     ap.add_argument("--base", type=Path, default=None, help="alternate with this checkout's nanoserve")
     ap.add_argument("--breakdown", action="store_true", help="time the parts of nanoserve's forward pass")
+    ap.add_argument("--tp-wire", action="store_true", help="time the tensor-parallel step message codec and exit")
     ap.add_argument("--json", default=None, metavar="FILE")
     ap.add_argument("--one-run", type=int, default=None, help=argparse.SUPPRESS)  # child: one run, JSON out
     add_peer_args(ap)
@@ -174,6 +205,8 @@ def main() -> int:
     args.lens = [int(x) for x in args.ttft_lens.split(",") if x]
     args.batches = [int(x) for x in args.decode_batch.split(",") if x]
     args.contexts = [int(x) for x in args.decode_ctx.split(",") if x]
+    if args.tp_wire:
+        return tp_wire(args.batches, args.contexts[0]) or 0
     if args.dtype == "auto":
         args.dtype = auto_dtype()
     sides: dict = {}

@@ -7,10 +7,8 @@ rank 0 as [WIRE_VERSION, type name, fields] and decoded on each rank into its de
 or of another version, raise MessageError: the rank stops with that error, nothing runs.
 
 The messages are dataclasses, as engine/protocol.py's, so msgspec is imported only here, on first
-use (the offline engine on one rank runs without it). Cost of encode + decode of a decode Step
-(median of 20,000; 2-core Xeon; a script outside the repo, at this commit), batch 1 with 4-block
-tables / batch 32 with 32-block tables: pickle 7.6 µs / 40 µs (300 B / 3.7 KB), this codec
-2.2 µs / 31 µs (146 B / 3.4 KB), type checks included."""
+use (the offline engine on one rank runs without it). Encode + decode of a decode Step, type checks
+included, is below pickle's: `python bench/latency.py --tp-wire` (README, Tensor parallelism)."""
 from __future__ import annotations
 
 import functools
