@@ -1,6 +1,9 @@
 """bench/gpu_check.py --cpu-smoke, each in its own process (so the import check means something):
-the same code as on a GPU, on tiny shapes. The correctness and tier_noreuse sections are left out
-(the former is these files' engine tests on a GPU-free machine, the latter a throughput ratio)."""
+the same code as on a GPU, on tiny shapes. The correctness, tensor_parallel and tier_noreuse sections
+are left out: the first is these files' engine tests on a GPU-free machine; the second needs two GPUs
+(the machine a session is lent has one, so it is skipped there) and its checks, greedy == HF on two
+ranks, a host-tier round trip on two ranks, decode on two ranks, are tests/test_tensor_parallel.py's
+on gloo ranks (it was ~70 of this test's ~80 seconds); the third is a throughput ratio."""
 from __future__ import annotations
 
 import json
@@ -33,8 +36,7 @@ def test_gpu_check_cpu_smoke(tmp_path):
     both ways; steps are timed while a host load is in flight and the loader's tokens equal the
     device-cache run's; nothing on the path imports pyzmq, fastapi, gguf, the embedded model
     package or test code."""
-    r = run_smoke(tmp_path, ["speed", "tensor_parallel", "tier_round_trip", "tier_ttft", "tier_bandwidth",
-                             "tier_overlap"])
+    r = run_smoke(tmp_path, ["speed", "tier_round_trip", "tier_ttft", "tier_bandwidth", "tier_overlap"])
     batches, steps = CPU_SMOKE.batches, CPU_SMOKE.decode_steps
     for backend in ("flash", "triton", "torch"):
         rows = r["speed"][backend]["eager"]
@@ -43,9 +45,6 @@ def test_gpu_check_cpu_smoke(tmp_path):
     assert r["tier_round_trip"]["exact"] and r["tier_round_trip"]["bytes_each_way"] > 0
     assert [row["outputs_match"] for row in r["tier_ttft"]["rows"]] == [True] * len(CPU_SMOKE.ttft_lens)
     assert all(row["host_cached"] > 0 for row in r["tier_ttft"]["rows"])
-    tp = r["tensor_parallel"]  # 2 gloo ranks stand in for 2 GPUs
-    assert tp["ranks"] == 2 and tp["triton"]["fp32_greedy_exact"] and tp["host_round_trip"]["exact"]
-    assert tp["decode_tp2"]["tokens"] == max(batches) * steps
     bw = r["tier_bandwidth"]
     assert all(bw[f"{k}_gb_s"] > 0 for k in ("tier_save", "tier_load", "raw_d2h", "raw_h2d"))
     assert bw["copy_failures"] == 0
