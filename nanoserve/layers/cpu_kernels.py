@@ -28,23 +28,38 @@ import torch
 
 log = logging.getLogger("nanoserve")
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_kernels.cpp"
+QUANT_SOURCE = SOURCE.with_name("quant_kernels.cpp")
 
 
 @functools.cache
 def load():
     """The compiled module, or None (no compiler, disabled, or the build failed: logged once)."""
+    return _build("nanoserve_cpu", SOURCE)
+
+
+@functools.cache
+def quant():
+    """The GGUF block-quantized kernels (csrc/quant_kernels.cpp), or None like `load()`."""
+    return _build("nanoserve_quant", QUANT_SOURCE)
+
+
+def _build(prefix: str, source: Path):
     if os.environ.get("NANOSERVE_CPU_KERNELS", "1") == "0":
         return None
+    # NANOSERVE_CPU_MARCH (e.g. haswell) builds another instruction set's code path on this machine,
+    # to test the AVX2 / scalar fallbacks
+    march = os.environ.get("NANOSERVE_CPU_MARCH", "native")
     try:
         from torch.utils.cpp_extension import load as build
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), "")
-        key = hashlib.sha256(SOURCE.read_bytes() + (flags + torch.__version__).encode()).hexdigest()[:12]
-        return build(f"nanoserve_cpu_{key}", sources=[str(SOURCE)],
-                     extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off",
+        key = hashlib.sha256(source.read_bytes() + (flags + torch.__version__ + march.replace("native", "")).encode()).hexdigest()[:12]
+        wide = ["-mprefer-vector-width=512"] if march == "native" else []
+        return build(f"{prefix}_{key}", sources=[str(source)],
+                     extra_cflags=["-O3", f"-march={march}", *wide, "-ffp-contract=off",
                                    "-fopenmp", "-fopenmp-simd"],
                      extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # noqa: BLE001 - any build problem means: use the torch path
-        log.warning("CPU kernels unavailable, using the torch path (%s: %s)", type(e).__name__,
+        log.warning("CPU kernels (%s) unavailable, using the torch path (%s: %s)", source.name, type(e).__name__,
                     str(e).strip().splitlines()[-1] if str(e).strip() else "")
         return None

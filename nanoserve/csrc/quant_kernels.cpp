@@ -1,0 +1,278 @@
+// GGUF block-quantized weights (Q4_0, Q4_1, Q8_0) computed on directly, built on first use by
+// nanoserve/layers/cpu_kernels.py (-march=native unless NANOSERVE_CPU_MARCH says otherwise).
+//
+// Activations stay in fp32: each 32-weight block is dequantized in registers with exactly the
+// arithmetic of the gguf package's dequantize (Q4_0/Q8_0: d*q; Q4_1: d*q then + m, two roundings, no
+// FMA), then FMA-ed against x. So a product here differs from "dequantize, then F.linear in fp32"
+// only in summation order. (llama.cpp instead rounds x to int8 per block and uses integer dot
+// products: faster on VNNI, but not exact.) One code path per build, chosen by the compiler flags:
+// AVX-512, else AVX2 + FMA + F16C, else scalar.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int QK = 32;  // weights per block, all three types
+enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // GGML's type ids
+
+template <int QT> constexpr int64_t block_bytes() { return QT == Q4_0 ? 18 : QT == Q4_1 ? 20 : 34; }
+
+inline float h2f(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+}
+
+// ---- one block of 32 weights -> fp32 lanes, per instruction set ----------------------------------
+#if defined(__AVX512F__)
+struct Simd {
+  using V = __m512;
+  static constexpr int W = 16, N = QK / W;  // lanes, vectors per block
+  static const char* name() { return "avx512"; }
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static float sum(V v) { return _mm512_reduce_add_ps(v); }
+  template <int QT> static void block(const uint8_t* b, V* w) {
+    if constexpr (QT == Q8_0) {
+      const V d = _mm512_set1_ps(h2f(b));
+      for (int i = 0; i < N; ++i)
+        w[i] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 2 + 16 * i)))));
+    } else {
+      const uint8_t* qs = b + (QT == Q4_1 ? 4 : 2);
+      const __m128i q = _mm_loadu_si128((const __m128i*)qs), m4 = _mm_set1_epi8(0x0F);
+      __m512i lo = _mm512_cvtepu8_epi32(_mm_and_si128(q, m4)), hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), m4));
+      const V d = _mm512_set1_ps(h2f(b));
+      if constexpr (QT == Q4_0) {
+        const __m512i eight = _mm512_set1_epi32(8);
+        w[0] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(lo, eight)));
+        w[1] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(hi, eight)));
+      } else {
+        const V m = _mm512_set1_ps(h2f(b + 2));
+        w[0] = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(lo)), m);
+        w[1] = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(hi)), m);
+      }
+    }
+  }
+};
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+struct Simd {
+  using V = __m256;
+  static constexpr int W = 8, N = QK / W;
+  static const char* name() { return "avx2"; }
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static float sum(V v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+  template <int QT> static void block(const uint8_t* b, V* w) {
+    const V d = _mm256_set1_ps(h2f(b));
+    if constexpr (QT == Q8_0) {
+      for (int i = 0; i < N; ++i)
+        w[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(b + 2 + 8 * i)))));
+    } else {
+      const __m128i q = _mm_loadu_si128((const __m128i*)(b + (QT == Q4_1 ? 4 : 2))), m4 = _mm_set1_epi8(0x0F);
+      const __m128i lo = _mm_and_si128(q, m4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), m4);
+      const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+      for (int i = 0; i < N; ++i) {
+        __m256i v = _mm256_cvtepu8_epi32(parts[i]);
+        if constexpr (QT == Q4_0) {
+          w[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(v, _mm256_set1_epi32(8))));
+        } else {
+          w[i] = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(v)), _mm256_set1_ps(h2f(b + 2)));
+        }
+      }
+    }
+  }
+};
+#else
+struct Simd {
+  using V = float;
+  static constexpr int W = 1, N = QK;
+  static const char* name() { return "scalar"; }
+  static V zero() { return 0.f; }
+  static V load(const float* p) { return *p; }
+  static void store(float* p, V v) { *p = v; }
+  static V fma(V a, V b, V c) { return a * b + c; }
+  static float sum(V v) { return v; }
+  template <int QT> static void block(const uint8_t* b, V* w) {
+    const float d = h2f(b);
+    if constexpr (QT == Q8_0) {
+      for (int i = 0; i < QK; ++i) w[i] = d * static_cast<float>(static_cast<int8_t>(b[2 + i]));
+    } else {
+      const uint8_t* qs = b + (QT == Q4_1 ? 4 : 2);
+      const float m = QT == Q4_1 ? h2f(b + 2) : 0.f;
+      for (int i = 0; i < 16; ++i) {
+        const int lo = qs[i] & 15, hi = qs[i] >> 4;
+        w[i] = QT == Q4_0 ? d * static_cast<float>(lo - 8) : d * static_cast<float>(lo) + m;
+        w[i + 16] = QT == Q4_0 ? d * static_cast<float>(hi - 8) : d * static_cast<float>(hi) + m;
+      }
+    }
+  }
+};
+#endif
+
+using V = Simd::V;
+
+// res[t] = dot(weight row, x row t) for NT rows of x at once: the row's blocks are dequantized once
+// per NT rows. Accumulators: one per vector of a block, so consecutive FMAs do not wait on each other.
+template <int QT, int NT>
+inline void dot_rows(const uint8_t* wrow, int64_t nb, const float* x, int64_t ldx, float* res) {
+  constexpr int NA = Simd::N < 4 ? Simd::N : 4;
+  V acc[NT][NA];
+  for (int t = 0; t < NT; ++t)
+    for (int a = 0; a < NA; ++a) acc[t][a] = Simd::zero();
+  V w[Simd::N];
+  for (int64_t b = 0; b < nb; ++b) {
+    Simd::block<QT>(wrow + b * block_bytes<QT>(), w);
+    for (int t = 0; t < NT; ++t) {
+      const float* xb = x + t * ldx + b * QK;
+      for (int i = 0; i < Simd::N; ++i) acc[t][i % NA] = Simd::fma(w[i], Simd::load(xb + i * Simd::W), acc[t][i % NA]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    V s = acc[t][0];
+    for (int a = 1; a < NA; ++a) s = s + acc[t][a];
+    res[t] = Simd::sum(s);
+  }
+}
+
+template <typename O> inline O to_out(float v) { return static_cast<O>(v); }
+
+constexpr int TILE = 8;  // x rows per pass over a weight row
+
+template <int QT, typename O>
+void linear_impl(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t N, int64_t row_bytes, O* out, int64_t ldo) {
+  const int64_t nb = K / QK;
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    float res[TILE];
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* wrow = w + n * row_bytes;
+      for (int64_t t0 = 0; t0 < T; t0 += TILE) {
+        const int64_t nt = std::min<int64_t>(TILE, T - t0);
+        const float* xt = x + t0 * K;
+        switch (nt) {
+          case 1: dot_rows<QT, 1>(wrow, nb, xt, K, res); break;
+          case 2: dot_rows<QT, 2>(wrow, nb, xt, K, res); break;
+          case 3: dot_rows<QT, 3>(wrow, nb, xt, K, res); break;
+          case 4: dot_rows<QT, 4>(wrow, nb, xt, K, res); break;
+          case 5: dot_rows<QT, 5>(wrow, nb, xt, K, res); break;
+          case 6: dot_rows<QT, 6>(wrow, nb, xt, K, res); break;
+          case 7: dot_rows<QT, 7>(wrow, nb, xt, K, res); break;
+          default: dot_rows<QT, 8>(wrow, nb, xt, K, res); break;
+        }
+        for (int64_t t = 0; t < nt; ++t) out[(t0 + t) * ldo + n] = to_out<O>(res[t]);
+      }
+    }
+  });
+}
+
+template <int QT, typename O>
+void dequant_impl(const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes, O* out, int64_t ldo) {
+  const int64_t nb = K / QK;
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    alignas(64) float buf[QK];
+    V v[Simd::N];
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* wrow = w + n * row_bytes;
+      O* orow = out + n * ldo;
+      for (int64_t b = 0; b < nb; ++b) {
+        Simd::block<QT>(wrow + b * block_bytes<QT>(), v);
+        if constexpr (std::is_same_v<O, float>) {
+          for (int i = 0; i < Simd::N; ++i) Simd::store(orow + b * QK + i * Simd::W, v[i]);
+        } else {
+          for (int i = 0; i < Simd::N; ++i) Simd::store(buf + i * Simd::W, v[i]);
+          for (int i = 0; i < QK; ++i) orow[b * QK + i] = static_cast<O>(buf[i]);
+        }
+      }
+    }
+  });
+}
+
+template <int QT> constexpr bool known() { return QT == Q4_0 || QT == Q4_1 || QT == Q8_0; }
+
+// dispatch (qtype, output dtype) to a template instance
+template <template <int, typename> class F, typename... A>
+void dispatch(int64_t qtype, const torch::Tensor& out, A... args) {
+  auto go = [&](auto qt) {
+    constexpr int QT = decltype(qt)::value;
+    if (out.scalar_type() == torch::kFloat) F<QT, float>::run(args..., out.data_ptr<float>());
+    else if (out.scalar_type() == torch::kBFloat16) F<QT, c10::BFloat16>::run(args..., out.data_ptr<c10::BFloat16>());
+    else if (out.scalar_type() == torch::kHalf) F<QT, c10::Half>::run(args..., out.data_ptr<c10::Half>());
+    else TORCH_CHECK(false, "output dtype must be float32, bfloat16 or float16");
+  };
+  switch (qtype) {
+    case Q4_0: go(std::integral_constant<int, Q4_0>()); break;
+    case Q4_1: go(std::integral_constant<int, Q4_1>()); break;
+    case Q8_0: go(std::integral_constant<int, Q8_0>()); break;
+    default: TORCH_CHECK(false, "quantized type ", qtype, " has no kernel (Q4_0=2, Q4_1=3, Q8_0=8)");
+  }
+}
+
+int64_t row_bytes_of(int64_t qtype, int64_t K) {
+  const int64_t bb = qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : qtype == Q8_0 ? 34 : 0;
+  TORCH_CHECK(bb, "quantized type ", qtype, " has no kernel (Q4_0=2, Q4_1=3, Q8_0=8)");
+  return K / QK * bb;
+}
+
+void check_weight(const torch::Tensor& w, int64_t qtype, int64_t K) {
+  TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.stride(1) == 1, "weight: 2-D uint8 blocks, rows contiguous");
+  TORCH_CHECK(K % QK == 0, "the input size must be a multiple of 32, got ", K);
+  TORCH_CHECK(w.size(1) == row_bytes_of(qtype, K), "weight rows hold ", w.size(1), " bytes; type ", qtype, " with ", K,
+              " inputs needs ", row_bytes_of(qtype, K));
+}
+
+void check_out(const torch::Tensor& out, int64_t rows, int64_t cols) {
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.size(1) == cols && out.stride(1) == 1,
+              "out must be [", rows, ", ", cols, "] with unit column stride");
+}
+
+template <int QT, typename O> struct Linear {
+  static void run(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t N, int64_t rb, int64_t ldo, O* out) {
+    linear_impl<QT, O>(x, T, K, w, N, rb, out, ldo);
+  }
+};
+template <int QT, typename O> struct Dequant {
+  static void run(const uint8_t* w, int64_t N, int64_t K, int64_t rb, int64_t ldo, O* out) {
+    dequant_impl<QT, O>(w, N, K, rb, out, ldo);
+  }
+};
+
+}  // namespace
+
+// out[t, n] = sum_k x[t, k] * W[n, k], W given as GGUF blocks [N, row_bytes]; `out` may be a column
+// slice of a wider tensor (fused QKV / gate-up parts of different types each write their columns).
+void quant_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, torch::Tensor out) {
+  TORCH_CHECK(x.dim() == 2, "x must be 2-D");
+  const int64_t T = x.size(0), K = x.size(1), N = w.size(0);
+  check_weight(w, qtype, K);
+  check_out(out, T, N);
+  const torch::Tensor xf = x.to(torch::kFloat).contiguous();
+  dispatch<Linear>(qtype, out, xf.data_ptr<float>(), T, K, w.data_ptr<uint8_t>(), N, w.size(1), out.stride(0));
+}
+
+// out[n, :] = the dequantized weight row n (prefill GEMMs, embedding rows)
+void quant_dequantize(torch::Tensor w, int64_t qtype, torch::Tensor out) {
+  const int64_t N = w.size(0), K = out.size(1);
+  check_weight(w, qtype, K);
+  check_out(out, N, K);
+  dispatch<Dequant>(qtype, out, w.data_ptr<uint8_t>(), N, K, w.size(1), out.stride(0));
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("quant_linear", &quant_linear, py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("out"));
+  m.def("quant_dequantize", &quant_dequantize, py::arg("w"), py::arg("qtype"), py::arg("out"));
+  m.def("isa", []() { return std::string(Simd::name()); });
+}

@@ -1,0 +1,119 @@
+"""Linear layers and embedding tables whose weights stay in GGUF blocks (Q4_0, Q4_1, Q8_0).
+
+Decode is weight-streaming bound: a Q4_1 weight is 0.625 bytes, a bf16 one 2, an fp32 one 4. The
+kernels (csrc/quant_kernels.cpp) read the blocks and dequantize them in registers, against fp32
+activations, so results equal "dequantize, then matmul in fp32" up to summation order.
+
+Batches of up to GEMV_MAX_ROWS rows (decode) go through the block kernel; larger ones (prefill)
+dequantize the weight into a scratch tensor in the activation dtype and run the ordinary GEMM
+(oneDNN): there the FLOPs dominate and the dequantization is a few percent of the step.
+Embedding lookups dequantize only the rows they read."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGML type ids of the types kept quantized
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}  # per 32 weights
+TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
+# Above this many rows the dequantize-then-GEMM path runs (bench/latency.py --quant-kernels measures
+# both sides of it)
+GEMV_MAX_ROWS = 16
+# Weights larger than this (elements) are never dequantized whole for a GEMM (a tied LM head:
+# 28M elements would be a 113 MB scratch), the block kernel takes any row count
+DEQUANT_MAX_ELEMENTS = 16 << 20
+
+
+@dataclass(frozen=True)
+class QuantTensor:
+    """A [rows, cols] weight matrix as GGUF blocks: `data` is [rows, cols / 32 * block bytes] uint8
+    (memory-mapped from the file where it could stay so)."""
+    data: torch.Tensor
+    qtype: int
+    shape: tuple[int, int]
+
+    def __post_init__(self) -> None:
+        rows, cols = self.shape
+        if self.qtype not in BLOCK_BYTES or cols % 32 or tuple(self.data.shape) != (rows, cols // 32 * BLOCK_BYTES[self.qtype]):
+            raise ValueError(f"not a {TYPE_NAMES.get(self.qtype, self.qtype)} [{rows}, {cols}] block matrix: "
+                             f"data {tuple(self.data.shape)}")
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def get_shape(self) -> tuple[int, int]:  # the lazy-slice protocol the model's loader reads
+        return self.shape
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 [rows, cols] by the gguf package (the reference this layer is tested against)."""
+        import numpy as np
+        from gguf.quants import dequantize
+        return torch.from_numpy(np.array(dequantize(self.data.numpy(), self.qtype), dtype=np.float32))
+
+    def __getitem__(self, index) -> torch.Tensor:
+        """A slice, dequantized (tensor-parallel shards, mixed-type fused weights)."""
+        return self.dequantize()[index]
+
+
+@dataclass
+class Scratch:
+    """One dequantization buffer shared by every layer of a model (layers run one at a time), so
+    prefill GEMMs hold at most one layer's weight in the activation dtype."""
+    buf: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+
+    def take(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        if self.buf.numel() < n or self.buf.dtype != dtype:
+            self.buf = torch.empty(n, dtype=dtype)
+        return self.buf[:n]
+
+
+class QuantLinear:
+    """x W^T (+ b) where W is the row-concatenation of `parts` (fused QKV, gate/up), each part in
+    its own block type; every part writes its columns of one output."""
+
+    def __init__(self, parts: list[QuantTensor], kernels: Any, scratch: Scratch,
+                 bias: torch.Tensor | None = None) -> None:
+        cols = {p.shape[1] for p in parts}
+        if len(cols) != 1:
+            raise ValueError(f"parts disagree on the input size: {sorted(cols)}")
+        self.parts, self.kernels, self.scratch, self.bias = parts, kernels, scratch, bias
+        self.in_features = cols.pop()
+        self.out_features = sum(p.shape[0] for p in parts)
+        self.offsets = [sum(p.shape[0] for p in parts[:i]) for i in range(len(parts))]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if rows > GEMV_MAX_ROWS and self.out_features * self.in_features <= DEQUANT_MAX_ELEMENTS:
+            return F.linear(x, self.dequantized(x.dtype), self.bias)
+        out = torch.empty(rows, self.out_features, dtype=x.dtype)
+        for part, start in zip(self.parts, self.offsets):
+            dst = out if len(self.parts) == 1 else out[:, start:start + part.shape[0]]
+            self.kernels.quant_linear(x, part.data, part.qtype, dst)
+        return out if self.bias is None else out.add_(self.bias)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole weight in `dtype`, in the shared scratch buffer (valid until the next call)."""
+        w = self.scratch.take(self.out_features * self.in_features, dtype).view(self.out_features, self.in_features)
+        for part, start in zip(self.parts, self.offsets):
+            self.kernels.quant_dequantize(part.data, part.qtype, w[start:start + part.shape[0]])
+        return w
+
+
+class QuantEmbedding:
+    """Embedding rows read from blocks: a lookup dequantizes only the rows it reads."""
+
+    def __init__(self, table: QuantTensor, kernels: Any, dtype: torch.dtype) -> None:
+        self.table, self.kernels, self.dtype = table, kernels, dtype
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(ids.shape[0], self.table.shape[1], dtype=self.dtype)
+        self.kernels.quant_dequantize(self.table.data.index_select(0, ids), self.table.qtype, out)
+        return out

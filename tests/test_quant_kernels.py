@@ -1,0 +1,95 @@
+"""GGUF weights kept quantized (csrc/quant_kernels.cpp, layers/quant_linear.py) against the gguf
+package's own dequantization followed by an fp32 matmul: per kept type (Q4_0, Q4_1, Q8_0), ragged
+shapes (one block, odd row counts, row counts around the kernel's 8-row tiles and the GEMV/GEMM
+switch), fp32 and bf16 activations; fused parts of different types; embedding rows.
+
+The kernel dequantizes each block with the reference's own arithmetic, so the only difference is
+summation order: fp32 results agree to ~1e-6 relative, bf16 results to one bf16 rounding."""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from nanoserve.layers import cpu_kernels
+from nanoserve.layers.quant_linear import GEMV_MAX_ROWS, Q4_0, Q4_1, Q8_0, QuantEmbedding, QuantLinear, QuantTensor, Scratch
+
+TYPES = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0}
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = cpu_kernels.quant()
+    if k is None and shutil.which("g++") and shutil.which("ninja"):
+        pytest.fail("a compiler and ninja are here, yet the quantized kernels did not build (see the log warning)")
+    if k is None:
+        pytest.skip("no C++ toolchain: GGUF weights are dequantized at load")
+    return k
+
+
+def quantized(rows: int, cols: int, qtype: int, seed: int = 0) -> QuantTensor:
+    from gguf.quants import quantize
+    g = np.random.default_rng(seed)
+    w = g.standard_normal((rows, cols)).astype(np.float32) * 0.05
+    w[:, :32] += 0.3  # blocks with a large offset (Q4_1's min) and mixed signs
+    return QuantTensor(torch.from_numpy(quantize(w, qtype)), qtype, (rows, cols))
+
+
+def reference(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
+    return (x.double() @ w.dequantize().double().T)
+
+
+@pytest.mark.parametrize("name", list(TYPES))
+@pytest.mark.parametrize("rows,cols", [(1, 32), (7, 96), (33, 576), (130, 1536)])
+@pytest.mark.parametrize("tokens", [1, 3, 8, 9, GEMV_MAX_ROWS + 5])
+def test_quant_linear_matches_dequantize_then_matmul(kernels, name, rows, cols, tokens):
+    w = quantized(rows, cols, TYPES[name], seed=rows + cols)
+    x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens))
+    want = reference(x, w)
+    got = QuantLinear([w], kernels, Scratch())(x)
+    scale = want.abs().max().item() + 1e-6
+    assert got.dtype == torch.float32 and got.shape == (tokens, rows)
+    assert (got.double() - want).abs().max().item() <= 2e-6 * scale * cols ** 0.5
+    got16 = QuantLinear([w], kernels, Scratch())(x.bfloat16())
+    want16 = reference(x.bfloat16().float(), w)
+    assert got16.dtype == torch.bfloat16
+    assert (got16.double() - want16).abs().max().item() <= 2 ** -7 * scale  # one bf16 rounding of the output
+
+
+def test_dequantize_kernel_is_exactly_the_gguf_packages(kernels):
+    for name, qtype in TYPES.items():
+        w = quantized(19, 320, qtype)
+        out = torch.empty(19, 320)
+        kernels.quant_dequantize(w.data, qtype, out)
+        assert torch.equal(out, w.dequantize()), name
+
+
+def test_fused_parts_of_different_types_write_their_own_columns(kernels):
+    parts = [quantized(64, 192, Q4_1, 1), quantized(32, 192, Q8_0, 2), quantized(40, 192, Q4_0, 3)]
+    bias = torch.randn(136)
+    x = torch.randn(5, 192)
+    want = torch.cat([reference(x, p) for p in parts], dim=1) + bias.double()
+    for tokens in (5, GEMV_MAX_ROWS + 1):  # the block kernel, then dequantize + GEMM
+        xx = torch.randn(tokens, 192) if tokens != 5 else x
+        ref = want if tokens == 5 else torch.cat([reference(xx, p) for p in parts], dim=1) + bias.double()
+        got = QuantLinear(parts, kernels, Scratch(), bias)(xx)
+        assert (got.double() - ref).abs().max().item() < 1e-4
+
+
+def test_embedding_dequantizes_the_rows_it_reads(kernels):
+    table = quantized(50, 64, Q8_0)
+    ids = torch.tensor([3, 0, 49, 3])
+    assert torch.equal(QuantEmbedding(table, kernels, torch.float32)(ids), table.dequantize()[ids])
+    assert torch.equal(QuantEmbedding(table, kernels, torch.bfloat16)(ids), table.dequantize()[ids].bfloat16())
+
+
+def test_bad_shapes_are_refused(kernels):
+    w = quantized(4, 64, Q4_1)
+    with pytest.raises(ValueError, match="block matrix"):
+        QuantTensor(w.data[:, :-1], Q4_1, (4, 64))
+    with pytest.raises(RuntimeError, match="needs"):
+        kernels.quant_linear(torch.randn(1, 96), w.data, Q4_1, torch.empty(1, 4))
+    with pytest.raises(RuntimeError, match="no kernel"):
+        kernels.quant_linear(torch.randn(1, 64), w.data, 12, torch.empty(1, 4))
