@@ -57,6 +57,9 @@ class EngineConfig:
                                         "KV cache)", group="KV cache", mutex="kv budget")
     num_kv_blocks: int | None = opt(None, "exact device KV block count (tests); overrides --kv-cache-gb",
                                     group="KV cache")
+    gguf_dequantize: bool = opt(False, "GGUF: dequantize every tensor at load (to an fp32 HF folder in the cache, "
+                                "then --dtype) instead of keeping Q4_0/Q4_1/Q8_0 tensors in their blocks",
+                                group="model")
     host_cache_gb: float = opt(0.0, "second prefix-cache tier in host memory, in GiB; 0 = off",
                                group="KV cache")
     host_offload_watermark: int = opt(0, "override: device blocks the cleaner keeps reusable without losing "

@@ -52,7 +52,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         t0 = time.monotonic()
-        self.source = materialize(resolve_model(config.model))
+        self.source = materialize(resolve_model(config.model), dequantize=config.gguf_dequantize)
         self.hf_config = load_config(self.source)
         self.tokenizer = load_tokenizer(self.source, config.tokenizer)
         self.device = config.resolved_device()

@@ -39,7 +39,8 @@ def build_shard(config: EngineConfig, source: ModelSource, hf_config, device: to
         model.init_dummy(config.seed + tp.rank)
     else:
         model.load_weights(iter_weights(source, progress=tp.rank == 0))
-    model.finalize(cpu_kernels.load() if device.type == "cpu" else None)
+    cpu = device.type == "cpu"
+    model.finalize(cpu_kernels.load() if cpu else None, cpu_kernels.quant() if cpu and model.quantized else None)
     backend, flash, block_size = resolve_attention(config.attention_backend, device, dtype,
                                                    config.block_size, config.flash_attn_module)
     layout = KVLayout(model.num_layers, block_size, model.num_kv_heads, model.head_dim, dtype, backend)

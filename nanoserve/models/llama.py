@@ -18,10 +18,14 @@ from torch import nn
 from nanoserve.distributed.parallel import TensorParallel, shard_heads, split, vocab_rows
 from nanoserve.layers.attention import AttentionBackend
 from nanoserve.layers.linear import Linear
+from nanoserve.layers.quant_linear import QuantEmbedding, QuantLinear, QuantTensor, Scratch
 from nanoserve.layers.rotary import RotaryEmbedding, rotate
 
 
 FUSED_MAX_ROWS = 32
+# the checkpoint tensors behind each (fused) projection, in row order
+QUANT_GROUPS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
+                "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,10 @@ class LlamaModel(nn.Module):
                 scaling = params
         self.rotary = RotaryEmbedding(self.head_dim, cfg.max_position_embeddings, theta, scaling, dtype, device)
         self.scale = self.head_dim ** -0.5
+        # GGUF blocks kept as they are (layers/quant_linear.py), by checkpoint name; finalize() builds
+        # their layers
+        self.quantized: dict[str, QuantTensor] = {}
+        self.embed_rows: QuantEmbedding | None = None
 
     def weight_targets(self) -> dict[str, WeightTarget]:
         """HF tensor name -> where (and which slice of it) this rank loads. Checked to cover every
@@ -142,6 +150,10 @@ class LlamaModel(nn.Module):
             shape = tuple(src.shape) if isinstance(src, torch.Tensor) else tuple(src.get_shape())
             if shape != t.full_shape:
                 raise ValueError(f"weight {name!r} has shape {shape}, expected {t.full_shape}")
+            if isinstance(src, QuantTensor) and not self.tp.enabled and t.dst.device.type == "cpu":
+                self.quantized[name] = src  # a shard, or a GPU, gets it dequantized (its slice) below
+                loaded.add(name)
+                continue
             index = [slice(None)] * len(shape)
             index[t.dim] = slice(t.start, t.start + t.dst.shape[t.dim])
             t.dst.copy_(src[tuple(index)])
@@ -160,26 +172,73 @@ class LlamaModel(nn.Module):
             else:
                 p.normal_(0, 0.02, generator=gen)
 
-    def finalize(self, kernels=None) -> None:
-        """After loading: wrap the projection weights in (CPU-prepacked) linear layers; `kernels`
-        (layers/cpu_kernels.py, given for CPU models only) fuses each residual add with the RMSNorm
-        after it and applies RoPE in place; the attention backend takes it from here too."""
+    def finalize(self, kernels=None, quant_kernels=None) -> None:
+        """After loading: wrap the projection weights in (CPU-prepacked) linear layers, or in
+        quantized ones where the checkpoint's blocks were kept (`quant_kernels`: their kernels; without
+        them the blocks are dequantized here); `kernels` (layers/cpu_kernels.py, given for CPU models
+        only) fuses each residual add with the RMSNorm after it and applies RoPE in place; the
+        attention backend takes it from here too."""
         self.kernels = kernels
+        quant = self._quant_layers(quant_kernels)
         # bf16 on AMX: prefill-sized GEMMs split by rows over the threads (layers/linear.py); in fp32,
         # and without AMX (not measured), oneDNN's own split
         rows = (kernels.linear_rows if kernels is not None and kernels.amx() and self.embed.dtype == torch.bfloat16
                 else None)
-        for layer in self.layers:
-            layer.qkv_lin = Linear(layer.qkv, layer.qkv_bias, rows)
-            layer.o_lin = Linear(layer.o, split_rows=rows)
-            # Packed (CPU): gate and up as two GEMMs whose epilogues apply silu and the product, so
-            # no [tokens, 2 * inter] tensor is written and read back by separate silu / mul passes.
-            gate = Linear(layer.gate_up[:self.inter], split_rows=rows)
-            up = Linear(layer.gate_up[self.inter:], split_rows=rows)
-            layer.gate_up_lin = None if gate.packed is not None and up.packed is not None else Linear(layer.gate_up)
-            layer.gate_lin, layer.up_lin = (gate, up) if layer.gate_up_lin is None else (None, None)
-            layer.down_lin = Linear(layer.down, split_rows=rows)
-        self.lm_head_lin = Linear(self.lm_head)
+        for i, layer in enumerate(self.layers):
+            q = quant.get(i, {})
+            layer.qkv_lin = q.get("qkv") or Linear(layer.qkv, layer.qkv_bias, rows)
+            layer.o_lin = q.get("o") or Linear(layer.o, split_rows=rows)
+            if "gate_up" in q:
+                layer.gate_up_lin, layer.gate_lin, layer.up_lin = q["gate_up"], None, None
+            else:
+                # Packed (CPU): gate and up as two GEMMs whose epilogues apply silu and the product, so
+                # no [tokens, 2 * inter] tensor is written and read back by separate silu / mul passes.
+                gate = Linear(layer.gate_up[:self.inter], split_rows=rows)
+                up = Linear(layer.gate_up[self.inter:], split_rows=rows)
+                layer.gate_up_lin = None if gate.packed is not None and up.packed is not None else Linear(layer.gate_up)
+                layer.gate_lin, layer.up_lin = (gate, up) if layer.gate_up_lin is None else (None, None)
+            layer.down_lin = q.get("down") or Linear(layer.down, split_rows=rows)
+        self.lm_head_lin = quant.get("lm_head") or Linear(self.lm_head)
+
+    def _quant_layers(self, kernels) -> dict:
+        """{layer index: {"qkv"|"o"|"gate_up"|"down": QuantLinear}, "lm_head": QuantLinear} for the
+        projections whose every checkpoint tensor was kept in blocks; the parameters they replace are
+        released (never written: their pages were never touched). A group with only some tensors kept,
+        and everything when there are no kernels, is dequantized into its parameter instead."""
+        kept, self.quantized = self.quantized, {}
+        if not kept:
+            return {}
+        targets, out, scratch = self.weight_targets(), {}, Scratch()
+
+        def take(names: list[str], param: torch.Tensor, bias: torch.Tensor | None = None) -> QuantLinear | None:
+            if kernels is None or not all(n in kept for n in names):
+                for n in names:
+                    if n in kept:
+                        targets[n].dst.copy_(kept.pop(n).dequantize())
+                return None
+            param.data = param.data.new_empty(0)
+            return QuantLinear([kept.pop(n) for n in names], kernels, scratch, bias)
+
+        for i, layer in enumerate(self.layers):
+            out[i] = {}
+            for attr, group in QUANT_GROUPS.items():
+                bias = layer.qkv_bias if attr == "qkv" else None
+                if (lin := take([f"layers.{i}.{g}.weight" for g in group], getattr(layer, attr), bias)) is not None:
+                    out[i][attr] = lin
+        table = kept.get("embed_tokens.weight")
+        head = table if self.tied else kept.get("lm_head.weight")
+        if kernels is not None and table is not None:
+            self.embed_rows = QuantEmbedding(table, kernels, self.embed.dtype)
+        if kernels is not None and head is not None:
+            out["lm_head"] = QuantLinear([head], kernels, scratch)
+            kept.pop("lm_head.weight", None)
+            self.lm_head.data = self.lm_head.data.new_empty(0)
+        if kernels is not None and table is not None:
+            kept.pop("embed_tokens.weight")
+            self.embed.data = self.embed.data.new_empty(0)
+        for n, w in kept.items():  # no kernels
+            targets[n].dst.copy_(w.dequantize())
+        return out
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                 logits_indices: torch.Tensor) -> torch.Tensor | None:
@@ -214,6 +273,8 @@ class LlamaModel(nn.Module):
         return self.tp.gather_logits(self.lm_head_lin(x).float(), self.vocab_size)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_rows is not None:
+            return self.embed_rows(input_ids)
         if not self.tp.enabled:
             return F.embedding(input_ids, self.embed)
         local = input_ids - self.vocab_start  # ids in another rank's rows contribute zeros

@@ -17,6 +17,7 @@ from nanoserve.sampling_params import InvalidRequest
 SUPPORTED_ARCHS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+GGUF_LINK = "model.gguf"  # in a GGUF folder materialized without dequantizing: the file the weights stay in
 
 @dataclass
 class ModelSource:
@@ -139,30 +140,34 @@ def cache_dir() -> Path:
     return Path(os.environ.get("NANOSERVE_CACHE_DIR", Path.home() / ".cache" / "nanoserve"))
 
 
-def materialize(src: ModelSource) -> ModelSource:
-    """GGUF -> an HF folder (config, tokenizer, fp32 safetensors) in the cache, made once.
-    Parsing and dequantizing GGUF takes ~15 s even for a 135M model; reading the converted
-    folder takes well under a second, which matters for a server that restarts."""
+def materialize(src: ModelSource, dequantize: bool = True) -> ModelSource:
+    """GGUF -> an HF folder in the cache, made once: config, tokenizer and either fp32 safetensors
+    (`dequantize`) or a link to the GGUF file, whose Q4_0/Q4_1/Q8_0 tensors then stay quantized
+    (models/gguf_weights.py). Parsing and dequantizing GGUF takes ~15 s even for a 135M model;
+    reading the converted folder takes well under a second, which matters for a server that restarts."""
     if not src.gguf_file:
         return src
     f = src.path / src.gguf_file
     st = f.stat()
-    out = cache_dir() / "gguf" / f"{f.stem}-{st.st_size}-{int(st.st_mtime)}"
-    if not (out / "model.safetensors").exists():
+    out = cache_dir() / "gguf" / f"{f.stem}-{st.st_size}-{int(st.st_mtime)}{'' if dequantize else '-quantized'}"
+    weights = "model.safetensors" if dequantize else GGUF_LINK
+    if not (out / weights).exists():
         from safetensors.torch import save_file
         from transformers import AutoTokenizer
         cfg = _gguf_config(f)
         tok = AutoTokenizer.from_pretrained(src.path, gguf_file=src.gguf_file)
-        tensors = dict(_gguf_weights(f, cfg))
         tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
         tmp.mkdir(parents=True, exist_ok=True)
         cfg.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        save_file(tensors, str(tmp / "model.safetensors"))
+        if dequantize:
+            save_file(dict(_gguf_weights(f, cfg)), str(tmp / "model.safetensors"))
+        else:
+            (tmp / GGUF_LINK).symlink_to(f.resolve())
         try:
             tmp.rename(out)
         except OSError:  # another process finished the same conversion first: use theirs
-            if not (out / "model.safetensors").exists():
+            if not (out / weights).exists():
                 raise
     return ModelSource(src.name, out)
 
@@ -185,6 +190,11 @@ def _gguf_names(cfg) -> dict[str, str]:
     tensors our model loads (its weight table, built on the meta device)."""
     from gguf import MODEL_ARCH, get_tensor_name_map
     from nanoserve.models.llama import LlamaModel
+    if not files and (src.path / GGUF_LINK).exists():  # materialized with dequantize=False
+        from nanoserve.models.gguf_weights import iter_gguf
+        cfg = load_config(src)
+        yield from iter_gguf((src.path / GGUF_LINK).resolve(), cfg, _gguf_names(cfg))
+        return
     model = LlamaModel(cfg, torch.float32, torch.device("meta"))
     names = [f"model.{n}" for n in model.weight_targets()] + ["lm_head.weight"]
     tmap = get_tensor_name_map(MODEL_ARCH[cfg.model_type.upper()], cfg.num_hidden_layers)
