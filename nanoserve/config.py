@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # formats server/tools.py reads tool calls in
 
 
 def opt(default, help: str, **cli) -> typing.Any:
@@ -182,12 +183,29 @@ class ServerConfig:
                                  group="HTTP")
     log_level: str = opt("info", "log level of the server and the engine",
                          choices=("debug", "info", "warning", "error"), group="HTTP")
+    enable_auto_tool_choice: bool = opt(False, "let the model decide whether to call a tool (tool_choice "
+                                        "\"auto\", the default when a request has tools): its output is parsed "
+                                        "for calls in the --tool-call-parser format; without it such requests "
+                                        "get HTTP 400, as vLLM answers them", group="tools")
+    tool_call_parser: str | None = opt(None, "the format auto tool choice reads calls in: hermes "
+                                       "(<tool_call>{...}</tool_call>, Hermes / Qwen, and the embedded model's "
+                                       "fallback tool prompt) or llama3_json ({\"name\", \"parameters\"} objects, "
+                                       "Llama 3.x)", choices=TOOL_CALL_PARSERS, group="tools")
 
     def __post_init__(self) -> None:
         if self.api_key is None:
             self.api_key = os.environ.get("NANOSERVE_API_KEY") or None
         if self.max_queue is not None and self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
+
+    @property
+    def auto_tool_parser(self) -> str | None:
+        """The parser auto tool choice uses, or None when it is off."""
+        return self.tool_call_parser if self.enable_auto_tool_choice else None
 
 
 def add_flags(parser: argparse.ArgumentParser, *classes: type) -> None:

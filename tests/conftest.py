@@ -131,11 +131,12 @@ def random_prompts(n: int, lo: int, hi: int, vocab: int = 49152, seed: int = 0) 
 
 
 # One server with the default options for every module that does not start its own (a module-level
-# `server` fixture with other options overrides this one).
+# `server` fixture with other options overrides this one), plus auto tool choice (the structured tests
+# send tools with tool_choice "auto"); the embedded model gets the Hermes-style tool prompt.
 @pytest.fixture(scope="session")
 def server():
     from server_fixture import ServerProcess
-    s = ServerProcess()
+    s = ServerProcess("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     yield s
     s.stop()
 

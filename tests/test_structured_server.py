@@ -10,6 +10,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageToolCall
 
 from server_fixture import assert_error
 
@@ -40,15 +41,27 @@ def _fmt(schema: dict) -> dict:
 
 
 def _streamed(stream) -> dict[int, dict]:
-    """Per choice index: joined content, tool calls and finish reasons of a chat stream."""
+    """Per choice index: joined content, tool calls (their deltas joined as a client does: id, type and
+    name in a call's first delta, argument pieces after it), argument pieces per call, finish reasons."""
     got: dict[int, dict] = {}
     for chunk in stream:
         for ch in chunk.choices:
-            g = got.setdefault(ch.index, {"content": "", "calls": [], "reasons": []})
+            g = got.setdefault(ch.index, {"content": "", "calls": {}, "pieces": {}, "reasons": []})
             g["content"] += ch.delta.content or ""
-            g["calls"] += ch.delta.tool_calls or []
+            for d in ch.delta.tool_calls or []:
+                if d.index not in g["calls"]:  # the first delta of a call says what it is
+                    assert d.id and d.type == "function" and d.function.name and d.function.arguments is not None
+                    g["calls"][d.index] = ChatCompletionMessageToolCall(
+                        id=d.id, type="function", function={"name": d.function.name, "arguments": ""})
+                else:
+                    assert d.id is None and d.function.name is None and d.function.arguments
+                g["calls"][d.index].function.arguments += d.function.arguments
+                g["pieces"][d.index] = g["pieces"].get(d.index, 0) + bool(d.function.arguments)
             if ch.finish_reason:
                 g["reasons"].append(ch.finish_reason)
+    for g in got.values():
+        assert sorted(g["calls"]) == list(range(len(g["calls"])))  # parallel calls: indices 0, 1, ...
+        g["calls"] = list(g["calls"].values())
     return got
 
 

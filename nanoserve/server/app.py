@@ -25,7 +25,8 @@ from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.render import ChatRender, CompletionRender, Render, sse, stream_chunks
 from nanoserve.server.tools import ToolMode, render_tools_into_messages, template_renders_tools
 from nanoserve.server.protocol import (MAX_LOGPROBS, APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
-                                       DetokenizeRequest, TokenizeRequest, new_id, now, parse, parse_json_body)
+                                       DetokenizeRequest, TokenizeRequest, new_id, now, parse)
+from nanoserve.server.json_body import parse_json_body
 
 log = logging.getLogger("nanoserve.server")
 
@@ -98,7 +99,7 @@ def _engine_error(e: Exception) -> APIError:
 class Server:
     def __init__(self, engine: EngineClient, served_model_name: str | None = None,
                  api_key: str | None = None, max_queue: int | None = None,
-                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, tool_parser: str | None = None) -> None:
         self.engine = engine
         self.llm = engine.frontend  # tokenizer, config and model metadata; never the weights
         self.tok = self.llm.tokenizer
@@ -107,6 +108,7 @@ class Server:
         self.api_key = api_key
         self.max_queue = max_queue
         self.max_request_bytes = max_request_bytes
+        self.tool_parser = tool_parser  # auto tool choice's parser; None: auto tool choice is off
         self.draining = False  # set on SIGTERM: new requests get 503 while in-flight ones finish
         self.metrics: ServerMetrics = engine.observer  # type: ignore[assignment]
         self.created = now()
@@ -257,7 +259,7 @@ class Server:
         body = parse(ChatCompletionRequest, await self.read_json(request))
         self.check_model(body.model)
         body.check_stream_options()
-        tools = body.tool_mode()
+        tools = body.tool_mode(self.tool_parser)
         prompt = await asyncio.to_thread(self._chat_prompt, body.messages, tools, body.add_generation_prompt,
                                          body.continue_final_message)
         spec = await asyncio.to_thread(body.structured_spec, tools.constraint() if tools else None)
@@ -339,8 +341,9 @@ class Server:
 
 
 def create_app(engine: EngineClient, served_model_name: str | None = None, api_key: str | None = None,
-               max_queue: int | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
-    srv = Server(engine, served_model_name, api_key, max_queue, max_request_bytes)
+               max_queue: int | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               tool_parser: str | None = None) -> FastAPI:
+    srv = Server(engine, served_model_name, api_key, max_queue, max_request_bytes, tool_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

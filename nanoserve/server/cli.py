@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     model_name = aengine.frontend.model_name
     name = opts.served_model_name or model_name
     aengine.observer = ServerMetrics(name)
-    app = create_app(aengine, name, opts.api_key, opts.max_queue, opts.max_request_bytes)
+    app = create_app(aengine, name, opts.api_key, opts.max_queue, opts.max_request_bytes, opts.auto_tool_parser)
     return run_server(app, aengine, opts, serving)
 
 

@@ -296,8 +296,9 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
 
-    def tool_mode(self) -> ToolMode | None:
-        """How the output relates to the tools (None: no tools, or tool_choice "none")."""
+    def tool_mode(self, auto_parser: str | None) -> ToolMode | None:
+        """How the output relates to the tools (None: no tools, or tool_choice "none"). Without `auto_parser`
+        (--enable-auto-tool-choice off) "auto", the default with tools, is a 400 as in vLLM."""
         choice = self.tool_choice if self.tool_choice is not None else "auto" if self.tools else "none"
         if choice == "none":
             return None
@@ -309,7 +310,11 @@ class ChatCompletionRequest(_SamplingFields):
                 raise APIError(f"tool_choice names the function {choice.function.name!r}, which is not in 'tools'",
                                param="tool_choice")
             return ToolMode(tools, "named", choice.function.name, self.parallel_tool_calls)
-        return ToolMode(tools, choice, None, self.parallel_tool_calls)
+        if choice == "auto" and auto_parser is None:
+            raise APIError('"auto" tool choice (the default with tools) needs the server to run with --enable-auto-'
+                           'tool-choice and --tool-call-parser; send "required", a named function or "none"',
+                           param="tool_choice")
+        return ToolMode(tools, choice, None, self.parallel_tool_calls, auto_parser)
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None:
@@ -368,32 +373,3 @@ def new_id(prefix: str) -> str:
 
 def now() -> int:
     return int(time.time())
-
-
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _find_lone_surrogate(obj: Any) -> str | None:
-    """The top-level field holding a string that is not valid Unicode (a lone UTF-16 surrogate,
-    which JSON escapes can express), or None. One C-speed encode per field."""
-    for key, value in obj.items():
-        try:
-            json.dumps(value, ensure_ascii=False).encode("utf-8")
-            key.encode("utf-8")
-        except UnicodeEncodeError:
-            return key.encode("utf-8", "backslashreplace").decode()
-    return None
-
-
-def parse_json_body(raw: bytes) -> Any:
-    try:
-        obj = json.loads(raw, parse_constant=_reject_constant)
-    except RecursionError:
-        raise APIError("the request body is nested too deeply", 400, code="invalid_json")
-    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
-        raise APIError(f"the request body is not valid JSON: {e}", 400, code="invalid_json")
-    if isinstance(obj, dict) and (bad := _find_lone_surrogate(obj)) is not None:
-        raise APIError(f"'{bad}' contains a string that is not valid Unicode (a lone UTF-16 surrogate)",
-                       400, param=bad, code="invalid_unicode")
-    return obj

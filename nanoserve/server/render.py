@@ -1,7 +1,8 @@
 """Engine outputs -> OpenAI response bodies (typed: server/responses.py): one streaming loop for both
 endpoints, each endpoint supplying only how a choice, its logprobs and the envelope look
-(`CompletionRender`, `ChatRender`). With tools, the chat renderer holds back text that may be a tool
-call and sends the calls whole (`delta.tool_calls`) when the choice ends."""
+(`CompletionRender`, `ChatRender`). With tools, the chat renderer passes each choice's text through a
+ToolCallStreamer (server/tools.py): content streams as content, a call as OpenAI's `delta.tool_calls`
+(id and name first, then argument pieces as they are generated)."""
 from __future__ import annotations
 
 import json
@@ -14,8 +15,9 @@ from nanoserve.outputs import CompletionOutput, RequestOutput
 from nanoserve.sequence import TokenLogprob
 from nanoserve.server.responses import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta,
                                         ChatLogprob, ChatLogprobs, ChatMessageOut, Completion, CompletionChoice,
-                                        CompletionLogprobs, DeltaToolCall, PromptTokensDetails, TopLogprob, Usage)
-from nanoserve.server.tools import ToolMode
+                                        CompletionLogprobs, DeltaFunction, DeltaToolCall, PromptTokensDetails, TopLogprob, Usage)
+from nanoserve.server.tools import (ArgumentsDelta, CallStarted, ContentDelta, ToolCallStreamer, ToolEvent,
+                                    ToolMode)
 
 
 def sse(obj: BaseModel | dict) -> str:
@@ -115,8 +117,7 @@ class CompletionRender(Render):
 @dataclass
 class ChatRender(Render):
     tools: ToolMode | None = None
-    held: dict[int, str] = field(default_factory=dict)  # streamed choice -> text held back (a possible call)
-    started: set[int] = field(default_factory=set)      # streamed choices that sent content already
+    streamers: dict[int, ToolCallStreamer] = field(default_factory=dict)  # streamed choice -> its tool calls
 
     def chunk(self, choices: list, usage: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(**self.head(), choices=choices, usage=usage)
@@ -144,28 +145,42 @@ class ChatRender(Render):
         return content, calls, "tool_calls" if calls else c.finish_reason
 
     def delta(self, idx: int, text: str, lp: BaseModel | None, c: CompletionOutput) -> ChatChunkChoice | None:
-        if self.tools is not None:
-            held = self.held.pop(idx, "") + text
-            if c.finish_reason is None:
-                k = self.tools.streamable(held, idx in self.started)
-                text, self.held[idx] = held[:k], held[k:]
-                if text.strip():
-                    self.started.add(idx)
-                if not text and lp is None:
-                    return None
-            else:
-                content, calls, reason = self._outcome(held, c)
-                tcs = [DeltaToolCall(index=k, **call.model_dump()) for k, call in enumerate(calls)]
-                return ChatChunkChoice(index=idx, delta=ChatDelta(content=content or None, tool_calls=tcs or None),
-                                       logprobs=lp, finish_reason=reason, stop_reason=c.stop_reason)
-        return ChatChunkChoice(index=idx, delta=ChatDelta(content=text or None), logprobs=lp,
-                               finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+        reason = c.finish_reason
+        if self.tools is None:
+            return ChatChunkChoice(index=idx, delta=ChatDelta(content=text or None), logprobs=lp,
+                                   finish_reason=reason, stop_reason=c.stop_reason)
+        streamer = self.streamers.setdefault(idx, ToolCallStreamer(self.tools))
+        events = streamer.feed(text) + (streamer.finish() if reason is not None else [])
+        content, calls = tool_delta(events)
+        if reason == "stop" and streamer.calls:
+            reason = "tool_calls"
+        if not content and not calls and lp is None and reason is None:
+            return None
+        return ChatChunkChoice(index=idx, delta=ChatDelta(content=content or None, tool_calls=calls or None),
+                               logprobs=lp, finish_reason=reason, stop_reason=c.stop_reason)
 
     def final(self, idx: int, out: RequestOutput, c: CompletionOutput) -> ChatChoice:
         content, calls, reason = self._outcome(c.text, c)
         return ChatChoice(index=idx, message=ChatMessageOut(content=content, tool_calls=calls),
                           logprobs=self.render_logprobs(c.logprobs or [], None) if self.logprobs else None,
                           finish_reason=reason, stop_reason=c.stop_reason)
+
+
+def tool_delta(events: list[ToolEvent]) -> tuple[str, list[DeltaToolCall]]:
+    """One chunk's content and `delta.tool_calls` for a streamer's events: a call's first delta carries
+    its id, type and name (arguments ""), later ones pieces of its arguments, one entry per call."""
+    content, calls = "", []
+    for e in events:
+        if isinstance(e, ContentDelta):
+            content += e.text
+        elif isinstance(e, CallStarted):
+            calls.append(DeltaToolCall(index=e.index, id=e.id, type="function",
+                                       function=DeltaFunction(name=e.name, arguments="")))
+        elif isinstance(e, ArgumentsDelta):
+            if not calls or calls[-1].index != e.index:
+                calls.append(DeltaToolCall(index=e.index, function=DeltaFunction(arguments="")))
+            calls[-1].function.arguments += e.text
+    return content, calls
 
 
 async def stream_chunks(outputs: AsyncIterator[tuple[int, RequestOutput]], num_prompts: int, render: Render,

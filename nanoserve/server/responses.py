@@ -84,8 +84,26 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
-class DeltaToolCall(ToolCall):
-    index: int              # position among the choice's calls (streamed calls are whole here)
+class _Sparse(BaseModel):
+    """Only what this chunk carries: unset fields are left out of the JSON (OpenAI's deltas)."""
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunction(_Sparse):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Sparse):
+    """A streamed call: the first delta of a call has its id, type and name (arguments ""), the next
+    ones only pieces of `function.arguments`."""
+    index: int              # position among the choice's calls
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
 
 
 class ChatMessageOut(BaseModel):
@@ -108,15 +126,10 @@ class ChatCompletion(_Envelope):
     choices: list[ChatChoice]
 
 
-class ChatDelta(BaseModel):
-    """Only what this chunk carries: unset fields are left out of the JSON (OpenAI's deltas)."""
+class ChatDelta(_Sparse):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_unset(self, handler) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChunkChoice(_ChatChoiceBase):
