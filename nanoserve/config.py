@@ -28,8 +28,16 @@ STEP_TOKENS = {"cpu": 1024, "cuda": 2048}  # default token budget of an engine s
 @dataclass
 class EngineConfig:
     model: str | None = opt(None, "model to serve: a short name from the local registry (models/), an HF "
-                            "folder, a GGUF file, or a hub id; default: the embedded SmolLM2-135M-Instruct",
-                            group="model")
+                            "folder, a GGUF file, or a hub id (owner/name, or owner/name:QUANT for one .gguf of a GGUF "
+                            "repo: found in the HF cache, else downloaded unless HF_HUB_OFFLINE is set; HF_TOKEN for "
+                            "private and gated repos); default: the embedded SmolLM2-135M-Instruct", group="model")
+    revision: str | None = opt(None, "branch, tag or commit of a hub --model (default: main)", group="model")
+    download_dir: str | None = opt(None, "Hugging Face cache folder where hub models are looked up and downloaded "
+                                   "(default: $HF_HUB_CACHE, i.e. ~/.cache/huggingface/hub)", metavar="DIR",
+                                   group="model")
+    gguf_file: str | None = opt(None, "the .gguf file to serve from a hub --model repo (or a local folder) holding "
+                                "several; default: the one owner/name:QUANT tags, the only one, or the Q4_K_M one",
+                                metavar="NAME", group="model")
     tokenizer: str | None = opt(None, "tokenizer to use instead of the model's own", group="model")
     dtype: str = opt("auto", "weight and activation dtype; auto = bf16 on CUDA and on CPUs with fast bf16, "
                      "else fp32 ($NANOSERVE_DTYPE overrides auto)", choices=DTYPES, group="model")

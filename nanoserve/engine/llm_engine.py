@@ -27,6 +27,7 @@ from nanoserve.kvcache.host_tier import HostTier
 from nanoserve.kvcache.manager import KVCacheManager
 from nanoserve.kvcache.transfer import make_copier
 from nanoserve.layers.sampler import Sampler
+from nanoserve.models.hub import HubOptions
 from nanoserve.models.llama import LlamaModel
 from nanoserve.models.loader import load_config, load_tokenizer, materialize, resolve_model
 from nanoserve.outputs import CompletionOutput, RequestOutput
@@ -52,7 +53,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         t0 = time.monotonic()
-        self.source = materialize(resolve_model(config.model), dequantize=config.gguf_dequantize)
+        hub = HubOptions(config.revision, config.download_dir, config.gguf_file)
+        self.source = materialize(resolve_model(config.model, hub), dequantize=config.gguf_dequantize)
         self.hf_config = load_config(self.source)
         self.tokenizer = load_tokenizer(self.source, config.tokenizer)
         self.device = config.resolved_device()

@@ -13,6 +13,7 @@ import torch
 from tqdm import tqdm
 
 from nanoserve.sampling_params import InvalidRequest
+from nanoserve.models.hub import HubOptions, HubUnreachable, RepoRef, download, find_cached, offline, parse_repo
 
 SUPPORTED_ARCHS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -50,18 +51,24 @@ def _from_path(name: str, p: Path) -> ModelSource | None:
     return None
 
 
-def _from_hf_cache(repo: str) -> Path | None:
-    try:
-        from huggingface_hub import snapshot_download
-        return Path(snapshot_download(repo, local_files_only=True))
-    except Exception:  # not cached (or not a valid repo id): the caller reports where it looked
-        return None
+def _from_hf_cache(name: str, ref: RepoRef, hub: HubOptions) -> ModelSource | None:
+    found = find_cached(ref, hub)
+    return ModelSource(name, found.path, found.gguf_file) if found else None
 
 
-def resolve_model(name: str | None) -> ModelSource:
+def _from_hub(name: str, ref: RepoRef, hub: HubOptions) -> ModelSource:
+    found = download(ref, hub)
+    return ModelSource(name, found.path, found.gguf_file)
+
+
+def resolve_model(name: str | None, hub: HubOptions = HubOptions()) -> ModelSource:
+    """A path, then models/<name>, then the hub repo (a short name's, or `name` itself) in the local HF
+    cache, then the embedded fallback of a short name, then a download (unless HF_HUB_OFFLINE)."""
     if not name:
         return embedded_source()
     looked: list[str] = []
+    if hub.gguf_file and (Path(name).expanduser() / hub.gguf_file).is_file():  # one .gguf of a local folder
+        return ModelSource(name, Path(name).expanduser(), hub.gguf_file)
     src = _from_path(name, Path(name).expanduser())
     looked.append(f"path {name!r}")
     if src:
@@ -76,14 +83,20 @@ def resolve_model(name: str | None) -> ModelSource:
     repo = entry["repo"] if entry else name
     if entry:
         looked.append(f"short name in {registry_file} -> {repo}")
-    if "/" in repo and not Path(repo).is_absolute():
+    ref = parse_repo(repo) if not Path(repo).is_absolute() else None
+    if ref:
         looked.append(f"HF cache for {repo}")
-        if (cached := _from_hf_cache(repo)) is not None:
-            return ModelSource(name, cached)
-    if entry and entry.get("embedded"):
+        if (cached := _from_hf_cache(name, ref, hub)) is not None:
+            return cached
+    if entry and entry.get("embedded"):  # its own copy beats a download of the same model
         return ModelSource(name, embedded_source().path, EMBEDDED_GGUF)
-    hint = (f"download it on a machine with network (`huggingface-cli download {repo}`) and copy "
-            f"~/.cache/huggingface here, or put an HF folder / .gguf file at {local}")
+    if ref and not offline():
+        try:
+            return _from_hub(name, ref, hub)
+        except HubUnreachable as e:
+            looked.append(str(e))
+    hint = (f"download it on a machine with network (`huggingface-cli download {ref.repo if ref else repo}`) "
+            f"and copy ~/.cache/huggingface here, or put an HF folder / .gguf file at {local}")
     raise InvalidRequest(f"model {name!r} not found; looked in: {'; '.join(looked)}. To get it: {hint}",
                          param="model", code="model_not_found")
 
