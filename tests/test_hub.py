@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import shutil
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -18,7 +17,7 @@ import pytest
 
 from nanoserve.errors import InvalidRequest
 from nanoserve.models.hub import HubOptions
-from nanoserve.models.loader import load_config, models_dir, resolve_model
+from nanoserve.models.loader import EMBEDDED_GGUF, load_config, models_dir, resolve_model
 
 TOKEN = "hf_fixture_token"
 LFS_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pth")  # stored in LFS on the hub: served from its CDN
@@ -249,6 +248,20 @@ def test_401_404_gated_revision_and_bin_only_are_one_line_each(hub, tmp_path, mo
     assert (resolve_model("tiny-org/private-llama", o).path / "model.safetensors").is_file()
 
 
+def test_short_names_resolve_to_their_repo_and_an_embedded_one_never_downloads(hub, tiny_files, tmp_path,
+                                                                                monkeypatch):
+    (tmp_path / "registry.json").write_text(json.dumps({
+        "tiny": {"repo": "tiny-org/tiny-llama"},
+        "tiny-embedded": {"repo": "tiny-org/tiny-llama", "embedded": True}}))
+    monkeypatch.setenv("NANOSERVE_MODELS_DIR", str(tmp_path))
+    hub.requests.clear()
+    assert resolve_model("tiny-embedded", opts(hub, tmp_path / "dl")).gguf_file == EMBEDDED_GGUF
+    assert hub.requests == []  # not cached: the embedded copy, no download
+    src = resolve_model("tiny", opts(hub, tmp_path / "dl"))
+    assert src.name == "tiny" and repo_files(src.path) == tiny_files
+    assert resolve_model("tiny-embedded", opts(hub, tmp_path / "dl")).path == src.path  # now cached: the repo
+
+
 def test_revision_is_its_own_snapshot(hub, tmp_path):
     v1 = resolve_model("tiny-org/tiny-llama", opts(hub, tmp_path, revision="v1"))
     main = resolve_model("tiny-org/tiny-llama", opts(hub, tmp_path))
@@ -270,6 +283,11 @@ def test_gguf_by_quant_tag_or_file_name_downloads_that_file_only(hub, tmp_path):
     msg = one_line_error("tiny-org/tiny-gguf:Q5_K", opts(hub, tmp_path / "other"))
     assert "no .gguf file tagged Q5_K" in msg and "tiny-Q4_K_M.gguf, tiny-Q8_0.gguf" in msg
     assert "has no file 'x.gguf'" in one_line_error("tiny-org/tiny-gguf", opts(hub, tmp_path, gguf_file="x.gguf"))
+    local = tmp_path / "two-ggufs"  # --gguf-file also picks one .gguf of a local folder
+    local.mkdir()
+    for f in ("a-Q4_0.gguf", "a-Q8_0.gguf"):
+        (local / f).write_bytes(b"GGUF")
+    assert resolve_model(str(local), HubOptions(gguf_file="a-Q8_0.gguf")).gguf_file == "a-Q8_0.gguf"
 
 
 @pytest.mark.server  # (imported here, so that the in-process tests above stay in `make test-fast`)
