@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # torch 2.13.0 CPU is installed first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: serve test test-fast install install-test bench clean
+.PHONY: serve test test-fast install install-test kernels bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -25,14 +25,19 @@ $(VENV)/.installed-test: $(VENV)/.installed
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
-serve: install
+# The C++ kernels (nanoserve/csrc/) compile on first use, keyed by source, CPU flags and torch version;
+# building them here means the server's first start and the test workers do not wait on it.
+kernels: install
+	$(BIN)/python -c "from nanoserve.layers.cpu_kernels import build_all; build_all()"
+
+serve: install kernels
 	$(BIN)/nanoserve --host 127.0.0.1 --port 8000
 
 # Two pytest-xdist workers, one test file at a time each (module servers and engines stay shared),
 # the heaviest files first (conftest.py orders them): on two cores one worker computes while the
 # other waits on a server or worker process starting. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
-test: install-test
+test: install-test kernels
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # while developing: everything but the tests that start a server or an engine core

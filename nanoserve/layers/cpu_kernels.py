@@ -63,3 +63,12 @@ def _build(prefix: str, source: Path):
         log.warning("CPU kernels (%s) unavailable, using the torch path (%s: %s)", source.name, type(e).__name__,
                     str(e).strip().splitlines()[-1] if str(e).strip() else "")
         return None
+
+
+def build_all() -> None:
+    """Build (or find) both modules before anything uses them: `make test` runs this first, since its two
+    pytest workers would otherwise both wait on one ~35 s build at the start of the suite."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(2) as pool:  # each build is a ninja subprocess: the two run side by side
+        built = list(pool.map(lambda f: f(), (load, quant)))
+    print("CPU kernels:", ", ".join(m.__name__ if m else "unavailable (torch path)" for m in built))
