@@ -1,5 +1,5 @@
-"""The OpenAI-compatible FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, /tokenize,
-/detokenize, /health, /metrics, /version.
+"""The OpenAI-compatible FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, /v1/responses
+(server/responses_api.py), /tokenize, /detokenize, /health, /metrics, /version.
 
 Bodies are parsed by hand (not by FastAPI's body injection) so that every invalid request becomes an
 HTTP 400 OpenAI error object naming its parameter, never a 422."""
@@ -22,6 +22,7 @@ from nanoserve.engine.protocol import EngineDead
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import InvalidRequest
 from nanoserve.server.metrics import ServerMetrics
+from nanoserve.server.response_store import ResponseStore
 from nanoserve.server.render import ChatRender, CompletionRender, Render, sse, stream_chunks
 from nanoserve.server.tools import ToolMode, render_tools_into_messages, template_renders_tools
 from nanoserve.server.protocol import (MAX_LOGPROBS, APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
@@ -375,10 +376,14 @@ def create_app(engine: EngineClient, served_model_name: str | None = None, api_k
         return JSONResponse(APIError(f"internal error: {type(e).__name__}: {e}", 500, "server_error",
                                      code="internal_error").body(), status_code=500)
 
+    from nanoserve.server.responses_api import ResponsesAPI  # it builds on this module's Server
+    responses = ResponsesAPI(srv, ResponseStore())
     for path, endpoint, method in (
             ("/health", srv.health, "GET"), ("/version", srv.version, "GET"), ("/metrics", srv.render_metrics, "GET"),
             ("/v1/models", srv.models, "GET"), ("/v1/models/{model_id:path}", srv.model, "GET"),
             ("/v1/completions", srv.completions, "POST"), ("/v1/chat/completions", srv.chat, "POST"),
-            ("/tokenize", srv.tokenize, "POST"), ("/detokenize", srv.detokenize, "POST")):
+            ("/tokenize", srv.tokenize, "POST"), ("/detokenize", srv.detokenize, "POST"),
+            ("/v1/responses", responses.create, "POST"), ("/v1/responses/{response_id}", responses.retrieve, "GET"),
+            ("/v1/responses/{response_id}", responses.delete, "DELETE")):
         app.add_api_route(path, endpoint, methods=[method])
     return app
