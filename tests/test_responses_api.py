@@ -10,14 +10,20 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from openai._models import construct_type
+from openai.lib.streaming.responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 from openai.types.responses.response_create_params import ResponseCreateParamsBase
 from pydantic import TypeAdapter
 
+from nanoserve.outputs import CompletionOutput, RequestOutput
 from nanoserve.server.protocol import APIError
 from nanoserve.server.response_store import ResponseStore, StoredResponse
+from nanoserve.server.responses_api_objects import ResponseObject
+from nanoserve.server.responses_api_render import ResponseBuilder
 from nanoserve.server.responses_api_protocol import (IGNORED_FIELDS, IMPLEMENTED_FIELDS, NOT_IMPLEMENTED,
                                                      chat_body, input_messages, parse_responses_request)
+from nanoserve.server.tools import ToolMode
 from server_fixture import assert_error
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city", "strict": True,
@@ -232,3 +238,58 @@ def test_store_is_bounded_by_count_and_bytes_oldest_first():
     assert not store.put("huge", StoredResponse("{}", [{"content": "x" * store.max_bytes}]))
     store.delete("r2")
     assert list(store.entries) == ["r3"] and store.bytes == entry.size
+
+
+def _events_of(builder: ResponseBuilder, texts: list[str], finish: str, tokens: int = 5) -> tuple[list[dict], list]:
+    """Feed the builder one choice's growing text, the last output finished with `finish`; every event
+    goes through the openai client's own stream state (the checks `responses.stream` makes), whose
+    events come back too."""
+    state, events, parsed = ResponseStreamState(input_tools=[WEATHER], text_format=openai.omit), [], []
+    outs = [CompletionOutput(0, t, list(range(tokens)), None, stream_text=t) for t in texts[:-1]]
+    outs.append(CompletionOutput(0, texts[-1], list(range(tokens)), finish))
+    for sse in builder.opening() + [s for c in outs for s in builder.update(
+            RequestOutput("r", None, [1, 2, 3], [c], c.finish_reason is not None, num_cached_tokens=2))]:
+        event = json.loads(sse.split("data: ", 1)[1])
+        EVENTS.validate_python(event)
+        parsed += state.handle_event(construct_type(type_=ResponseStreamEvent, value=event))
+        events.append(event)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    return events, parsed
+
+
+def _builder(mode: ToolMode | None, kept: list) -> ResponseBuilder:
+    skeleton = ResponseObject(id="resp_1", created_at=0, status="in_progress", model="m", tools=[WEATHER])
+    return ResponseBuilder(skeleton, mode, kept.append)
+
+
+def test_auto_tool_choice_content_then_a_streamed_call():
+    mode = ToolMode([{"type": "function", "function": {k: WEATHER[k] for k in ("name", "parameters")}}], "auto",
+                    parser="hermes")
+    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    kept: list = []
+    events, parsed = _events_of(_builder(mode, kept), [text[:k] for k in range(4, len(text), 7)] + [text], "stop")
+    final = parsed[-1].response
+    assert [o.type for o in final.output] == ["message", "function_call"] and final.status == "completed"
+    assert final.output[0].content[0].text == "Let me check." and final.usage.input_tokens_details.cached_tokens == 2
+    call = final.output[1]
+    assert json.loads(call.arguments) == {"city": "Paris"} and call.parsed_arguments == {"city": "Paris"}
+    assert len([e for e in events if e["type"] == "response.function_call_arguments.delta"]) > 1
+    assert [r.model_dump(mode="json") for r in kept] == [events[-1]["response"]]  # stored once, as sent
+
+
+def test_cut_off_call_is_incomplete_and_a_failure_is_reported():
+    mode = ToolMode([{"type": "function", "function": {"name": "get_weather"}}], "named", "get_weather")
+    kept: list = []
+    events, _ = _events_of(_builder(mode, kept), ['{"ci', '{"city": "Pa'], "length")
+    assert events[-1]["type"] == "response.incomplete"
+    final = events[-1]["response"]
+    assert final["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert [(o["type"], o["status"], o["arguments"]) for o in final["output"]] == [
+        ("function_call", "incomplete", '{"city": "Pa')]
+    assert len(kept) == 1
+    failing = _builder(None, kept)
+    failing.opening()
+    failing.update(RequestOutput("r", None, [1], [CompletionOutput(0, "Hi", [7])], False))
+    events = [json.loads(s.split("data: ", 1)[1]) for s in failing.fail("the engine died", "service_unavailable")]
+    assert [e["type"] for e in events] == ["error", "response.failed"] and len(kept) == 1  # not stored
+    assert events[1]["response"]["error"]["message"] == "the engine died"
