@@ -192,6 +192,12 @@ def test_every_openai_request_field_is_implemented_ignored_or_refused():
     assert set(ResponseCreateParamsBase.__annotations__) - known == set()
     for name in IGNORED_FIELDS:
         parse_responses_request({"input": "x", name: None})
+    harmless = {"background": False, "background_options": None, "conversation": None, "context_management": [],
+                "include": [], "prompt": None, "reasoning": None, "max_tool_calls": None, "top_logprobs": 0,
+                "truncation": "disabled", "moderation": None, "image": None, "access_programs": None}
+    assert set(harmless) == set(NOT_IMPLEMENTED)
+    parse_responses_request({"input": "x", **harmless})
+    parse_responses_request({"input": "x", "reasoning": {"effort": None, "summary": None}})
     with pytest.raises(APIError) as e:
         parse_responses_request({"input": "x", "conversation": "conv_1"})
     assert e.value.param == "conversation"

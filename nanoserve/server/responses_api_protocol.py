@@ -28,7 +28,7 @@ NOT_IMPLEMENTED: dict[str, Callable[[Any], bool]] = {
     "context_management": lambda v: not v,
     "include": lambda v: not v,
     "prompt": lambda v: v is None,
-    "reasoning": lambda v: not v or all(x in (None, "none") for x in v.values()) if isinstance(v, dict) else False,
+    "reasoning": lambda v: v is None or isinstance(v, dict) and all(x in (None, "none") for x in v.values()),
     "max_tool_calls": lambda v: v is None,
     "top_logprobs": lambda v: not v,
     "truncation": lambda v: v in (None, "disabled"),
@@ -132,7 +132,7 @@ def input_messages(items: str | list[dict] | None) -> list[dict]:
             if role not in ("user", "assistant", "system", "developer"):
                 raise APIError(f"{where}.role must be user, assistant, system or developer, got {role!r}",
                                param="input")
-            parts = ("output_text", "refusal") if role == "assistant" else ("input_text",)
+            parts = ("output_text", "refusal", "input_text") if role == "assistant" else ("input_text",)
             out.append({"role": "system" if role == "developer" else role,
                         "content": _text_of(item.get("content"), where, parts)})
         elif kind == "function_call":
