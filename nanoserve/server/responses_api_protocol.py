@@ -186,7 +186,8 @@ def chat_body(req: ResponsesRequest, messages: list[dict]) -> dict:
         body["max_completion_tokens"] = req.max_output_tokens
     if req.tools:
         body["tools"] = [_chat_tool(i, t) for i, t in enumerate(req.tools)]
-    if (choice := _chat_tool_choice(req.tool_choice)) is not None:
+    choice = _chat_tool_choice(req.tool_choice)
+    if choice is not None and (req.tools or choice not in ("auto", "none")):  # OpenAI takes these without tools
         body["tool_choice"] = choice
     fmt = req.format()
     if fmt.type == "json_object":
