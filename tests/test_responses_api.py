@@ -212,6 +212,7 @@ def test_requests_become_chat_bodies():
     assert body["max_completion_tokens"] == 5 and body["response_format"] == {"type": "json_object"}
     assert body["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
     assert body["tools"][0]["function"]["parameters"] == WEATHER["parameters"]
+    assert "tool_choice" not in chat_body(parse_responses_request({"tool_choice": "auto"}), [])  # no tools: fine
     schema = chat_body(parse_responses_request({"text": {"format": {"type": "json_schema", "name": "p",
                                                                     "schema": PERSON}}}), [])
     assert schema["response_format"]["json_schema"]["schema"] == PERSON

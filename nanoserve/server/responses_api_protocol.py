@@ -13,10 +13,15 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from nanoserve.server.protocol import APIError, parse
 
-# Accepted and ignored on purpose: none of them changes what the client gets back (routing, caching and
-# safety hints; `stream_options.include_obfuscation` pads deltas against side channels, absent here).
-IGNORED_FIELDS = ("user", "safety_identifier", "service_tier", "prompt_cache_key", "prompt_cache_retention",
-                  "prompt_cache_options", "stream_options")
+# Accepted and ignored on purpose: none of them changes what the client gets back (chat's list is
+# protocol.ACCEPTED_IGNORED).
+IGNORED_FIELDS = {
+    "user": "an end-user id for the provider's abuse monitoring", "safety_identifier": "the same, newer name",
+    "service_tier": "a processing tier: there is one", "prompt_cache_key": "a hint for prefix-cache routing: the "
+    "prefix cache needs none", "prompt_cache_retention": "the same cache's lifetime",
+    "prompt_cache_options": "explicit cache writes and their lifetime: the prefix cache is automatic",
+    "stream_options": "include_obfuscation pads stream events against length side channels: none are padded",
+}
 
 # Known fields that nanoserve does not implement, each with the test for its harmless value: any other
 # value is a 400 naming the field. (Built-in tools and the other tool_choice kinds are refused where the
