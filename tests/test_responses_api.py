@@ -65,13 +65,13 @@ def test_text_create_and_stream_agree(server, client, model):
     events = _raw_stream(server, body)
     types = [e["type"] for e in events]
     assert types[2:4] == ["response.output_item.added", "response.content_part.added"]
-    assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
-                          f"response.{whole.status}"]
-    deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
     final = events[-1]["response"]
+    assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          f"response.{final['status']}"] and final["status"] in ("completed", "incomplete")
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
     assert deltas == events[-4]["text"] == final["output"][0]["content"][0]["text"] and deltas
-    assert final["status"] == events[-2]["item"]["status"] or final["status"] == "completed"
-    # (greedy text can differ between the two: bf16 numerics depend on how much of the prompt was cached)
+    assert events[-2]["item"]["status"] == final["status"]  # the message is cut off when the response is
+    # (the two texts are not compared: in bf16, greedy output depends on how much of the prompt was cached)
 
 
 def test_messages_and_instructions_make_the_chat_prompt(server, client, model):
@@ -123,6 +123,7 @@ def test_function_call_round_trip(server, client, model):
     chained = client.responses.create(model=model, previous_response_id=first.id, input=[result], tools=[WEATHER],
                                       max_output_tokens=8, temperature=0)
     assert chained.usage.input_tokens == answer.usage.input_tokens  # the same conversation
+    assert chained.usage.input_tokens_details.cached_tokens > chained.usage.input_tokens // 2  # its prefix reused
     assert chained.previous_response_id == first.id
 
 
@@ -134,7 +135,6 @@ def test_previous_response_id_continues_the_conversation(server, client, model):
     convo = [{"role": "user", "content": "My name is Ada."}, {"role": "assistant", "content": first.output_text},
              {"role": "user", "content": "What is my name?"}]  # instructions are not carried over
     assert second.usage.input_tokens == httpx.post(server.url + "/tokenize", json={"messages": convo}).json()["count"]
-    assert second.usage.input_tokens_details.cached_tokens > 0  # the first turn's prefix was reused
 
 
 def test_get_and_delete_stored_responses(server, client, model):
