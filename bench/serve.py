@@ -18,6 +18,12 @@ Workloads (streaming /v1/completions, greedy, `ignore_eos`: every request genera
   shared-prefix  the same with the first --prefix-len words shared by all
   docqa          --docs documents of --doc-len tokens, asked round-robin for --rounds rounds
   multiround     --users conversations of --doc-len-token contexts, --rounds turns each
+  schema-arrival --streams completions decode --output-len tokens; once each has --settle, a chat request
+                 with a JSON schema arrives: the streams' gaps before it and until its first token, for
+                 the first constrained request after start-up, a new schema and a cached one (--runs each;
+                 --server: one server at a time), e.g.
+                   python bench/serve.py --workload schema-arrival --server this=nanoserve \\
+                       --server base=nanoserve@/tmp/base --runs 5 --output-len 160 --input-len 64
 (docqa and multiround send token ids; their metrics pool every round.) Metrics as defined in
 bench/common.py (vLLM's `benchmark_serving` ones); token counts come from the server's `usage`, so
 the client needs no tokenizer. --json writes every run.
@@ -143,12 +149,105 @@ async def run(args, base_url: str, seed: int, warmup: bool = True) -> dict:
             **serving_metrics(results, duration)}
 
 
+# ---- schema-arrival: what a request with a new JSON schema does to the streams already decoding ------------
+def fresh_schema(rng) -> dict:
+    """A realistic schema no server has compiled yet: property names, enums and patterns drawn per call."""
+    word = lambda: "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(8))  # noqa: E731
+    props = {}
+    for i in range(24):
+        props[f"{word()}_{i}"] = [{"type": "string", "maxLength": 24}, {"enum": [word() for _ in range(12)]},
+                                  {"type": "integer", "minimum": 0, "maximum": rng.randrange(10, 10_000)},
+                                  {"type": "string", "pattern": f"^[a-{rng.choice('fkpz')}]{{2,6}}-[0-9]{{3}}$"}][i % 4]
+    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+
+
+async def token_times(client: httpx.AsyncClient, url: str, body: dict, times: list[float]) -> None:
+    """Streams `body`, appending the arrival time of every chunk that carries text to `times`."""
+    async with client.stream("POST", url, json={**body, "stream": True}) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}")
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                ch = (json.loads(line[6:]).get("choices") or [{}])[0]
+                if ch.get("text") or (ch.get("delta") or {}).get("content"):
+                    times.append(time.perf_counter())
+
+
+async def schema_trial(client: httpx.AsyncClient, base: str, model: str, args, schema: dict, seed: int) -> dict:
+    """--streams completions decode; once each has --settle tokens, one chat request constrained by `schema`
+    arrives. Gaps between the streams' tokens: before it (the normal step) and from its arrival until
+    its first token (what the arrival cost them)."""
+    streams: list[list[float]] = [[] for _ in range(args.streams)]
+    body = {"model": model, "max_tokens": args.output_len, "temperature": 0.0, "ignore_eos": True}
+    tasks = [asyncio.create_task(token_times(client, base + "/completions", {**body, "prompt": p}, t))
+             for p, t in zip(word_prompts(args.streams, args.input_len, 0, seed), streams)]
+    while min(len(t) for t in streams) < args.settle:
+        await asyncio.sleep(0.01)
+    arrival, first = time.perf_counter(), []
+    await token_times(client, base + "/chat/completions", {
+        "model": model, "max_tokens": 8, "temperature": 0.0, "messages": [{"role": "user", "content": "A record:"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}}, first)
+    await asyncio.gather(*tasks)
+    normal, around = [], []
+    for t in streams:
+        for a, b in zip(t[args.settle // 2:], t[args.settle // 2 + 1:]):
+            if b < arrival:
+                normal.append(b - a)
+            elif a < first[0]:
+                around.append(b - a)
+    return {"normal_median_ms": statistics.median(normal) * 1e3, "normal_max_ms": max(normal) * 1e3,
+            "around_median_ms": statistics.median(around) * 1e3, "around_max_ms": max(around) * 1e3,
+            "arrival_to_first_token_ms": (first[0] - arrival) * 1e3}
+
+
+async def schema_arrival(args, base_url: str, seed: int) -> dict:
+    """The first constrained request after start-up, then --runs alternated pairs: a new schema, and the
+    same schema again (compiled already: the control, whose gaps carry only its prefill)."""
+    import random
+    rng, base = random.Random(seed), base_url.rstrip("/")
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout)) as client:
+        model = args.model or (await client.get(base + "/models")).json()["data"][0]["id"]
+        out: dict = {"first": await schema_trial(client, base, model, args, fresh_schema(rng), seed), "new": [],
+                     "cached": []}
+        for r in range(args.runs):
+            schema = fresh_schema(rng)
+            out["new"].append(await schema_trial(client, base, model, args, schema, seed + 2 * r + 1))
+            out["cached"].append(await schema_trial(client, base, model, args, schema, seed + 2 * r + 2))
+    for kind in ("new", "cached"):
+        out[kind + "_median"] = {m: statistics.median(t[m] for t in out[kind]) for m in out["first"]}
+    return out
+
+
+def print_schema_arrival(label: str, res: dict) -> None:
+    print(f"  {label}: ms                  normal gap median / max   gaps after arrival median / max   "
+          "arrival -> its first token")
+    for kind, row in (("first constrained", res["first"]), ("new schema (median)", res["new_median"]),
+                      ("cached schema (median)", res["cached_median"])):
+        print(f"    {kind:24s} {row['normal_median_ms']:8.1f} / {row['normal_max_ms']:6.1f}"
+              f"      {row['around_median_ms']:8.1f} / {row['around_max_ms']:6.1f}"
+              f"      {row['arrival_to_first_token_ms']:8.1f}", flush=True)
+
+
 def compare(args, specs: list[ServerSpec]) -> dict:
     dtype = auto_dtype()
     cfg = peer_config(args, dtype, args.kv_cache_gb)
     concs = [int(c) for c in args.max_concurrency.split(",")] if args.max_concurrency else [None]
     labels = [s.label for s in specs]
     servers = {}
+    if args.workload == "schema-arrival":  # one server at a time, fresh, so "first" is its first grammar
+        out = {"cpu": cpu_name(), "dtype": dtype, "args": vars(args), "servers": {}}
+        for s in specs:
+            srv = start(s, cfg)
+            try:
+                out["servers"][s.label] = res = asyncio.run(schema_arrival(args, srv.base_url, args.seed))
+                out["servers"][s.label]["cores"] = srv.cores
+            finally:
+                srv.stop()
+            print_schema_arrival(s.label, res)
+        print(f"schema-arrival, {args.streams} streams; {cpu_name()}; dtype {dtype}")
+        for label, res in out["servers"].items():
+            print_schema_arrival(label, res)
+        return out
     try:
         if not args.sequential:
             for s in specs:
@@ -202,7 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="with --server: every server's KV budget")
     p.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
     p.add_argument("--api-key", default=None)
-    p.add_argument("--workload", choices=["random", "shared-prefix", "docqa", "multiround"], default="random")
+    p.add_argument("--workload", choices=["random", "shared-prefix", "docqa", "multiround", "schema-arrival"],
+                   default="random")
+    p.add_argument("--streams", type=int, default=8, help="schema-arrival: completions decoding when it arrives")
+    p.add_argument("--settle", type=int, default=24, help="schema-arrival: tokens each stream has before it")
     p.add_argument("--num-prompts", type=int, default=None, help="random: default max(32, 2 x concurrency)")
     p.add_argument("--input-len", type=int, default=256, help="random: prompt length in words (~tokens)")
     p.add_argument("--prefix-len", type=int, default=0, help="words shared by every prompt (shared-prefix: "
@@ -230,6 +332,11 @@ def main(argv: list[str] | None = None) -> int:
         write_json(args.json, out)
         return 0
     args.conc = int(args.max_concurrency) if args.max_concurrency else None
+    if args.workload == "schema-arrival":
+        res = asyncio.run(schema_arrival(args, args.base_url, args.seed))
+        print_schema_arrival(args.base_url, res)
+        write_json(args.json, res)
+        return 0
     summary = asyncio.run(run(args, args.base_url, args.seed, args.warmup))
     print_serving_metrics(summary, args.base_url)
     write_json(args.json, summary)

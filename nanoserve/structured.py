@@ -3,17 +3,20 @@ client asked for, as text), its translation into an llguidance grammar, and its 
 
 The spec, not a compiled grammar, crosses the API -> engine boundary: a compiled matcher is a native
 object that cannot be sent over zmq. The API side validates the grammar (no tokenizer needed, ~0.5 ms
-for a realistic schema) so that a bad schema is an HTTP 400 before any stream starts; the engine
-compiles each distinct grammar once (engine/grammar.py)."""
+for a realistic schema; one that takes longer than COMPILE_TIMEOUT_S is refused too) so that a bad
+schema is an HTTP 400 before any stream starts; the engine compiles each distinct grammar once, on a
+thread of its own while its steps go on (engine/grammar.py)."""
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 
 from nanoserve.errors import InvalidRequest
 
 KINDS = ("json", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 256 << 10  # a grammar is compiled and matched per token: bounded like other lists
+COMPILE_TIMEOUT_S = 10.0  # a grammar that takes longer to check (API) or compile (engine) is refused
 
 
 @dataclass(frozen=True)
@@ -45,14 +48,19 @@ class StructuredSpec:
             raise _invalid(f"{self.param}: invalid {self.kind} constraint: {e}", self.param) from e
         raise _invalid(f"{self.param}: unknown constraint kind {self.kind!r}", self.param)
 
-    def validate(self) -> None:
-        """Raises InvalidRequest naming `param` if the grammar cannot be compiled."""
+    def validate(self, timeout: float = COMPILE_TIMEOUT_S) -> None:
+        """Raises InvalidRequest naming `param` if the grammar cannot be compiled, or took longer than
+        `timeout` seconds to check (the engine's compile would cost as much again)."""
         if len(self.value) > MAX_SPEC_CHARS:
             raise _invalid(f"{self.param}: the constraint is longer than {MAX_SPEC_CHARS} characters", self.param)
         from llguidance import LLMatcher
+        t0 = time.monotonic()
         err = LLMatcher.validate_grammar(self.grammar())
         if err:
             raise _invalid(f"{self.param}: the {self.kind} constraint cannot be compiled: {err}", self.param)
+        if (took := time.monotonic() - t0) > timeout:
+            raise _invalid(f"{self.param}: the {self.kind} constraint took {took:.1f}s to check, longer than the "
+                           f"{timeout:g}s allowed", self.param)
 
 
 def json_spec(schema: object, param: str) -> StructuredSpec:

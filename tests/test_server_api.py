@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -334,6 +335,14 @@ HOSTILE = [  # (path, body, status, param): raw bodies are bytes; each must be r
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "functions": [{"name": "f", "parameters": {}}]}, 400, "functions"),
     ("/v1/completions", {"prompt": "hi", "prediction": {"type": "content", "content": "x"}}, 400, "prediction"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "modalities": ["text", "audio"],
+                              "audio": {"voice": "alloy", "format": "wav"}}, 400, "modalities"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "audio": {"voice": "alloy"}}, 400,
+     "audio"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "web_search_options": {}}, 400,
+     "web_search_options"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "high"}, 400,
+     "reasoning_effort"),
     # constraints that cannot be compiled or make no sense
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "response_format": {"type": "xml"}}, 400, "response_format"),
@@ -360,8 +369,16 @@ def test_hostile_inputs_are_refused_and_the_server_keeps_serving(server, path, b
 def test_harmless_values_of_unimplemented_fields_are_accepted(server):
     r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
                                               "response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
-                                              "user": "u1", "metadata": {"k": "v"}})
+                                              "user": "u1", "metadata": {"k": "v"}, "store": False,
+                                              "service_tier": "auto", "modalities": ["text"], "audio": None,
+                                              "web_search_options": None})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2, r.text
+
+
+def test_readme_lists_the_refused_and_the_ignored_fields():
+    from nanoserve.server.protocol import ACCEPTED_IGNORED, NOT_IMPLEMENTED
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert [f for f in [*NOT_IMPLEMENTED, *ACCEPTED_IGNORED] if f"`{f}`" not in readme] == []
 
 
 def test_oversized_body_is_413_and_health_stays_up(server):

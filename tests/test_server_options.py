@@ -74,6 +74,27 @@ def test_no_prefix_caching_reports_zero_cached(keyed):
         assert r.usage.prompt_tokens_details.cached_tokens == 0
 
 
+def test_auto_tool_choice_needs_the_flags(keyed):
+    """Without --enable-auto-tool-choice, "auto" (explicit, or the default with tools) is a 400 naming
+    tool_choice, as vLLM answers it; a required call still works. The flag needs a parser."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {},
+                                                                          "additionalProperties": False}}}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": [tool], "max_tokens": 8,
+            "temperature": 0}
+    for extra in ({}, {"tool_choice": "auto"}):
+        err = assert_error(httpx.post(keyed.base_url + "/chat/completions", headers=AUTH, json={**body, **extra},
+                                      timeout=60), 400, "tool_choice")
+        assert "--enable-auto-tool-choice" in err["message"]
+    r = httpx.post(keyed.base_url + "/chat/completions", headers=AUTH, json={**body, "tool_choice": "required", "max_tokens": 40},
+                   timeout=120)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["tool_calls"][0]["function"] == {
+        "name": "f", "arguments": "{}"}
+    with pytest.raises(ValueError, match="--tool-call-parser"):
+        ServerConfig(enable_auto_tool_choice=True)
+    assert ServerConfig(enable_auto_tool_choice=True, tool_call_parser="llama3_json").auto_tool_parser == "llama3_json"
+    assert ServerConfig(tool_call_parser="hermes").auto_tool_parser is None
+
+
 def test_max_queue_gives_503_with_retry_after(keyed):
     def one(i):
         return httpx.post(keyed.base_url + "/completions", timeout=120, headers=AUTH,

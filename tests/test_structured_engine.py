@@ -128,3 +128,30 @@ def test_preempted_constrained_sequences_resume_their_grammar():
         assert o.outputs[0].finish_reason == "stop"
         jsonschema.validate(json.loads(o.outputs[0].text), schema)
     assert len(small.engine.grammars) == 0
+
+
+def test_grammar_compiles_off_the_step_and_a_slow_one_is_refused(llm):
+    """The engine core admits a request once its grammar is compiled on the grammar thread: while the
+    thread is busy the compile is pending (the step goes on without it), then ready and cached; a compile
+    that outlasts the bound fails its request with a 400-type error naming the field."""
+    import threading
+    from nanoserve.engine.grammar import GrammarMatchers
+    g = GrammarMatchers(llm.engine.tokenizer, llm.engine.model.vocab_size, compile_timeout=60)
+    g.start()
+    busy = threading.Event()
+    g._pool.submit(busy.wait, 60)  # the grammar thread is occupied: nothing compiles until it is set
+    spec = json_spec(SCHEMAS["array_enum"], "response_format")
+    pending = g.prepare(spec)
+    assert not g.ready(pending) and g.prepare(spec) is pending  # one compile per distinct grammar
+    g.compile_timeout = 0
+    with pytest.raises(InvalidRequest) as e:
+        g.ready(pending)
+    assert e.value.param == "response_format" and "took longer" in str(e.value)
+    g.compile_timeout = 60
+    busy.set()
+    pending.future.result(timeout=60)
+    assert g.ready(pending)
+    bad = g.prepare(StructuredSpec("grammar", "start: nothing_defined", "guided_grammar"))
+    with pytest.raises(InvalidRequest):
+        bad.future.result(timeout=60)
+    g.close()

@@ -1,6 +1,7 @@
 """Structured outputs and tool calls end to end: the real `nanoserve` server (engine in its own
 process) on the embedded model, the real openai client. Outputs always parse and validate, streamed or
-not, greedy or sampled, n=2; tool_choice required / named give well-formed calls; tool results
+not, greedy or sampled, n=2; tool_choice required / named give well-formed calls, their arguments
+streamed in pieces as they are generated (OpenAI's delta.tool_calls shape); tool results
 round-trip through the chat template; bad constraints are 400s naming the field."""
 from __future__ import annotations
 
@@ -130,7 +131,8 @@ def test_tool_choice_required_and_named(client, model, choice):
                                                         seed=9, temperature=1.0, max_tokens=80, stream=True))
     for i, g in streamed.items():
         assert g["reasons"] == ["tool_calls"] and g["content"] == ""
-        _check_calls(g["calls"], allowed)
+        _check_calls(g["calls"], allowed)  # the joined pieces validate against the tool's schema
+        assert all(g["pieces"][k] > 1 for k in range(len(g["calls"]))), g["pieces"]  # streamed as generated
         assert [tc.function.arguments for tc in g["calls"]] == [tc.function.arguments for tc in
                                                                 r.choices[i].message.tool_calls]
     single = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required",

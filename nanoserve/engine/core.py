@@ -19,11 +19,13 @@ import os
 import signal
 import sys
 import time
+from concurrent.futures import FIRST_COMPLETED, wait
 
 import zmq
 
 from nanoserve.config import EngineConfig, import_by_name
 from nanoserve.engine.placement import CpuPlacement, apply_engine_placement, die_with_parent
+from nanoserve.engine.requests import Request
 from nanoserve.engine.protocol import (Abort, Add, Batch, DeltaEncoder, EngineDead, EngineSnapshot, FailAll,
                                        Finish, OutputDelta, Ready, RequestError, SnapshotAsk, SnapshotReply,
                                        StartFailed, StepTime, Stop, ToEngine, decode_to_engine, encode)
@@ -50,6 +52,7 @@ class EngineCore:
         self.engine = engine
         self.inp, self.out, self.parent_pid = inp, out, parent_pid
         self.encoders: dict[str, DeltaEncoder] = {}  # the requests in the engine, by id
+        self.compiling: dict[str, Request] = {}      # requests waiting for their grammar, not in the engine yet
         self.step_errors = 0
         self.invariant_violations = 0
         self.adds_seen = 0
@@ -64,6 +67,7 @@ class EngineCore:
         import torch
         # The loop only ever runs inference: inference mode (thread-local) makes every tensor the
         # step creates an inference tensor, so in-place sampler updates on them are legal.
+        self.engine.grammars.start()  # llguidance's tokenizer, on the grammar thread, before requests come
         with torch.inference_mode():
             try:
                 self._loop()
@@ -79,7 +83,8 @@ class EngineCore:
 
     def _loop(self) -> None:
         eng = self.engine
-        while self._drain(block=not eng.has_unfinished()):
+        while self._drain(block=not eng.has_unfinished() and not self.compiling):
+            self._admit_compiled()
             self._flush()
             if not eng.has_unfinished():
                 self._check_invariants()
@@ -117,12 +122,12 @@ class EngineCore:
                     return False
                 case Add(request=preq):
                     self.adds_seen += 1
-                    try:
-                        eng.add(eng.request_from(preq))
-                    except Exception as e:  # validated by the API already; a mismatch is reported, not dropped
+                    try:  # validated by the API already; a mismatch is reported, not dropped
+                        self.compiling[preq.request_id] = eng.request_from(preq)
+                    except Exception as e:
                         self._errors.append(RequestError.of(preq.request_id, e))
-                        continue
-                    self.encoders[preq.request_id] = DeltaEncoder()
+                case Abort(request_id=rid) if rid in self.compiling:
+                    del self.compiling[rid]
                 case Abort(request_id=rid):
                     try:
                         self._emit(eng.abort(rid))
@@ -137,6 +142,27 @@ class EngineCore:
                     self._snapshots.append(SnapshotReply(token, self._take_snapshot()))
         return True
 
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar is compiled (or that have none) go into the engine; one whose compile
+        failed or took too long is answered with the error. The step never waits for a compile: with
+        nothing else to run, the loop waits here briefly for one."""
+        if not self.compiling:
+            return
+        if not self.engine.has_unfinished():
+            wait([r.grammar.future for r in self.compiling.values() if r.grammar is not None], timeout=0.01,
+                 return_when=FIRST_COMPLETED)
+        for rid, req in list(self.compiling.items()):
+            try:
+                if req.grammar is not None and not self.engine.grammars.ready(req.grammar):
+                    continue
+                del self.compiling[rid]
+                self.engine.add(req)
+            except Exception as e:
+                self.compiling.pop(rid, None)
+                self._errors.append(RequestError.of(rid, e))
+                continue
+            self.encoders[rid] = DeltaEncoder()
+
     # ---- outputs -----------------------------------------------------------------------------
     def _emit(self, out: RequestOutput | None) -> None:
         enc = None if out is None else self.encoders.get(out.request_id)
@@ -148,7 +174,8 @@ class EngineCore:
 
     def _flush(self) -> None:
         sch = self.engine.scheduler
-        counts = (self.adds_seen, len({s.request_id for s in sch.running}), len({s.request_id for s in sch.waiting}))
+        counts = (self.adds_seen, len({s.request_id for s in sch.running}),
+                  len({s.request_id for s in sch.waiting}) + len(self.compiling))
         if not (self._outputs or self._errors or self._steps or self._snapshots) and counts == self._sent_counts:
             return
         self.out.send(encode(Batch(self._outputs, self._errors, self._steps, self._snapshots, *counts)))
@@ -177,7 +204,9 @@ class EngineCore:
         for rid in list(self.encoders):
             self._force_abort(rid)
             self._errors.append(RequestError(rid, kind, message))
+        self._errors += [RequestError(rid, kind, message) for rid in self.compiling]
         self.encoders.clear()
+        self.compiling.clear()
 
     def _force_abort(self, rid: str) -> None:
         try:

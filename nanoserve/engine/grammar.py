@@ -2,6 +2,13 @@
 by copying a per-grammar template that is compiled once (LRU cache), the allowed-token bitmask of the
 constrained sampling rows filled each step, and the matcher advanced by each sampled token.
 
+Compiling never happens inside the step: `prepare` hands a grammar to one worker thread and returns
+a Compile to poll; the engine core admits a request only once its grammar is compiled (core.py), and a
+compile that fails or takes longer than COMPILE_TIMEOUT_S fails its request (InvalidRequest naming
+the field). llguidance's view of the vocabulary (~0.3 s, holding the GIL most of that time) is built
+on that thread when the engine core starts serving (`start`), not on the first constrained request.
+The offline path (`add` of a request whose grammar is still compiling) waits for it.
+
 Lifecycle: a matcher is made when its request is added, advanced once per sampled token, and freed
 when its sequence finishes (stop, length, abort, failure). Preemption keeps a sequence's generated
 tokens (the resume recomputes their KV), so its matcher stays valid across it: nothing to roll back.
@@ -9,24 +16,36 @@ Measured (experiment bench/structured_cost.py at c256b25): a template of a reali
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import torch
 
 from nanoserve.sampling_params import InvalidRequest
 from nanoserve.sequence import Sequence
-from nanoserve.structured import StructuredSpec
+from nanoserve.structured import COMPILE_TIMEOUT_S, StructuredSpec
 
 log = logging.getLogger("nanoserve")
 
 CACHE_SIZE = 128  # distinct grammars kept compiled
 
 
+@dataclass
+class Compile:
+    """A grammar being compiled (or compiled) on the worker thread."""
+    spec: StructuredSpec
+    future: Future
+    started: float = field(default_factory=time.monotonic)
+
+
 class GrammarMatchers:
-    def __init__(self, tokenizer, vocab_size: int) -> None:
-        self.hf_tokenizer, self.vocab_size = tokenizer, vocab_size
-        self._tokenizer = None       # llguidance's view of the vocabulary, built on first use (~0.3 s)
-        self._templates: OrderedDict[str, object] = OrderedDict()
+    def __init__(self, tokenizer, vocab_size: int, compile_timeout: float = COMPILE_TIMEOUT_S) -> None:
+        self.hf_tokenizer, self.vocab_size, self.compile_timeout = tokenizer, vocab_size, compile_timeout
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-grammar")
+        self._tokenizer: Future | None = None   # llguidance's view of the vocabulary
+        self._templates: OrderedDict[str, Compile] = OrderedDict()
         self._matchers: dict[int, object] = {}  # seq_id -> LLMatcher
         self._words = (vocab_size + 31) // 32
         self._bitmask = torch.empty(0, self._words, dtype=torch.int32)
@@ -34,37 +53,65 @@ class GrammarMatchers:
     def __len__(self) -> int:
         return len(self._matchers)
 
-    def _template(self, spec: StructuredSpec):
-        grammar = spec.grammar()
-        tpl = self._templates.get(grammar)
-        if tpl is not None:
-            self._templates.move_to_end(grammar)
-            return tpl
-        import llguidance
+    def start(self) -> None:
+        """Build llguidance's tokenizer on the worker thread now (the engine core calls it as it starts
+        serving), so that no constrained request waits for it."""
         if self._tokenizer is None:
-            import llguidance.hf
-            self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size)
-        tpl = llguidance.LLMatcher(self._tokenizer, grammar)
+            self._tokenizer = self._pool.submit(self._build_tokenizer)
+
+    def _build_tokenizer(self):
+        import llguidance.hf
+        t0 = time.perf_counter()
+        tok = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size)
+        log.debug("llguidance tokenizer built in %.2fs", time.perf_counter() - t0)
+        return tok
+
+    def _compile(self, spec: StructuredSpec, grammar: str):
+        import llguidance
+        tpl = llguidance.LLMatcher(self._tokenizer.result(), grammar)
         if tpl.is_error():
             raise InvalidRequest(f"{spec.param}: the {spec.kind} constraint cannot be compiled: {tpl.get_error()}",
                                  param=spec.param)
-        self._templates[grammar] = tpl
-        if len(self._templates) > CACHE_SIZE:
-            self._templates.popitem(last=False)
         return tpl
 
+    def prepare(self, spec: StructuredSpec) -> Compile:
+        """The compile of this grammar: found in the cache, or started on the worker thread."""
+        grammar = spec.grammar()
+        c = self._templates.get(grammar)
+        if c is not None:
+            self._templates.move_to_end(grammar)
+            return c
+        self.start()
+        c = self._templates[grammar] = Compile(spec, self._pool.submit(self._compile, spec, grammar))
+        if len(self._templates) > CACHE_SIZE:
+            self._templates.popitem(last=False)
+        return c
+
+    def ready(self, c: Compile) -> bool:
+        """Whether the grammar is compiled; raises InvalidRequest if it failed or is taking too long."""
+        if c.future.done():
+            c.future.result()  # raises what the compile raised
+            return True
+        if time.monotonic() - c.started > self.compile_timeout:
+            raise InvalidRequest(f"{c.spec.param}: the {c.spec.kind} constraint took longer than "
+                                 f"{self.compile_timeout:g}s to compile", param=c.spec.param)
+        return False
+
     def check(self, spec: StructuredSpec | None) -> None:
-        """Compile (or find) the grammar; raises InvalidRequest naming the field if it cannot be."""
+        """Compile (or find) the grammar, waiting for it; raises InvalidRequest naming the field if it cannot be."""
         if spec is not None:
-            self._template(spec)
+            self.prepare(spec).future.result()
 
     def add(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
             if seq.params.structured is not None:
-                self._matchers[seq.seq_id] = self._template(seq.params.structured).deep_copy()
+                self._matchers[seq.seq_id] = self.prepare(seq.params.structured).future.result().deep_copy()
 
     def free(self, seq: Sequence) -> None:
         self._matchers.pop(seq.seq_id, None)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def bitmask(self, seqs: list[Sequence]) -> tuple[list[int], torch.Tensor] | None:
         """(rows, allowed-token bitmask [rows, ceil(V/32)] int32) for the constrained rows of this

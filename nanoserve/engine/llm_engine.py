@@ -280,6 +280,7 @@ class LLMEngine:
     def close(self) -> None:
         """Shutdown: end the KV copies in flight before the host pool is released; stop the
         other tensor-parallel ranks."""
+        self.grammars.close()
         try:
             self.kv.close()
         finally:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from nanoserve.engine.grammar import GrammarMatchers
+from nanoserve.engine.grammar import Compile, GrammarMatchers
 from nanoserve.engine.protocol import ModelInfo, PromptRequest, check_prompt_request, make_prompt_request
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.sequence import Sequence
@@ -26,6 +26,7 @@ class Request:
     params: SamplingParams
     seqs: list[Sequence]
     arrival_time: float = field(default_factory=time.monotonic)
+    grammar: Compile | None = None  # its constraint's compile (the engine core admits it once done)
 
 
 def eos_token_ids(tokenizer: Any, hf_config: Any, model_path: Path) -> frozenset[int]:
@@ -62,19 +63,23 @@ class RequestBuilder:
 
     def make(self, request_id: str, prompt: str | list[int], params: SamplingParams,
              add_special_tokens: bool = True) -> Request:
-        """Validate and tokenize; raises InvalidRequest naming the bad field."""
-        return self.build(make_prompt_request(self.info, self.tokenize, request_id, prompt, params,
-                                              add_special_tokens))
+        """Validate and tokenize; raises InvalidRequest naming the bad field (a grammar that does not
+        compile too: this waits for its compile)."""
+        req = self.build(make_prompt_request(self.info, self.tokenize, request_id, prompt, params, add_special_tokens))
+        if req.grammar is not None:
+            req.grammar.future.result()
+        return req
 
     def build(self, preq: PromptRequest) -> Request:
-        """The engine's request (one sequence per choice) for a validated one."""
+        """The engine's request (one sequence per choice) for a validated one; its grammar's compile is
+        started (on the grammar thread, once per distinct grammar), not waited for."""
         check_prompt_request(self.info, preq)
         params, ids = preq.params, preq.prompt_token_ids
-        self.grammars.check(params.structured)  # compiled once per distinct grammar, cached
+        grammar = self.grammars.prepare(params.structured) if params.structured is not None else None
         seqs = []
         for i in range(params.n):
             gen = (torch.Generator(device=self.device).manual_seed((params.seed + i) & 0xFFFF_FFFF_FFFF_FFFF)
                    if params.seed is not None else None)
             seqs.append(Sequence(next(self._seq_ids), preq.request_id, i, ids, params, preq.max_tokens,
                                  self.eos_ids, generator=gen, parent=seqs[0] if seqs else None))
-        return Request(preq.request_id, preq.prompt, ids, params, seqs, preq.arrival_time)
+        return Request(preq.request_id, preq.prompt, ids, params, seqs, preq.arrival_time, grammar)

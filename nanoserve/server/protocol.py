@@ -3,7 +3,8 @@ structured-output constraint a request asks for: response_format, vLLM's guided_
 or a tool_choice).
 
 Unknown fields are accepted and ignored (`extra="ignore"`), except those that would change what the
-client gets back and that nanoserve does not implement (NOT_IMPLEMENTED: refused); every validation
+client gets back and that nanoserve does not implement (NOT_IMPLEMENTED: refused); the known fields
+ignored on purpose are listed in ACCEPTED_IGNORED (and the README); every validation
 failure becomes an HTTP 400 OpenAI error object naming the parameter (never FastAPI's 422)."""
 from __future__ import annotations
 
@@ -341,13 +342,22 @@ class DetokenizeRequest(_Base):
     tokens: list[StrictInt]
 
 
-# Fields that change what the client gets back and that nanoserve does not implement: refused
-# with a 400 naming the field instead of being ignored (the client would get unconstrained text and
-# think it was constrained). Each maps to what its harmless value looks like; harmless extras such as
-# `user` or `metadata` are still accepted.
+# Fields that change what the client gets back and that nanoserve does not implement: refused with a
+# 400 naming the field instead of being ignored (the client would get something other than it asked for
+# and not know). Each maps to what its harmless value looks like.
 NOT_IMPLEMENTED = {
     "functions": lambda v: not v, "function_call": lambda v: v in (None, "none"),  # legacy: use tools
     "prediction": lambda v: v is None, "guided_whitespace_pattern": lambda v: v is None,
+    "modalities": lambda v: v is None or "audio" not in v, "audio": lambda v: v is None,  # audio output
+    "web_search_options": lambda v: v is None,  # a web search that would never happen
+    "reasoning_effort": lambda v: v is None, "verbosity": lambda v: v is None,  # not a reasoning model
+}
+# Fields accepted and ignored on purpose: they do not change the completion the client receives.
+ACCEPTED_IGNORED = {
+    "user": "an end-user id for the provider's abuse monitoring", "safety_identifier": "the same, newer name",
+    "metadata": "tags for stored completions", "store": "keep the completion for OpenAI's dashboards / evals",
+    "service_tier": "a processing tier: there is one", "prompt_cache_key": "a hint for prefix-cache routing: "
+    "the prefix cache needs none", "prompt_cache_retention": "the same cache's lifetime",
 }
 
 
