@@ -85,10 +85,10 @@ def test_auto_tool_choice_needs_the_flags(keyed):
         err = assert_error(httpx.post(keyed.base_url + "/chat/completions", headers=AUTH, json={**body, **extra},
                                       timeout=60), 400, "tool_choice")
         assert "--enable-auto-tool-choice" in err["message"]
-    r = httpx.post(keyed.base_url + "/chat/completions", headers=AUTH, json={**body, "tool_choice": "required", "max_tokens": 40},
-                   timeout=120)
-    assert r.status_code == 200 and r.json()["choices"][0]["message"]["tool_calls"][0]["function"] == {
-        "name": "f", "arguments": "{}"}
+    r = httpx.post(keyed.base_url + "/chat/completions", headers=AUTH, timeout=120,
+                   json={**body, "tool_choice": "required", "max_tokens": 40, "parallel_tool_calls": False})
+    assert r.status_code == 200 and [c["function"] for c in r.json()["choices"][0]["message"]["tool_calls"]] == [
+        {"name": "f", "arguments": "{}"}], r.text
     with pytest.raises(ValueError, match="--tool-call-parser"):
         ServerConfig(enable_auto_tool_choice=True)
     assert ServerConfig(enable_auto_tool_choice=True, tool_call_parser="llama3_json").auto_tool_parser == "llama3_json"
