@@ -30,7 +30,8 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Current we
            "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
                           "properties": {"city": {"type": "string", "maxLength": 12}}}}
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
-          "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "maximum": 99}}}
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 99}}}
 EVENTS = TypeAdapter(ResponseStreamEvent)
 
 
@@ -81,7 +82,7 @@ def test_messages_and_instructions_make_the_chat_prompt(server, client, model):
              {"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
              {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Bonjour"}]},
              {"role": "user", "content": "Count to three."}]
-    r = client.responses.create(model=model, input=items, instructions="Be brief.", max_output_tokens=4,
+    r = client.responses.create(model=model, input=items, instructions="Be brief.", max_output_tokens=2,
                                 temperature=0)
     chat = [{"role": "system", "content": "Be brief."}, {"role": "system", "content": "Answer in French."},
             {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Bonjour"},
@@ -117,11 +118,11 @@ def test_function_call_round_trip(server, client, model):
     result = {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees and sunny"}
     answer = client.responses.create(model=model, input=[{"role": "user", "content": ask},
                                                          call.model_dump(exclude_none=True), result],
-                                     tools=[WEATHER], max_output_tokens=8, temperature=0)
+                                     tools=[WEATHER], max_output_tokens=3, temperature=0)
     assert answer.output and answer.usage.input_tokens > first.usage.input_tokens
     # the same turn through previous_response_id: only the result is new input
     chained = client.responses.create(model=model, previous_response_id=first.id, input=[result], tools=[WEATHER],
-                                      max_output_tokens=8, temperature=0)
+                                      max_output_tokens=3, temperature=0)
     assert chained.usage.input_tokens == answer.usage.input_tokens  # the same conversation
     assert chained.usage.input_tokens_details.cached_tokens > chained.usage.input_tokens // 2  # its prefix reused
     assert chained.previous_response_id == first.id
@@ -129,9 +130,9 @@ def test_function_call_round_trip(server, client, model):
 
 def test_previous_response_id_continues_the_conversation(server, client, model):
     first = client.responses.create(model=model, input="My name is Ada.", instructions="Be brief.",
-                                    max_output_tokens=6, temperature=0)
+                                    max_output_tokens=3, temperature=0)
     second = client.responses.create(model=model, input="What is my name?", previous_response_id=first.id,
-                                     max_output_tokens=6, temperature=0)
+                                     max_output_tokens=3, temperature=0)
     convo = [{"role": "user", "content": "My name is Ada."}, {"role": "assistant", "content": first.output_text},
              {"role": "user", "content": "What is my name?"}]  # instructions are not carried over
     assert second.usage.input_tokens == httpx.post(server.url + "/tokenize", json={"messages": convo}).json()["count"]
