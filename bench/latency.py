@@ -7,6 +7,8 @@ time goes inside nanoserve's forward pass.
     python bench/latency.py --threads 2 --base /tmp/base --decode-batch ''   # A/B of cold TTFT
     python bench/latency.py --threads 1 --breakdown --decode-batch ''        # where a prefill's time goes
     python bench/latency.py --tp-wire --decode-batch 1,32    # a tensor-parallel step message's codec
+    python bench/latency.py --vs-dequantized --threads 2 --decode-batch 1 --ttft-lens 256 --offline 16
+        # a GGUF served from its blocks vs --gguf-dequantize, plus memory and bandwidth
 
 Cold TTFT: one fresh prompt (random token ids, no prefix any side has seen) with max_tokens=1, timed
 around generate; median of --prompts prompts per length and run. Decode step: --decode-steps K; the
@@ -24,6 +26,14 @@ the attention backend's Python and copies, batch building, scheduling and sampli
 --tp-wire: encode + decode of the decode step that rank 0 sends to the other tensor-parallel ranks
 (a batch of rows 16 blocks past --decode-ctx each), with the typed codec and with pickle (what it
 replaced), median of 20,000; no model is loaded.
+--vs-dequantized: the same GGUF (--model, default the embedded Q4_1 file) served from its blocks (the
+default) and with --gguf-dequantize, each run of each side a fresh process (cold TTFT, a clean resident
+set); also per side: resident memory (VmRSS after the run), the model's weight bytes, load time, and
+with --offline N the output tok/s of N prompts of 128 tokens x 64 new ones in one generate call; the
+machine's memory bandwidth (a 1 GiB torch copy on the same threads, best of 5, read + write bytes)
+before the runs, and per batch-1 decode: weight bytes x tok/s / bandwidth. --write-gguf FILE writes
+a random-weight Llama GGUF (--gguf-size 1b|135m, --gguf-type Q4_0|Q8_0|Q4_1) to serve with --model
+and exits.
 """
 from __future__ import annotations
 
@@ -34,9 +44,11 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
-from common import ROOT, alternated, auto_dtype, comparison_table, cpu_name, run_in_tree, token_prompts, write_json
+from common import (ROOT, alternated, auto_dtype, comparison_table, cpu_name, embedded_gguf, run_in_tree,
+                    token_prompts, write_json)
 from peers import VllmOffline, add_peer_args, peer_config
 
 
@@ -105,8 +117,11 @@ class Nanoserve:
 
         from nanoserve import LLM, SamplingParams
         batched = {"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}
-        self.llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False, kv_cache_gb=1,
-                       max_num_seqs=max(args.batches + [1]), **batched)
+        t0 = time.perf_counter()
+        self.llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False, kv_cache_gb=args.kv_cache_gb,
+                       max_num_seqs=max(args.batches + [1, args.offline]), gguf_dequantize=args.gguf_dequantize,
+                       **batched)
+        self.load_s = time.perf_counter() - t0
         self.SamplingParams = SamplingParams
         self.breakdown = Breakdown(self.llm) if args.breakdown else None
         self.cores = f"{torch.get_num_threads()} compute thread(s) on cpus {sorted(os.sched_getaffinity(0))}"
@@ -114,10 +129,10 @@ class Nanoserve:
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> dict:
         params = self.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         self.llm.generate(prompts, params)
         elapsed = time.perf_counter() - t0
-        return {"elapsed_s": elapsed, **({"parts_s": self.breakdown.parts(elapsed)} if self.breakdown else {})}
+        return {"elapsed_s": elapsed, "cpu_s": time.process_time() - c0, **({"parts_s": self.breakdown.parts(elapsed)} if self.breakdown else {})}
 
 
 class OtherTree:
@@ -130,15 +145,43 @@ class OtherTree:
         return run_in_tree(self.tree, "latency.py", [*self.argv, "--one-run", str(r)])
 
 
+def weight_bytes(model) -> int:
+    """Bytes of every tensor the model's weights live in: parameters and GGUF blocks (each once)."""
+    tensors = {t.data_ptr(): t.numel() * t.element_size() for t in model.parameters()}
+    lins = [lin for layer in model.layers for lin in vars(layer).values() if hasattr(lin, "parts")]
+    for lin in [*lins, model.lm_head_lin, getattr(model.embed_rows, "table", None)]:
+        for part in getattr(lin, "parts", [lin] if lin is not None and hasattr(lin, "qtype") else []):
+            tensors[part.data.data_ptr()] = part.nbytes
+    return sum(tensors.values())
+
+
+def resident_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def memory_bandwidth_gbs(threads: int | None) -> float:
+    """Read + write GB/s of a 1 GiB tensor copy (torch's parallel copy on this process's threads)."""
+    import torch
+    src, dst = torch.ones(1 << 28), torch.empty(1 << 28)  # 1 GiB each: far past any cache
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.numel() * 4 / best / 1e9
+
+
 def measure(side, args, r: int) -> dict:
     """One run of every measurement on one side: ms, and the parts (ms) with --breakdown."""
     if isinstance(side, OtherTree):
         return side.measure(args, r)
-    out: dict = {"ttft_ms": {}, "decode_step_ms": {}, "prefill_ms": {}, "parts_ms": {}}
+    out: dict = {"ttft_ms": {}, "decode_step_ms": {}, "prefill_ms": {}, "parts_ms": {}, "memory": {}, "cpu_ms": {}}
     for i, n in enumerate(args.lens):
         runs = [side.run(token_prompts(1, n, seed=1000 * r + 10 * i + k), 1) for k in range(args.prompts)]
         best = sorted(runs, key=lambda x: x["elapsed_s"])[len(runs) // 2]
         out["ttft_ms"][str(n)] = best["elapsed_s"] * 1e3
+        out["cpu_ms"][f"cold TTFT, {n} tokens"] = best["cpu_s"] * 1e3
         if "parts_s" in best:
             out["parts_ms"][f"ttft {n}"] = ({k: v * 1e3 for k, v in best["parts_s"].items()}
                                             | {"total": best["elapsed_s"] * 1e3})
@@ -148,12 +191,80 @@ def measure(side, args, r: int) -> dict:
             one = side.run(token_prompts(b, c, seed), 1)
             more = side.run(token_prompts(b, c, seed + 500), 1 + args.decode_steps)
             out["decode_step_ms"][key] = (more["elapsed_s"] - one["elapsed_s"]) / args.decode_steps * 1e3
+            out["cpu_ms"][f"decode step, {key}"] = (more["cpu_s"] - one["cpu_s"]) / args.decode_steps * 1e3
             out["prefill_ms"][key] = one["elapsed_s"] * 1e3
             if "parts_s" in one:
                 parts = {k: (more["parts_s"].get(k, 0) - v) / args.decode_steps * 1e3
                          for k, v in one["parts_s"].items()}
                 out["parts_ms"][f"decode {key}"] = parts | {"total": out["decode_step_ms"][key]}
+    if args.offline:
+        new = 64
+        t = side.run(token_prompts(args.offline, 128, seed=7000 + r), new)["elapsed_s"]
+        out["memory"]["offline throughput (output tok/s)"] = args.offline * new / t
+    out["memory"] |= {"resident memory (MB)": resident_mb(), "weights (MB)": weight_bytes(side.llm.engine.model) / 1e6,
+                      "load (s)": side.load_s}
     return out
+
+
+@dataclass(frozen=True)
+class GgufSize:
+    hidden: int
+    inter: int
+    layers: int
+    heads: int
+    kv_heads: int
+
+
+# 1b: Llama-3.2-1B's shape with the embedded model's 49k vocabulary (its tokenizer is copied): 1.07B
+GGUF_SIZES = {"1b": GgufSize(2048, 8192, 16, 32, 8), "135m": GgufSize(576, 1536, 30, 9, 3)}
+
+
+def write_random_gguf(path: Path, size: GgufSize, qtype_name: str, seed: int = 0) -> None:
+    """A Llama GGUF with random N(0, 0.02) weights in one block type (norms F32, embedding tied),
+    the embedded model's tokenizer and chat template: nanoserve and llama.cpp both read it. One
+    tensor is generated and quantized at a time (the 1b Q8_0 file is 1.1 GB)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+    from gguf.quants import quantize
+    qtype = GGMLQuantizationType[qtype_name]
+    rng = np.random.default_rng(seed)
+    tok = GGUFReader(str(embedded_gguf()))
+    vocab = len(tok.fields["tokenizer.ggml.tokens"].data)
+    w = GGUFWriter(str(path), "llama")
+    w.add_name(f"random-{size.layers}x{size.hidden}-{qtype_name}")
+    w.add_block_count(size.layers)
+    w.add_context_length(4096)
+    w.add_embedding_length(size.hidden)
+    w.add_feed_forward_length(size.inter)
+    w.add_head_count(size.heads)
+    w.add_head_count_kv(size.kv_heads)
+    w.add_rope_freq_base(100000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
+    w.add_rope_dimension_count(size.hidden // size.heads)
+    for key, field in tok.fields.items():
+        if key.startswith("tokenizer."):
+            sub = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
+            w.add_key_value(key, field.contents(), field.types[0], sub)
+    d, kv = size.hidden // size.heads, size.kv_heads * (size.hidden // size.heads)
+    shapes = {"token_embd.weight": (vocab, size.hidden), "output_norm.weight": (size.hidden,)}
+    for i in range(size.layers):
+        shapes |= {f"blk.{i}.attn_norm.weight": (size.hidden,), f"blk.{i}.ffn_norm.weight": (size.hidden,),
+                   f"blk.{i}.attn_q.weight": (size.heads * d, size.hidden), f"blk.{i}.attn_k.weight": (kv, size.hidden),
+                   f"blk.{i}.attn_v.weight": (kv, size.hidden), f"blk.{i}.attn_output.weight": (size.hidden, size.hidden),
+                   f"blk.{i}.ffn_gate.weight": (size.inter, size.hidden), f"blk.{i}.ffn_up.weight": (size.inter, size.hidden),
+                   f"blk.{i}.ffn_down.weight": (size.hidden, size.inter)}
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            w.add_tensor(name, np.ones(shape, dtype=np.float32))
+        else:
+            a = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
+            w.add_tensor(name, quantize(a, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    print(f"wrote {path}: {path.stat().st_size / 1e9:.2f} GB")
 
 
 def tp_wire(batches: list[int], ctx: int, reps: int = 20_000) -> None:
@@ -200,6 +311,13 @@ def main() -> int:
     ap.add_argument("--tp-wire", action="store_true", help="time the tensor-parallel step message codec and exit")
     ap.add_argument("--json", default=None, metavar="FILE")
     ap.add_argument("--one-run", type=int, default=None, help=argparse.SUPPRESS)  # child: one run, JSON out
+    ap.add_argument("--gguf-dequantize", action="store_true", help="nanoserve --gguf-dequantize")
+    ap.add_argument("--vs-dequantized", action="store_true", help="a GGUF from its blocks vs --gguf-dequantize")
+    ap.add_argument("--kv-cache-gb", type=float, default=1.0)
+    ap.add_argument("--offline", type=int, default=0, metavar="N", help="offline throughput of N prompts")
+    ap.add_argument("--write-gguf", type=Path, default=None, metavar="FILE", help="write a random-weight GGUF, exit")
+    ap.add_argument("--gguf-size", choices=list(GGUF_SIZES), default="1b")
+    ap.add_argument("--gguf-type", choices=["Q4_0", "Q4_1", "Q8_0"], default="Q4_0")
     add_peer_args(ap)
     args = ap.parse_args()
     args.lens = [int(x) for x in args.ttft_lens.split(",") if x]
@@ -207,6 +325,8 @@ def main() -> int:
     args.contexts = [int(x) for x in args.decode_ctx.split(",") if x]
     if args.tp_wire:
         return tp_wire(args.batches, args.contexts[0]) or 0
+    if args.write_gguf:
+        return write_random_gguf(args.write_gguf, GGUF_SIZES[args.gguf_size], args.gguf_type) or 0
     if args.dtype == "auto":
         args.dtype = auto_dtype()
     sides: dict = {}
@@ -220,10 +340,15 @@ def main() -> int:
         if args.one_run is not None:
             print(json.dumps(measure(Nanoserve(args), args, args.one_run)))
             return 0
-        child = [a for a in sys.argv[1:] if a not in ("--json", args.json, "--base", str(args.base))]
-        sides = {"nanoserve": OtherTree(ROOT, child) if args.base else Nanoserve(args), **sides}
+        child = [a for a in sys.argv[1:] if a not in ("--json", args.json, "--base", str(args.base), "--vs-dequantized")]
+        fresh = args.base or args.vs_dequantized
+        sides = {"nanoserve": OtherTree(ROOT, child) if fresh else Nanoserve(args), **sides}
         if args.base:
             sides["base"] = OtherTree(args.base.resolve(), child)
+        if args.vs_dequantized:
+            sides["dequantized"] = OtherTree(ROOT, [*child, "--gguf-dequantize"])
+            bandwidth = memory_bandwidth_gbs(args.threads)
+            print(f"memory bandwidth: {bandwidth:.1f} GB/s (1 GiB copy, read + write)", flush=True)
         runs: dict[str, list[dict]] = {k: [] for k in sides}
         for r in range(args.runs):
             for name in alternated(list(sides), r):
@@ -234,8 +359,9 @@ def main() -> int:
     finally:
         if "vllm" in sides:
             sides["vllm"].close()
-    med = {name: {what: {k: statistics.median(x[what][k] for x in rs) for k in rs[0][what]}
-                  for what in ("ttft_ms", "decode_step_ms", "prefill_ms")} for name, rs in runs.items()}
+    med = {name: {what: {k: statistics.median(x[what][k] for x in rs) for k in rs[0].get(what, {})}
+                  for what in ("ttft_ms", "decode_step_ms", "prefill_ms", "memory", "cpu_ms")}
+           for name, rs in runs.items()}
     print(f"\n{cpu_name()}; dtype {args.dtype}; medians of {args.runs}")
     for name, side in sides.items():
         print(f"  {name}: {side.cores}")
@@ -243,8 +369,18 @@ def main() -> int:
             for title, what, unit in (("cold TTFT", "ttft_ms", " tokens"), ("decode step", "decode_step_ms", ""),
                                       ("prefill + first token", "prefill_ms", ""))
             for k in med["nanoserve"][what]}
+    if args.vs_dequantized:
+        for k, ms in med["nanoserve"]["decode_step_ms"].items():
+            if k.startswith("1 x "):
+                rows[f"batch-1 decode tok/s, ctx {k[4:]}"] = {n: 1e3 / med[n]["decode_step_ms"][k] for n in sides}
+                rows[f"weights x tok/s / bandwidth (%), ctx {k[4:]}"] = {
+                    n: 100 * med[n]["memory"]["weights (MB)"] * 1e6 * 1e3 / med[n]["decode_step_ms"][k] / (bandwidth * 1e9)
+                    for n in sides}
+        rows |= {k: {n: med[n]["memory"][k] for n in sides} for k in med["nanoserve"]["memory"]}
+        # CPU time of the process: what each side costs when the cores are shared
+        rows |= {f"{k}, CPU ms": {n: med[n]["cpu_ms"][k] for n in sides} for k in med["nanoserve"]["cpu_ms"]}
     if rows:
-        print(comparison_table(rows, "measurement (ms)"))
+        print(comparison_table(rows, "measurement (ms unless named)"))
     parts = {}
     if args.breakdown and runs["nanoserve"][0]["parts_ms"]:
         rs = runs["nanoserve"]
@@ -257,6 +393,7 @@ def main() -> int:
             print(f"| {k} | " + " | ".join(
                 f"{parts[c].get(k, 0):.1f} ({100 * parts[c].get(k, 0) / parts[c]['total']:.0f}%)" for c in cases) + " |")
     write_json(args.json, {"cpu": cpu_name(), "dtype": args.dtype, "args": vars(args),
+                           "memory_bandwidth_gbs": bandwidth if args.vs_dequantized else None,
                            "cores": {k: s.cores for k, s in sides.items()}, "runs": runs, "medians": med,
                            "parts_ms": parts})
     return 0

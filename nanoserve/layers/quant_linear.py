@@ -21,7 +21,7 @@ BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}  # per 32 weights
 TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
 # Above this many rows the dequantize-then-GEMM path runs (bench/latency.py --quant-kernels measures
 # both sides of it)
-GEMV_MAX_ROWS = 16
+GEMV_MAX_ROWS = 12
 # Weights larger than this (elements) are never dequantized whole for a GEMM (a tied LM head:
 # 28M elements would be a 113 MB scratch), the block kernel takes any row count
 DEQUANT_MAX_ELEMENTS = 16 << 20
