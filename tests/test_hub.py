@@ -322,20 +322,21 @@ def test_gguf_by_quant_tag_or_file_name_downloads_that_file_only(hub, tmp_path):
 
 @pytest.mark.server  # (imported here, so that the in-process tests above stay in `make test-fast`)
 def test_server_downloads_and_serves_then_the_engine_starts_from_the_cache_with_the_hub_stopped(tiny_files, tmp_path):
-    """The issue's check. One real server start (seconds): `nanoserve --model tiny-org/tiny-llama` against the
-    hub through HF_ENDPOINT downloads into HF_HOME and serves; then, the hub stopped, an engine starts from
-    that cache (in-process: LLM() runs the same resolve_model as the server's engine core, so it costs
-    no second server start)."""
+    """The issue's check. One real server start (seconds): `nanoserve --model tiny-org/tiny-llama
+    --download-dir DIR` against the hub through HF_ENDPOINT downloads into DIR and serves; then, the hub
+    stopped, an engine starts from that cache and generates the same text (in-process: LLM() runs the
+    engine core's own resolve_model, which saves a second server start)."""
     from server_fixture import ServerProcess
     from nanoserve.llm import LLM
     from nanoserve.sampling_params import SamplingParams
     own = LocalHub()
     own.add("tiny-org/tiny-llama", tiny_files | NOT_NEEDED)
-    hf_home = tmp_path / "hf"
+    hf_home, cache = tmp_path / "hf", tmp_path / "dl"
     env = {"HF_ENDPOINT": own.url, "HF_HOME": str(hf_home), "HF_HUB_CACHE": str(hf_home / "hub"),
            "HF_HUB_OFFLINE": "0", "HF_TOKEN": ""}
     try:
-        srv = ServerProcess("--model", "tiny-org/tiny-llama", "--dtype", "float32", "--no-engine-process", env=env)
+        srv = ServerProcess("--model", "tiny-org/tiny-llama", "--download-dir", str(cache), "--dtype", "float32",
+                            "--no-engine-process", env=env)
         try:
             client = srv.client()
             assert [m.id for m in client.models.list().data] == ["tiny-org/tiny-llama"]
@@ -346,10 +347,11 @@ def test_server_downloads_and_serves_then_the_engine_starts_from_the_cache_with_
         finally:
             srv.stop()
         assert own.files_fetched() == set(tiny_files)
+        assert (cache / "models--tiny-org--tiny-llama").is_dir() and not (hf_home / "hub").exists()
     finally:
         own.stop()
     own.requests.clear()
-    with LLM("tiny-org/tiny-llama", download_dir=str(hf_home / "hub"), dtype="float32", kv_cache_gb=0.05) as llm:
+    with LLM("tiny-org/tiny-llama", download_dir=str(cache), dtype="float32", kv_cache_gb=0.05) as llm:
         again = llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
     assert own.requests == []  # nothing was asked of the (stopped) hub
     assert again.outputs[0].text == served  # the same weights, greedy
