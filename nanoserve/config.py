@@ -58,6 +58,9 @@ class EngineConfig:
     load_format: str = opt("auto", "auto = read the weights; dummy = random weights made on the device "
                            "(benchmarks, as vLLM's --load-format dummy)", choices=("auto", "dummy"),
                            group="model")
+    gguf_dequantize: bool = opt(False, "GGUF: dequantize every tensor at load (to an fp32 HF folder in the cache, "
+                                "then --dtype) instead of keeping Q4_0/Q4_1/Q8_0 tensors in their blocks",
+                                group="model")
     block_size: int = opt(0, "tokens per KV block; 0 = backend default (flash 256, triton 16, torch: 16 on "
                           "CPU, 256 on CUDA); the flash backend needs a multiple of 256", group="KV cache")
     kv_cache_gb: float | None = opt(None, "device KV cache budget in GiB (default: from free memory)",
@@ -66,9 +69,6 @@ class EngineConfig:
                                         "KV cache)", group="KV cache", mutex="kv budget")
     num_kv_blocks: int | None = opt(None, "exact device KV block count (tests); overrides --kv-cache-gb",
                                     group="KV cache")
-    gguf_dequantize: bool = opt(False, "GGUF: dequantize every tensor at load (to an fp32 HF folder in the cache, "
-                                "then --dtype) instead of keeping Q4_0/Q4_1/Q8_0 tensors in their blocks",
-                                group="model")
     host_cache_gb: float = opt(0.0, "second prefix-cache tier in host memory, in GiB; 0 = off",
                                group="KV cache")
     host_offload_watermark: int = opt(0, "override: device blocks the cleaner keeps reusable without losing "

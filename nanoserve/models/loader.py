@@ -17,8 +17,8 @@ from nanoserve.models.hub import HubOptions, HubUnreachable, RepoRef, download, 
 
 SUPPORTED_ARCHS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
 GGUF_LINK = "model.gguf"  # in a GGUF folder materialized without dequantizing: the file the weights stay in
+
 
 @dataclass
 class ModelSource:
@@ -190,6 +190,11 @@ def iter_weights(src: ModelSource, progress: bool = True) -> Iterator[tuple[str,
     tensor-parallel shard), straight from the memory-mapped file."""
     from safetensors import safe_open
     files = sorted(src.path.glob("*.safetensors"))
+    if not files and (src.path / GGUF_LINK).exists():  # materialized with dequantize=False
+        from nanoserve.models.gguf_weights import iter_gguf
+        cfg = load_config(src)
+        yield from iter_gguf((src.path / GGUF_LINK).resolve(), cfg, _gguf_names(cfg))
+        return
     if not files:
         raise InvalidRequest(f"no *.safetensors files in {src.path}", param="model")
     handles = [safe_open(f, framework="pt") for f in files]
@@ -203,11 +208,6 @@ def _gguf_names(cfg) -> dict[str, str]:
     tensors our model loads (its weight table, built on the meta device)."""
     from gguf import MODEL_ARCH, get_tensor_name_map
     from nanoserve.models.llama import LlamaModel
-    if not files and (src.path / GGUF_LINK).exists():  # materialized with dequantize=False
-        from nanoserve.models.gguf_weights import iter_gguf
-        cfg = load_config(src)
-        yield from iter_gguf((src.path / GGUF_LINK).resolve(), cfg, _gguf_names(cfg))
-        return
     model = LlamaModel(cfg, torch.float32, torch.device("meta"))
     names = [f"model.{n}" for n in model.weight_targets()] + ["lm_head.weight"]
     tmap = get_tensor_name_map(MODEL_ARCH[cfg.model_type.upper()], cfg.num_hidden_layers)
