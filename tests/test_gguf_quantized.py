@@ -15,6 +15,7 @@ import torch
 from nanoserve import LLM, SamplingParams
 from nanoserve.layers import cpu_kernels
 from nanoserve.layers.quant_linear import Q4_0, Q4_1, Q8_0, QuantEmbedding, QuantLinear, QuantTensor
+from tests.conftest import KV_GB
 
 # test_correctness's prompts: prefilled in one step of > GEMV_MAX_ROWS tokens (dequantize + GEMM), then
 # decoded as a batch of 4 (the block kernel)
@@ -28,7 +29,7 @@ NEAR_TIE = 1e-3
 def pair():
     if cpu_kernels.quant() is None:
         pytest.skip("no C++ toolchain: GGUF weights are dequantized at load")
-    kw = dict(dtype="float32", kv_cache_gb=0.25, enable_prefix_caching=False)
+    kw = dict(dtype="float32", kv_cache_gb=KV_GB, enable_prefix_caching=False)
     return LLM(**kw), LLM(gguf_dequantize=True, **kw)
 
 

@@ -179,7 +179,7 @@ class LlamaModel(nn.Module):
         only) fuses each residual add with the RMSNorm after it and applies RoPE in place; the
         attention backend takes it from here too."""
         self.kernels = kernels
-        quant = self._quant_layers(quant_kernels)
+        quant = quant_layers(self, quant_kernels)
         # bf16 on AMX: prefill-sized GEMMs split by rows over the threads (layers/linear.py); in fp32,
         # and without AMX (not measured), oneDNN's own split
         rows = (kernels.linear_rows if kernels is not None and kernels.amx() and self.embed.dtype == torch.bfloat16
@@ -199,46 +199,6 @@ class LlamaModel(nn.Module):
                 layer.gate_lin, layer.up_lin = (gate, up) if layer.gate_up_lin is None else (None, None)
             layer.down_lin = q.get("down") or Linear(layer.down, split_rows=rows)
         self.lm_head_lin = quant.get("lm_head") or Linear(self.lm_head)
-
-    def _quant_layers(self, kernels) -> dict:
-        """{layer index: {"qkv"|"o"|"gate_up"|"down": QuantLinear}, "lm_head": QuantLinear} for the
-        projections whose every checkpoint tensor was kept in blocks; the parameters they replace are
-        released (never written: their pages were never touched). A group with only some tensors kept,
-        and everything when there are no kernels, is dequantized into its parameter instead."""
-        kept, self.quantized = self.quantized, {}
-        if not kept:
-            return {}
-        targets, out, scratch = self.weight_targets(), {}, Scratch()
-
-        def take(names: list[str], param: torch.Tensor, bias: torch.Tensor | None = None) -> QuantLinear | None:
-            if kernels is None or not all(n in kept for n in names):
-                for n in names:
-                    if n in kept:
-                        targets[n].dst.copy_(kept.pop(n).dequantize())
-                return None
-            param.data = param.data.new_empty(0)
-            return QuantLinear([kept.pop(n) for n in names], kernels, scratch, bias)
-
-        for i, layer in enumerate(self.layers):
-            out[i] = {}
-            for attr, group in QUANT_GROUPS.items():
-                bias = layer.qkv_bias if attr == "qkv" else None
-                if (lin := take([f"layers.{i}.{g}.weight" for g in group], getattr(layer, attr), bias)) is not None:
-                    out[i][attr] = lin
-        table = kept.get("embed_tokens.weight")
-        head = table if self.tied else kept.get("lm_head.weight")
-        if kernels is not None and table is not None:
-            self.embed_rows = QuantEmbedding(table, kernels, self.embed.dtype)
-        if kernels is not None and head is not None:
-            out["lm_head"] = QuantLinear([head], kernels, scratch)
-            kept.pop("lm_head.weight", None)
-            self.lm_head.data = self.lm_head.data.new_empty(0)
-        if kernels is not None and table is not None:
-            kept.pop("embed_tokens.weight")
-            self.embed.data = self.embed.data.new_empty(0)
-        for n, w in kept.items():  # no kernels
-            targets[n].dst.copy_(w.dequantize())
-        return out
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                 logits_indices: torch.Tensor) -> torch.Tensor | None:
@@ -295,3 +255,44 @@ class LlamaModel(nn.Module):
         if delta is not None:
             residual.add_(delta)
         return F.rms_norm(residual, (self.hidden,), weight, self.eps)
+
+
+def quant_layers(model: LlamaModel, kernels) -> dict:
+    """{layer index: {"qkv"|"o"|"gate_up"|"down": QuantLinear}, "lm_head": QuantLinear} for the
+    projections whose every checkpoint tensor was kept in blocks; the parameters they replace are
+    released (never written: their pages were never touched). A group with only some tensors kept,
+    and everything when there are no kernels, is dequantized into its parameter instead."""
+    kept, model.quantized = model.quantized, {}
+    if not kept:
+        return {}
+    targets, out, scratch = model.weight_targets(), {}, Scratch()
+
+    def take(names: list[str], param: torch.Tensor, bias: torch.Tensor | None = None) -> QuantLinear | None:
+        if kernels is None or not all(n in kept for n in names):
+            for n in names:
+                if n in kept:
+                    targets[n].dst.copy_(kept.pop(n).dequantize())
+            return None
+        param.data = param.data.new_empty(0)
+        return QuantLinear([kept.pop(n) for n in names], kernels, scratch, bias)
+
+    for i, layer in enumerate(model.layers):
+        out[i] = {}
+        for attr, group in QUANT_GROUPS.items():
+            bias = layer.qkv_bias if attr == "qkv" else None
+            if (lin := take([f"layers.{i}.{g}.weight" for g in group], getattr(layer, attr), bias)) is not None:
+                out[i][attr] = lin
+    table = kept.get("embed_tokens.weight")
+    head = table if model.tied else kept.get("lm_head.weight")
+    if kernels is not None and table is not None:
+        model.embed_rows = QuantEmbedding(table, kernels, model.embed.dtype)
+    if kernels is not None and head is not None:
+        out["lm_head"] = QuantLinear([head], kernels, scratch)
+        kept.pop("lm_head.weight", None)
+        model.lm_head.data = model.lm_head.data.new_empty(0)
+    if kernels is not None and table is not None:
+        kept.pop("embed_tokens.weight")
+        model.embed.data = model.embed.data.new_empty(0)
+    for n, w in kept.items():  # no kernels
+        targets[n].dst.copy_(w.dequantize())
+    return out
