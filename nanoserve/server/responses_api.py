@@ -6,7 +6,6 @@ the same engine client; the outputs become a response object or its stream event
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from contextlib import aclosing
 
