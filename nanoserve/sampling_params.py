@@ -14,6 +14,7 @@ MAX_STOP_STRING_CHARS = 512
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 1024
 MAX_LOGPROBS = 20
+MAX_CACHE_SALT_CHARS = 1024
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed accepts
 
 
@@ -38,6 +39,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     include_stop_str_in_output: bool = False
     structured: StructuredSpec | None = None  # constrained decoding (JSON schema, regex, choice, grammar)
+    cache_salt: str | None = None  # prefix-cache namespace: only requests with the same salt share KV
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -77,6 +79,8 @@ class SamplingParams:
              and all(isinstance(k, int) and 0 <= k < 1 << 31 and math.isfinite(v) and -100 <= v <= 100
                      for k, v in self.logit_bias.items()),
              f"must map at most {MAX_LOGIT_BIAS} token ids to values in [-100, 100]"),
+            ("cache_salt", self.cache_salt is None or 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS,
+             f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters"),
         ]
         if not finite:  # NaN passes no range check below, but say plainly what is wrong
             name = next(f for f in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",

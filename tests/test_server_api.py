@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -115,13 +116,21 @@ def test_completion_stream_matches_non_stream(client, model):
     assert with_usage[-1].choices == [] and with_usage[-1].usage.completion_tokens == ref.usage.completion_tokens
 
 
+def own_cache() -> dict:
+    """A request with a fresh cache_salt computes its whole prompt (no other request shares its KV): two
+    greedy answers compared token for token then see the same batch shapes, so they agree in bf16 too,
+    where a prefill of fewer rows can round differently and flip a near-tie."""
+    return {"extra_body": {"cache_salt": uuid.uuid4().hex}}
+
+
 def test_stream_multibyte_characters(client, model):
     """Characters split across tokens are streamed whole: no chunk but possibly the last (cut off by
     max_tokens) carries U+FFFD, and the chunks join to the non-streamed text."""
     prompt = "日本語: こんにちは、私の名前は"
-    ref = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0)
+    ref = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0, **own_cache())
     texts = [c.choices[0].text for c in client.completions.create(model=model, prompt=prompt, max_tokens=16,
-                                                                  temperature=0, stream=True) if c.choices]
+                                                                  temperature=0, stream=True, **own_cache())
+             if c.choices]
     assert "".join(texts) == ref.choices[0].text
     assert any(ord(ch) > 0x3000 for ch in ref.choices[0].text)
     assert not any("\ufffd" in t for t in texts[:-1])
@@ -186,16 +195,34 @@ def test_prefix_cache_reported(client, model):
     assert second.choices[0].text == first.choices[0].text
 
 
+def test_cache_salt_separates_prefix_caches(server, client, model):
+    """vLLM's cache_salt: requests share cached KV only under the same salt (tenants that must not
+    see each other's prefixes, or time each other's hits); a bad salt is a 400 naming it."""
+    prompt, salt = f"Run {uuid.uuid4().hex}. " + LONG_PROMPT, uuid.uuid4().hex  # a prompt no earlier test cached
+
+    def cached(salt: str | None) -> int:
+        extra = {"extra_body": {"cache_salt": salt}} if salt else {}
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0, **extra)
+        return r.usage.prompt_tokens_details.cached_tokens
+    assert cached(salt) == 0
+    assert cached(salt) >= 16
+    assert cached(uuid.uuid4().hex) == 0 and cached(None) == 0  # not another salt's, not the unsalted cache's
+    assert cached(None) >= 16 and cached(uuid.uuid4().hex) == 0
+    for bad in ("", 7, "x" * 1025):
+        assert_error(httpx.post(server.base_url + "/completions", json={"model": model, "prompt": "Hi",
+                                                                       "cache_salt": bad}), 400, "cache_salt")
+
+
 # ---- chat ----------------------------------------------------------------------------------------
 MSGS = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colors."}]
 
 
 def test_chat_non_stream_and_stream(client, model):
-    ref = client.chat.completions.create(model=model, messages=MSGS, max_tokens=10, temperature=0)
+    ref = client.chat.completions.create(model=model, messages=MSGS, max_tokens=10, temperature=0, **own_cache())
     assert ref.object == "chat.completion" and ref.choices[0].message.role == "assistant"
     assert ref.choices[0].finish_reason in ("stop", "length") and ref.usage.completion_tokens <= 10
     chunks = list(client.chat.completions.create(model=model, messages=MSGS, max_tokens=10, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+                                                 stream=True, stream_options={"include_usage": True}, **own_cache()))
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert len({c.id for c in chunks}) == 1
     assert chunks[0].choices[0].delta.role == "assistant"

@@ -9,6 +9,7 @@ first miss.
 from __future__ import annotations
 
 import enum
+import hashlib
 import os
 from dataclasses import dataclass
 
@@ -47,10 +48,18 @@ class PrefixChains:
         hashes, keys, bs = seq.block_hashes, seq.block_keys, self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
-            key = BlockKey(hashes[-1] if hashes else None, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+            key = BlockKey(hashes[-1] if hashes else self._root(seq), tuple(seq.token_ids[i * bs:(i + 1) * bs]))
             hashes.append(chain_hash(key.parent, key.tokens, self.hash_salt))
             keys.append(key)
         return hashes[:num_blocks]
+
+    def _root(self, seq: Sequence) -> BlockHash | None:
+        """The parent of a chain's first block: none, or a keyed digest of the request's cache_salt, so
+        chains under different salts share no block (lookups compare the parent too, not only digests)."""
+        salt = seq.params.cache_salt
+        if salt is None:
+            return None
+        return hashlib.blake2b(salt.encode(), digest_size=32, key=self.hash_salt[:64], person=b"cache_salt").digest()
 
     def hash_prompt(self, seq: Sequence) -> None:
         if self.enabled:

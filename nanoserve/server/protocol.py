@@ -102,6 +102,7 @@ class _SamplingFields(_Base):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    cache_salt: str | None = None
     include_stop_str_in_output: bool = False
     response_format: ResponseFormat | None = None
     guided_json: Any = None
@@ -181,7 +182,8 @@ class _SamplingFields(_Base):
             n=self.n, max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
             min_tokens=self.min_tokens, seed=self.seed, stop=self.stop or [],
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, logprobs=logprobs,
-            logit_bias=bias, include_stop_str_in_output=self.include_stop_str_in_output, structured=structured)
+            logit_bias=bias, include_stop_str_in_output=self.include_stop_str_in_output, structured=structured,
+            cache_salt=self.cache_salt)
         for name, default in (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0),
                               ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
                               ("repetition_penalty", 1.0)):
