@@ -158,6 +158,7 @@ def fresh_schema(rng) -> dict:
         props[f"{word()}_{i}"] = [{"type": "string", "maxLength": 24}, {"enum": [word() for _ in range(12)]},
                                   {"type": "integer", "minimum": 0, "maximum": rng.randrange(10, 10_000)},
                                   {"type": "string", "pattern": f"^[a-{rng.choice('fkpz')}]{{2,6}}-[0-9]{{3}}$"}][i % 4]
+    props["tag"] = {"enum": [word() for _ in range(2000)]}  # a large enum: its compile is a good part of a step
     return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
 
 
@@ -207,6 +208,8 @@ async def schema_arrival(args, base_url: str, seed: int) -> dict:
     rng, base = random.Random(seed), base_url.rstrip("/")
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout)) as client:
         model = args.model or (await client.get(base + "/models")).json()["data"][0]["id"]
+        await client.post(base + "/chat/completions", json={  # the chat template's first use is not the grammar's
+            "model": model, "max_tokens": 1, "messages": [{"role": "user", "content": "A record:"}]})
         out: dict = {"first": await schema_trial(client, base, model, args, fresh_schema(rng), seed), "new": [],
                      "cached": []}
         for r in range(args.runs):

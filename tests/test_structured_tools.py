@@ -1,6 +1,7 @@
 """Tool calling on the API side, without a server: the tool-call parsers (Hermes / Qwen tags, Llama
-3.x JSON), the constraints tool_choice implies, stream hold-back, and tools reaching a chat template
-(one that renders them, and the fallback for one that does not)."""
+3.x JSON), the constraints tool_choice implies, the streamer's events fed in any pieces (arguments as
+generated, only possible calls held back), and tools reaching a chat template (one that renders them,
+and the fallback for one that does not)."""
 from __future__ import annotations
 
 import json

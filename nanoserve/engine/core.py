@@ -67,7 +67,6 @@ class EngineCore:
         import torch
         # The loop only ever runs inference: inference mode (thread-local) makes every tensor the
         # step creates an inference tensor, so in-place sampler updates on them are legal.
-        self.engine.grammars.start()  # llguidance's tokenizer, on the grammar thread, before requests come
         with torch.inference_mode():
             try:
                 self._loop()
@@ -266,6 +265,12 @@ def serve(config: EngineConfig, ctx: zmq.Context, input_addr: str, output_addr: 
             log.error("cannot start the engine: %s", e, exc_info=not isinstance(e, (ValueError, OSError)))
             out.send(encode(StartFailed(str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")))
             return 2
+        # llguidance's view of the vocabulary, built before serving: neither the first constrained request
+        # nor the steps running then wait for it (~0.3 s, most of it holding the GIL)
+        try:
+            engine.grammars.start().result()
+        except Exception as e:  # then only constrained requests fail, with this error
+            log.warning("llguidance cannot read this tokenizer: %s", e)
         log.info("engine core ready in %.1fs (pid %d)", time.monotonic() - t0, os.getpid())
         out.send(encode(Ready(engine.info)))
         EngineCore(engine, inp, out, parent_pid).run()

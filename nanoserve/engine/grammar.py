@@ -6,7 +6,7 @@ Compiling never happens inside the step: `prepare` hands a grammar to one worker
 a Compile to poll; the engine core admits a request only once its grammar is compiled (core.py), and a
 compile that fails or takes longer than COMPILE_TIMEOUT_S fails its request (InvalidRequest naming
 the field). llguidance's view of the vocabulary (~0.3 s, holding the GIL most of that time) is built
-on that thread when the engine core starts serving (`start`), not on the first constrained request.
+by `start`, which the engine core waits for before it serves, not on the first constrained request.
 The offline path (`add` of a request whose grammar is still compiling) waits for it.
 
 Lifecycle: a matcher is made when its request is added, advanced once per sampled token, and freed
@@ -53,14 +53,16 @@ class GrammarMatchers:
     def __len__(self) -> int:
         return len(self._matchers)
 
-    def start(self) -> None:
-        """Build llguidance's tokenizer on the worker thread now (the engine core calls it as it starts
-        serving), so that no constrained request waits for it."""
+    def start(self) -> Future:
+        """Build llguidance's tokenizer on the worker thread now (the engine core waits for it before it
+        serves), so that no constrained request waits for it."""
         if self._tokenizer is None:
             self._tokenizer = self._pool.submit(self._build_tokenizer)
+        return self._tokenizer
 
     def _build_tokenizer(self):
         import llguidance.hf
+        import llguidance.torch  # noqa: F401 -- imported here, not by the first constrained step's bitmask()
         t0 = time.perf_counter()
         tok = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size)
         log.debug("llguidance tokenizer built in %.2fs", time.perf_counter() - t0)

@@ -13,6 +13,7 @@ import time
 import uuid
 from typing import Any, Literal, Union
 
+import llguidance  # noqa: F401 -- with the server, not in its first constrained request (~0.25 s holding the GIL)
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from nanoserve.sampling_params import InvalidRequest, SamplingParams
