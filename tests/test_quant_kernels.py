@@ -93,3 +93,14 @@ def test_bad_shapes_are_refused(kernels):
         kernels.quant_linear(torch.randn(1, 96), w.data, Q4_1, torch.empty(1, 4))
     with pytest.raises(RuntimeError, match="no kernel"):
         kernels.quant_linear(torch.randn(1, 64), w.data, 12, torch.empty(1, 4))
+
+
+def test_prefill_of_a_large_weight_dequantizes_it_in_row_chunks(kernels, monkeypatch):
+    from nanoserve.layers import quant_linear
+    monkeypatch.setattr(quant_linear, "DEQUANT_CHUNK", 7 * 192)  # 7 rows at a time: chunks end mid-part
+    parts = [quantized(30, 192, Q4_1, 4), quantized(12, 192, Q8_0, 5)]
+    bias = torch.randn(42)
+    x = torch.randn(GEMV_MAX_ROWS + 3, 192)
+    want = torch.cat([reference(x, p) for p in parts], dim=1) + bias.double()
+    got = QuantLinear(parts, kernels, Scratch(), bias)(x)
+    assert (got.double() - want).abs().max().item() < 1e-4

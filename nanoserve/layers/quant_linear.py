@@ -5,8 +5,9 @@ kernels (csrc/quant_kernels.cpp) read the blocks and dequantize them in register
 activations, so results equal "dequantize, then matmul in fp32" up to summation order.
 
 Batches of up to GEMV_MAX_ROWS rows (decode) go through the block kernel; larger ones (prefill)
-dequantize the weight into a scratch tensor in the activation dtype and run the ordinary GEMM
-(oneDNN): there the FLOPs dominate and the dequantization is a few percent of the step.
+dequantize the weight (in row chunks of DEQUANT_CHUNK weights where it is larger) into a scratch
+tensor in the activation dtype and run the ordinary GEMM (oneDNN): there the FLOPs dominate and the
+dequantization is a few percent of the step.
 Embedding lookups dequantize only the rows they read."""
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
 # Above this many rows the dequantize-then-GEMM path runs (bench/latency.py --quant-kernels measures
 # both sides of it)
 GEMV_MAX_ROWS = 12
-# Weights larger than this (elements) are never dequantized whole for a GEMM (a tied LM head:
-# 28M elements would be a 113 MB scratch), the block kernel takes any row count
-DEQUANT_MAX_ELEMENTS = 16 << 20
+# A prefill GEMM dequantizes at most this many weights (elements) at a time: larger weights (a 1B
+# model's gate/up, 33M) go through in row chunks, so the scratch stays a few MB
+DEQUANT_CHUNK = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -91,9 +92,18 @@ class QuantLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if rows > GEMV_MAX_ROWS and self.out_features * self.in_features <= DEQUANT_MAX_ELEMENTS:
+        if rows > GEMV_MAX_ROWS and self.out_features * self.in_features <= DEQUANT_CHUNK:
             return F.linear(x, self.dequantized(x.dtype), self.bias)
         out = torch.empty(rows, self.out_features, dtype=x.dtype)
+        if rows > GEMV_MAX_ROWS:
+            step = max(1, DEQUANT_CHUNK // self.in_features)
+            for part, start in zip(self.parts, self.offsets):
+                for r in range(0, part.shape[0], step):
+                    n = min(step, part.shape[0] - r)
+                    w = self.scratch.take(n * self.in_features, x.dtype).view(n, self.in_features)
+                    self.kernels.quant_dequantize(part.data[r:r + n], part.qtype, w)
+                    out[:, start + r:start + r + n] = F.linear(x, w)
+            return out if self.bias is None else out.add_(self.bias)
         for part, start in zip(self.parts, self.offsets):
             dst = out if len(self.parts) == 1 else out[:, start:start + part.shape[0]]
             self.kernels.quant_linear(x, part.data, part.qtype, dst)
