@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -45,11 +46,20 @@ struct Simd {
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static float sum(V v) { return _mm512_reduce_add_ps(v); }
-  template <int QT> static void block(const uint8_t* b, V* w) {
+  // to the nearest bf16 (ties to even) and back: what a bf16 copy of the weight holds
+  static V bf16(V v) {
+    const __m512i b = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+  template <int QT, bool RB = false> static void block(const uint8_t* b, V* w) {
     if constexpr (QT == Q8_0) {
       const V d = _mm512_set1_ps(h2f(b));
-      for (int i = 0; i < N; ++i)
+      for (int i = 0; i < N; ++i) {
         w[i] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 2 + 16 * i)))));
+        if constexpr (RB) w[i] = bf16(w[i]);
+      }
     } else {
       // A 4-bit weight is one of 16 values: compute those once per block (the reference's own
       // arithmetic, so the same floats) and look each weight up by its nibble (vpermps reads the
@@ -63,6 +73,7 @@ struct Simd {
         table = _mm512_add_ps(_mm512_mul_ps(d, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
                               _mm512_set1_ps(h2f(b + 2)));
       }
+      if constexpr (RB) table = bf16(table);
       w[0] = _mm512_permutexvar_ps(q, table);
       w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
     }
@@ -82,7 +93,13 @@ struct Simd {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
   }
-  template <int QT> static void block(const uint8_t* b, V* w) {
+  static V bf16(V v) {
+    const __m256i b = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
+    return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+  template <int QT, bool RB = false> static void block(const uint8_t* b, V* w) {
     const V d = _mm256_set1_ps(h2f(b));
     if constexpr (QT == Q8_0) {
       for (int i = 0; i < N; ++i)
@@ -100,6 +117,8 @@ struct Simd {
         }
       }
     }
+    if constexpr (RB)
+      for (int i = 0; i < N; ++i) w[i] = bf16(w[i]);
   }
 };
 #else
@@ -112,7 +131,8 @@ struct Simd {
   static void store(float* p, V v) { *p = v; }
   static V fma(V a, V b, V c) { return a * b + c; }
   static float sum(V v) { return v; }
-  template <int QT> static void block(const uint8_t* b, V* w) {
+  static V bf16(V v) { return static_cast<float>(c10::BFloat16(v)); }
+  template <int QT, bool RB = false> static void block(const uint8_t* b, V* w) {
     const float d = h2f(b);
     if constexpr (QT == Q8_0) {
       for (int i = 0; i < QK; ++i) w[i] = d * static_cast<float>(static_cast<int8_t>(b[2 + i]));
@@ -125,6 +145,8 @@ struct Simd {
         w[i + 16] = QT == Q4_0 ? d * static_cast<float>(hi - 8) : d * static_cast<float>(hi) + m;
       }
     }
+    if constexpr (RB)
+      for (int i = 0; i < QK; ++i) w[i] = bf16(w[i]);
   }
 };
 #endif
@@ -133,7 +155,9 @@ using V = Simd::V;
 
 // res[t] = dot(weight row, x row t) for NT rows of x at once: the row's blocks are dequantized once
 // per NT rows. Accumulators: one per vector of a block, so consecutive FMAs do not wait on each other.
-template <int QT, int NT>
+// RB (bf16 activations): the weights rounded to bf16 first, as the prefill path's bf16 copy holds
+// them, so a token's result does not depend on which path its step took beyond summation order
+template <int QT, bool RB, int NT>
 inline void dot_rows(const uint8_t* wrow, int64_t nb, const float* x, int64_t ldx, float* res) {
   constexpr int NA = Simd::N < 4 ? Simd::N : 4;
   V acc[NT][NA];
@@ -141,7 +165,7 @@ inline void dot_rows(const uint8_t* wrow, int64_t nb, const float* x, int64_t ld
     for (int a = 0; a < NA; ++a) acc[t][a] = Simd::zero();
   V w[Simd::N];
   for (int64_t b = 0; b < nb; ++b) {
-    Simd::block<QT>(wrow + b * block_bytes<QT>(), w);
+    Simd::block<QT, RB>(wrow + b * block_bytes<QT>(), w);
     for (int t = 0; t < NT; ++t) {
       const float* xb = x + t * ldx + b * QK;
       for (int i = 0; i < Simd::N; ++i) acc[t][i % NA] = Simd::fma(w[i], Simd::load(xb + i * Simd::W), acc[t][i % NA]);
@@ -160,6 +184,7 @@ constexpr int TILE = 8;  // x rows per pass over a weight row
 
 template <int QT, typename O>
 void linear_impl(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t N, int64_t row_bytes, O* out, int64_t ldo) {
+  constexpr bool RB = std::is_same_v<O, c10::BFloat16>;
   const int64_t nb = K / QK;
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     float res[TILE];
@@ -169,14 +194,14 @@ void linear_impl(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t
         const int64_t nt = std::min<int64_t>(TILE, T - t0);
         const float* xt = x + t0 * K;
         switch (nt) {
-          case 1: dot_rows<QT, 1>(wrow, nb, xt, K, res); break;
-          case 2: dot_rows<QT, 2>(wrow, nb, xt, K, res); break;
-          case 3: dot_rows<QT, 3>(wrow, nb, xt, K, res); break;
-          case 4: dot_rows<QT, 4>(wrow, nb, xt, K, res); break;
-          case 5: dot_rows<QT, 5>(wrow, nb, xt, K, res); break;
-          case 6: dot_rows<QT, 6>(wrow, nb, xt, K, res); break;
-          case 7: dot_rows<QT, 7>(wrow, nb, xt, K, res); break;
-          default: dot_rows<QT, 8>(wrow, nb, xt, K, res); break;
+          case 1: dot_rows<QT, RB, 1>(wrow, nb, xt, K, res); break;
+          case 2: dot_rows<QT, RB, 2>(wrow, nb, xt, K, res); break;
+          case 3: dot_rows<QT, RB, 3>(wrow, nb, xt, K, res); break;
+          case 4: dot_rows<QT, RB, 4>(wrow, nb, xt, K, res); break;
+          case 5: dot_rows<QT, RB, 5>(wrow, nb, xt, K, res); break;
+          case 6: dot_rows<QT, RB, 6>(wrow, nb, xt, K, res); break;
+          case 7: dot_rows<QT, RB, 7>(wrow, nb, xt, K, res); break;
+          default: dot_rows<QT, RB, 8>(wrow, nb, xt, K, res); break;
         }
         for (int64_t t = 0; t < nt; ++t) out[(t0 + t) * ldo + n] = to_out<O>(res[t]);
       }
