@@ -60,6 +60,21 @@ def test_quant_linear_matches_dequantize_then_matmul(kernels, name, rows, cols, 
     assert (got16.double() - want16).abs().max().item() <= 2 ** -7 * scale  # one bf16 rounding of the output
 
 
+@pytest.mark.parametrize("name", list(TYPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cols", [96, 576])  # an odd and an even block count (the bf16 kernel pairs blocks)
+def test_a_row_gets_the_same_bits_whatever_rows_share_its_pass(kernels, name, dtype, cols):
+    """Batch invariance: greedy text must not depend on the batch shape a token was decoded in."""
+    w = quantized(37, cols, TYPES[name], seed=cols)
+    x = torch.randn(GEMV_MAX_ROWS, cols, generator=torch.Generator().manual_seed(cols)).to(dtype)
+    together = torch.empty(GEMV_MAX_ROWS, 37, dtype=dtype)
+    kernels.quant_linear(x, w.data, w.qtype, together)
+    for t in range(GEMV_MAX_ROWS):
+        alone = torch.empty(1, 37, dtype=dtype)
+        kernels.quant_linear(x[t:t + 1], w.data, w.qtype, alone)
+        assert torch.equal(alone, together[t:t + 1]), (name, dtype, t)
+
+
 def test_dequantize_kernel_is_exactly_the_gguf_packages(kernels):
     for name, qtype in TYPES.items():
         w = quantized(19, 320, qtype)
