@@ -38,7 +38,7 @@ serve: install kernels
 # other waits on a server or worker process starting. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 test: install-test kernels
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # while developing: everything but the tests that start a server or an engine core
 test-fast: install-test

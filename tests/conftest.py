@@ -62,15 +62,6 @@ def pytest_collection_modifyitems(items) -> None:
     for item in items:
         if "server" in item.fixturenames or any(hasattr(item.module, n) for n in ("ServerProcess", "EngineClient")):
             item.add_marker(pytest.mark.server)
-        item.add_marker(pytest.mark.xdist_group(_worker_group(item)))
-
-
-def _worker_group(item) -> str:
-    """`make test` (--dist loadgroup) hands each group to one worker: a file is a group, so its module
-    servers and engines start once, and every file on the session's default server is one group, so
-    that server (~12 CPU-seconds to start) starts once, not once per worker."""
-    defs = item._fixtureinfo.name2fixturedefs.get("server")
-    return "session-server" if defs and defs[-1].scope == "session" else item.path.name
 
 
 @pytest.fixture(scope="session")
