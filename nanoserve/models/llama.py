@@ -282,17 +282,15 @@ def quant_layers(model: LlamaModel, kernels) -> dict:
             bias = layer.qkv_bias if attr == "qkv" else None
             if (lin := take([f"layers.{i}.{g}.weight" for g in group], getattr(layer, attr), bias)) is not None:
                 out[i][attr] = lin
-    table = kept.get("embed_tokens.weight")
-    head = table if model.tied else kept.get("lm_head.weight")
-    if kernels is not None and table is not None:
-        model.embed_rows = QuantEmbedding(table, kernels, model.embed.dtype)
-    if kernels is not None and head is not None:
-        out["lm_head"] = QuantLinear([head], kernels, scratch)
-        kept.pop("lm_head.weight", None)
-        model.lm_head.data = model.lm_head.data.new_empty(0)
-    if kernels is not None and table is not None:
-        kept.pop("embed_tokens.weight")
-        model.embed.data = model.embed.data.new_empty(0)
+    if kernels is not None:
+        table = kept.pop("embed_tokens.weight", None)
+        head = table if model.tied else kept.pop("lm_head.weight", None)
+        if head is not None:
+            out["lm_head"] = QuantLinear([head], kernels, scratch)
+            model.lm_head.data = model.lm_head.data.new_empty(0)
+        if table is not None:
+            model.embed_rows = QuantEmbedding(table, kernels, model.embed.dtype)
+            model.embed.data = model.embed.data.new_empty(0)
     for n, w in kept.items():  # no kernels
         targets[n].dst.copy_(w.dequantize())
     return out
