@@ -18,7 +18,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import nanoserve
 from nanoserve.chat import render_chat
 from nanoserve.engine.client import EngineClient
-from nanoserve.engine.protocol import EngineDead
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import InvalidRequest
 from nanoserve.server.metrics import ServerMetrics
@@ -85,16 +84,6 @@ def _usage_flags(body) -> tuple[bool, bool]:
     opts = body.stream_options
     include = bool(opts and opts.include_usage)
     return include, include and bool(opts.continuous_usage_stats)
-
-
-def _engine_error(e: Exception) -> APIError:
-    if isinstance(e, EngineDead):
-        return APIError(str(e), 503, "server_error", code="service_unavailable")
-    if isinstance(e, InvalidRequest):
-        return APIError.from_invalid(e)
-    if isinstance(e, APIError):
-        return e
-    return APIError(str(e) or type(e).__name__, 500, "server_error", code="internal_error")
 
 
 class Server:
@@ -213,7 +202,7 @@ class Server:
         except ClientGone:
             return Response(status_code=499)
         except Exception as e:
-            raise _engine_error(e)
+            raise APIError.from_engine(e)
         return Response(render.response(finals).model_dump_json(), media_type="application/json")
 
     async def _stream(self, reqs: list, render: Render, body):
@@ -222,7 +211,7 @@ class Server:
             async for chunk in stream_chunks(fan, len(reqs), render, *_usage_flags(body)):
                 yield chunk
         except Exception as e:
-            yield sse(_engine_error(e).body())
+            yield sse(APIError.from_engine(e).body())
         finally:
             await fan.close()
         yield "data: [DONE]\n\n"

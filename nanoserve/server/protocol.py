@@ -16,6 +16,7 @@ from typing import Any, Literal, Union
 import llguidance  # noqa: F401 -- with the server, not in its first constrained request (~0.25 s holding the GIL)
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
+from nanoserve.engine.protocol import EngineDead
 from nanoserve.sampling_params import InvalidRequest, SamplingParams
 from nanoserve.server.tools import ToolMode
 from nanoserve.structured import StructuredSpec, json_spec
@@ -40,6 +41,16 @@ class APIError(Exception):
     @classmethod
     def from_invalid(cls, e: InvalidRequest) -> "APIError":
         return cls(str(e), 400, "invalid_request_error", e.param, e.code)
+
+    @classmethod
+    def from_engine(cls, e: Exception) -> "APIError":
+        """What a failed generation answers: 503 when the engine is gone, 400 for a request it refused."""
+        if isinstance(e, EngineDead):
+            return cls(str(e), 503, "server_error", code="service_unavailable")
+        if isinstance(e, InvalidRequest):
+            return cls.from_invalid(e)
+        return e if isinstance(e, APIError) else cls(str(e) or type(e).__name__, 500, "server_error",
+                                                     code="internal_error")
 
 
 def error_from_validation(e: ValidationError) -> APIError:

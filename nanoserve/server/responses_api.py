@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from nanoserve.errors import InvalidRequest
-from nanoserve.server.app import Server, _engine_error
+from nanoserve.server.app import Server
 from nanoserve.server.protocol import APIError, ChatCompletionRequest, parse
 from nanoserve.server.response_store import ResponseStore, StoredResponse
 from nanoserve.server.responses_api_objects import ResponseObject
@@ -90,7 +90,7 @@ class ResponsesAPI:
                     for event in builder.update(out):
                         yield event
         except Exception as e:
-            err = _engine_error(e)
+            err = APIError.from_engine(e)
             for event in builder.fail(err.message, err.code):
                 yield event
 
