@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGML type ids of the types kept quantized
-BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}  # per 32 weights
+BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34)}  # (weights, bytes) of one block, by type
 TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
 # Above this many rows the dequantize-then-GEMM path runs (bench/latency.py --quant-kernels measures
 # both sides of it)
@@ -38,7 +38,8 @@ class QuantTensor:
 
     def __post_init__(self) -> None:
         rows, cols = self.shape
-        if self.qtype not in BLOCK_BYTES or cols % 32 or tuple(self.data.shape) != (rows, cols // 32 * BLOCK_BYTES[self.qtype]):
+        qk, nbytes = BLOCKS.get(self.qtype, (0, 0))
+        if not qk or cols % qk or tuple(self.data.shape) != (rows, cols // qk * nbytes):
             raise ValueError(f"not a {TYPE_NAMES.get(self.qtype, self.qtype)} [{rows}, {cols}] block matrix: "
                              f"data {tuple(self.data.shape)}")
 

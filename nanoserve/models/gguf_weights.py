@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from nanoserve.layers.quant_linear import BLOCK_BYTES, QuantTensor
+from nanoserve.layers.quant_linear import BLOCKS, TYPE_NAMES, QuantTensor
 
 log = logging.getLogger("nanoserve")
 
@@ -31,7 +31,7 @@ def iter_gguf(path: Path, cfg, names: dict[str, str]) -> Iterator[tuple[str, tor
         if (name := names.get(t.name)) is None:
             raise ValueError(f"GGUF tensor {t.name!r} is not one this model loads")
         qtype = int(t.tensor_type)
-        kept = qtype in BLOCK_BYTES and t.data.ndim == 2
+        kept = qtype in BLOCKS and t.data.ndim == 2
         if kept:  # [rows, row bytes]: the logical shape is GGUF's reversed
             w: torch.Tensor = torch.from_numpy(t.data)
         else:
@@ -48,5 +48,5 @@ def iter_gguf(path: Path, cfg, names: dict[str, str]) -> Iterator[tuple[str, tor
         else:
             yield name, w
     if converted:
-        log.info("GGUF %s: dequantized at load (kept quantized: Q4_0, Q4_1, Q8_0): %s", path.name,
+        log.info("GGUF %s: dequantized at load (kept quantized: %s): %s", path.name, ", ".join(TYPE_NAMES.values()),
                  ", ".join(f"{k} ({n} tensors)" for k, n in sorted(converted.items())))
