@@ -61,6 +61,10 @@ class EngineConfig:
     gguf_dequantize: bool = opt(False, "GGUF: dequantize every tensor at load (to an fp32 HF folder in the cache, "
                                 "then --dtype) instead of keeping Q4_0/Q4_1/Q8_0 tensors in their blocks",
                                 group="model")
+    quantization: str | None = opt(None, "fp8 = CUDA: cast bf16/fp16 projection weights to fp8 e4m3 at load, per-channel "
+                                   "scales (fp8 GEMMs with per-token activation scales on compute capability >= 8.9, "
+                                   "else a weight-only Triton kernel); GGUF Q8_0/Q4_0/Q4_1 stay quantized without it",
+                                   choices=("fp8",), group="model")
     block_size: int = opt(0, "tokens per KV block; 0 = backend default (flash 256, triton 16, torch: 16 on "
                           "CPU, 256 on CUDA); the flash backend needs a multiple of 256", group="KV cache")
     kv_cache_gb: float | None = opt(None, "device KV cache budget in GiB (default: from free memory)",
@@ -126,6 +130,13 @@ class EngineConfig:
             raise ValueError(f"--node-rank must be in [0, {nodes}), got {self.node_rank}")
         if nodes > 1 and not self.master_port:
             raise ValueError("--nnodes > 1 needs --master-port (or $MASTER_PORT) and --master-addr on every node")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be fp8 or unset, got {self.quantization!r}")
+        if self.quantization == "fp8" and (device := self.resolved_device()).type != "cuda":
+            raise ValueError("--quantization fp8 needs a CUDA GPU: this run is on the CPU (GGUF Q8_0/Q4_0/Q4_1 "
+                             "weights stay quantized there)")
+        if self.quantization == "fp8" and self.resolved_dtype(device) == torch.float32:
+            raise ValueError("--quantization fp8 computes in bf16 or fp16: drop --dtype float32")
         if self.host_cache_gb and not self.enable_prefix_caching:
             raise ValueError("--host-cache-gb needs prefix caching; drop --no-prefix-caching")
 

@@ -42,6 +42,11 @@ def reference(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
     return (x.double() @ w.dequantize().double().T)
 
 
+def layouts(kernels) -> list[bool]:
+    """Block layout always; the packed one where this build has it (AVX-512)."""
+    return [False, True] if kernels.packs() else [False]
+
+
 @pytest.mark.parametrize("name", list(TYPES))
 @pytest.mark.parametrize("rows,cols", [(1, 32), (7, 96), (33, 576), (130, 1536)])
 @pytest.mark.parametrize("tokens", [1, 3, 8, 9, GEMV_MAX_ROWS + 5])
@@ -49,15 +54,20 @@ def test_quant_linear_matches_dequantize_then_matmul(kernels, name, rows, cols, 
     w = quantized(rows, cols, TYPES[name], seed=rows + cols)
     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens))
     want = reference(x, w)
-    got = QuantLinear([w], kernels, Scratch())(x)
     scale = want.abs().max().item() + 1e-6
-    assert got.dtype == torch.float32 and got.shape == (tokens, rows)
-    assert (got.double() - want).abs().max().item() <= 2e-6 * scale * cols ** 0.5
-    got16 = QuantLinear([w], kernels, Scratch())(x.bfloat16())
-    # bf16 activations meet the weights rounded to bf16 on both paths (the prefill GEMM's bf16 copy)
-    want16 = x.bfloat16().double() @ w.dequantize().bfloat16().double().T
-    assert got16.dtype == torch.bfloat16
-    assert (got16.double() - want16).abs().max().item() <= 2 ** -7 * scale  # one bf16 rounding of the output
+    for packed in layouts(kernels):
+        ww = w.packed_for(kernels) if packed else w
+        assert ww.packed == packed
+        got = QuantLinear([ww], kernels, Scratch())(x)
+        assert got.dtype == torch.float32 and got.shape == (tokens, rows)
+        assert (got.double() - want).abs().max().item() <= 2e-6 * scale * cols ** 0.5, packed
+        got16 = QuantLinear([ww], kernels, Scratch())(x.bfloat16())
+        # bf16 activations: the block-layout kernel and the prefill GEMM meet the weights rounded to bf16
+        # (the GEMM's bf16 copy); the packed decode kernel meets them exact
+        exact16 = packed and tokens <= GEMV_MAX_ROWS
+        want16 = x.bfloat16().double() @ (w.dequantize().double() if exact16 else w.dequantize().bfloat16().double()).T
+        assert got16.dtype == torch.bfloat16
+        assert (got16.double() - want16).abs().max().item() <= 2 ** -7 * scale, packed  # one bf16 rounding of the output
 
 
 @pytest.mark.parametrize("name", list(TYPES))
@@ -65,22 +75,24 @@ def test_quant_linear_matches_dequantize_then_matmul(kernels, name, rows, cols, 
 @pytest.mark.parametrize("cols", [96, 576])  # an odd and an even block count (the bf16 kernel pairs blocks)
 def test_a_row_gets_the_same_bits_whatever_rows_share_its_pass(kernels, name, dtype, cols):
     """Batch invariance: greedy text must not depend on the batch shape a token was decoded in."""
-    w = quantized(37, cols, TYPES[name], seed=cols)
     x = torch.randn(GEMV_MAX_ROWS, cols, generator=torch.Generator().manual_seed(cols)).to(dtype)
-    together = torch.empty(GEMV_MAX_ROWS, 37, dtype=dtype)
-    kernels.quant_linear(x, w.data, w.qtype, together)
-    for t in range(GEMV_MAX_ROWS):
-        alone = torch.empty(1, 37, dtype=dtype)
-        kernels.quant_linear(x[t:t + 1], w.data, w.qtype, alone)
-        assert torch.equal(alone, together[t:t + 1]), (name, dtype, t)
+    for w in {quantized(37, cols, TYPES[name], seed=cols).packed_for(kernels) if p else
+              quantized(37, cols, TYPES[name], seed=cols) for p in layouts(kernels)}:
+        together = torch.empty(GEMV_MAX_ROWS, 37, dtype=dtype)
+        kernels.quant_linear(x, w.data, w.kernel_type, together)
+        for t in range(GEMV_MAX_ROWS):
+            alone = torch.empty(1, 37, dtype=dtype)
+            kernels.quant_linear(x[t:t + 1], w.data, w.kernel_type, alone)
+            assert torch.equal(alone, together[t:t + 1]), (name, dtype, t, w.packed)
 
 
 def test_dequantize_kernel_is_exactly_the_gguf_packages(kernels):
     for name, qtype in TYPES.items():
         w = quantized(19, 320, qtype)
-        out = torch.empty(19, 320)
-        kernels.quant_dequantize(w.data, qtype, out)
-        assert torch.equal(out, w.dequantize()), name
+        for ww in (w, w.packed_for(kernels)):  # the second is packed where the build packs
+            out = torch.empty(19, 320)
+            kernels.quant_dequantize(ww.data, ww.kernel_type, out)
+            assert torch.equal(out, w.dequantize()), (name, ww.packed)
 
 
 def test_fused_parts_of_different_types_write_their_own_columns(kernels):
@@ -98,8 +110,12 @@ def test_fused_parts_of_different_types_write_their_own_columns(kernels):
 def test_embedding_dequantizes_the_rows_it_reads(kernels):
     table = quantized(50, 64, Q8_0)
     ids = torch.tensor([3, 0, 49, 3])
-    assert torch.equal(QuantEmbedding(table, kernels, torch.float32)(ids), table.dequantize()[ids])
-    assert torch.equal(QuantEmbedding(table, kernels, torch.bfloat16)(ids), table.dequantize()[ids].bfloat16())
+    for t in (table, table.packed_for(kernels)):
+        assert torch.equal(QuantEmbedding(t, kernels, torch.float32)(ids), table.dequantize()[ids])
+        assert torch.equal(QuantEmbedding(t, kernels, torch.bfloat16)(ids), table.dequantize()[ids].bfloat16())
+    if kernels.packs():
+        with pytest.raises(RuntimeError, match="out of"):
+            QuantEmbedding(table.packed_for(kernels), kernels, torch.float32)(torch.tensor([50]))
 
 
 def test_bad_shapes_are_refused(kernels):
@@ -119,5 +135,20 @@ def test_prefill_of_a_large_weight_dequantizes_it_in_row_chunks(kernels, monkeyp
     bias = torch.randn(42)
     x = torch.randn(GEMV_MAX_ROWS + 3, 192)
     want = torch.cat([reference(x, p) for p in parts], dim=1) + bias.double()
-    got = QuantLinear(parts, kernels, Scratch(), bias)(x)
-    assert (got.double() - want).abs().max().item() < 1e-4
+    for packed in layouts(kernels):  # packed: 16 rows at a time, the last chunk of a part shorter
+        got = QuantLinear([p.packed_for(kernels) if packed else p for p in parts], kernels, Scratch(), bias)(x)
+        assert (got.double() - want).abs().max().item() < 1e-4, packed
+
+
+def test_packed_layout_refuses_what_does_not_fit_it(kernels):
+    if not kernels.packs():
+        pytest.skip("this build has no packed layout (AVX-512 only)")
+    w = quantized(20, 64, Q4_0).packed_for(kernels)
+    assert w.packed and tuple(w.data.shape) == (2, 2 * 18 * 16)  # 20 rows padded to two groups, same bytes a row
+    with pytest.raises(ValueError, match="16 at a time"):
+        w.rows(3, 19)
+    with pytest.raises(ValueError, match="dequantized by its kernels"):
+        w.dequantize()
+    with pytest.raises(RuntimeError, match="outputs need"):  # 40 outputs need three groups, not two
+        kernels.quant_linear(torch.randn(1, 64), w.data, w.kernel_type, torch.empty(1, 40))
+    assert w.rows(16, 20).shape == (4, 64) and w.rows(16, 20).data.shape[0] == 1

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -267,27 +268,253 @@ void linear_impl(const XT* x, int64_t T, int64_t K, const uint8_t* w, int64_t N,
   });
 }
 
-template <int QT, typename O>
-void dequant_impl(const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes, O* out, int64_t ldo) {
-  const int64_t nb = K / QK;
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    alignas(64) float buf[QK];
-    V v[Simd::N];
-    for (int64_t n = begin; n < end; ++n) {
-      const uint8_t* wrow = w + n * row_bytes;
-      O* orow = out + n * ldo;
+// ---- the packed layout: 16 rows interleaved ------------------------------------------------------
+// quant_pack rearranges a block matrix (same bytes, same count, rows padded to a multiple of 16 with
+// zero blocks) so that one vector holds the same weight of 16 rows: a GEMV then needs no horizontal
+// sums and no per-row scalar scale conversions, which is what held the block-layout kernel at about
+// 13 G weights/s, compute bound, below what memory delivers. Per group of 16 rows and block b:
+//   Q4_0: d[16] (fp16) | qs[16][16]         qs[j][r] = byte j of row r's block: weights j and j+16
+//   Q4_1: d[16] | m[16] | qs[16][16]
+//   Q8_0: d[16] | qs[32][16]                qs[k][r] = weight k of row r
+// The products are exact (4-bit values and bf16 activations meet in vdpbf16ps; int8 values and fp32
+// activations in FMAs) and each block's sum is scaled once: d * sum(q x) (+ m * sum(x) for Q4_1), the
+// same value as sum((d q + m) x) up to fp32 rounding and summation order.
+constexpr int64_t PACKED = 256;  // qtype | PACKED names a packed matrix
+constexpr int G = 16;            // rows per group
+
+template <int QT> constexpr int qs_offset() { return QT == Q4_1 ? 64 : 32; }
+
+// row `lane` of a packed group's block b back in GGUF block form (for dequantization)
+template <int QT>
+inline void unpack_block(const uint8_t* group, int64_t b, int lane, uint8_t* blk) {
+  constexpr int bb = block_bytes<QT>(), qo = qs_offset<QT>(), nq = QT == Q8_0 ? 32 : 16;
+  const uint8_t* src = group + b * G * bb;
+  std::memcpy(blk, src + 2 * lane, 2);
+  if constexpr (QT == Q4_1) std::memcpy(blk + 2, src + 32 + 2 * lane, 2);
+  uint8_t* q = blk + (QT == Q4_1 ? 4 : 2);
+  for (int j = 0; j < nq; ++j) q[j] = src[qo + j * G + lane];
+}
+
+template <int QT>
+void pack_impl(const uint8_t* w, int64_t N, int64_t row_bytes, uint8_t* out) {
+  constexpr int bb = block_bytes<QT>(), qo = qs_offset<QT>(), nq = QT == Q8_0 ? 32 : 16;
+  const int64_t nb = row_bytes / bb, groups = (N + G - 1) / G;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
       for (int64_t b = 0; b < nb; ++b) {
-        Simd::block<QT>(wrow + b * block_bytes<QT>(), v);
+        uint8_t* dst = out + (g * nb + b) * G * bb;
+        std::memset(dst, 0, G * bb);
+        for (int r = 0; r < G && g * G + r < N; ++r) {
+          const uint8_t* src = w + (g * G + r) * row_bytes + b * bb;
+          std::memcpy(dst + 2 * r, src, 2);
+          if constexpr (QT == Q4_1) std::memcpy(dst + 32 + 2 * r, src + 2, 2);
+          const uint8_t* q = src + (QT == Q4_1 ? 4 : 2);
+          for (int j = 0; j < nq; ++j) dst[qo + j * G + r] = q[j];
+        }
+      }
+  });
+}
+
+// out[i, :] = the dequantized weight row rows[i] (all rows when `rows` is null), the block-layout
+// or the packed matrix alike, with the reference's arithmetic (Simd::block)
+template <int QT, typename O>
+void dequant_impl(const uint8_t* w, bool packed, int64_t row_bytes, const int64_t* rows, int64_t n_out, int64_t K,
+                  O* out, int64_t ldo) {
+  constexpr int bb = block_bytes<QT>();
+  const int64_t nb = K / QK;
+  at::parallel_for(0, n_out, 16, [&](int64_t begin, int64_t end) {
+    alignas(64) float buf[QK];
+    uint8_t blk[block_bytes<QT>()];
+    V v[Simd::N];
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t n = rows ? rows[i] : i;
+      O* orow = out + i * ldo;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* src = w + n * row_bytes + b * bb;
+        if (packed) {
+          unpack_block<QT>(w + n / G * row_bytes, b, static_cast<int>(n % G), blk);
+          src = blk;
+        }
+        Simd::block<QT>(src, v);
         if constexpr (std::is_same_v<O, float>) {
-          for (int i = 0; i < Simd::N; ++i) Simd::store(orow + b * QK + i * Simd::W, v[i]);
+          for (int j = 0; j < Simd::N; ++j) Simd::store(orow + b * QK + j * Simd::W, v[j]);
         } else {
-          for (int i = 0; i < Simd::N; ++i) Simd::store(buf + i * Simd::W, v[i]);
-          for (int i = 0; i < QK; ++i) orow[b * QK + i] = static_cast<O>(buf[i]);
+          for (int j = 0; j < Simd::N; ++j) Simd::store(buf + j * Simd::W, v[j]);
+          for (int j = 0; j < QK; ++j) orow[b * QK + j] = static_cast<O>(buf[j]);
         }
       }
     }
   });
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// Activations as the packed kernels read them, per x row: fp32 values (Q8_0, and Q4 without
+// AVX512_BF16) or bf16 pairs (x[j], x[j + 16]) of each block as one 32-bit word (Q4 with bf16 x), and
+// each block's sum (Q4: the offset's term), in a fixed order per row so a row's bits do not depend on
+// its batch
+struct PackedX {
+  std::vector<float> f, sums;
+  std::vector<uint32_t> pairs;
+  int64_t nb = 0;
+  bool bf16 = false;
+};
+
+template <typename XT>
+PackedX prepare_x(const XT* x, int64_t T, int64_t K, bool pairs) {
+  PackedX p;
+  p.nb = K / QK;
+  p.bf16 = pairs;
+  p.sums.resize(T * p.nb);
+  if (pairs) p.pairs.resize(T * p.nb * 16); else p.f.resize(T * K);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t b = 0; b < p.nb; ++b) {
+      const XT* xb = x + t * K + b * QK;
+      float s = 0.f;
+      for (int i = 0; i < QK; ++i) s += static_cast<float>(xb[i]);
+      p.sums[t * p.nb + b] = s;
+      if (pairs) {
+        for (int j = 0; j < 16; ++j) {
+          const uint16_t lo = c10::BFloat16(xb[j]).x, hi = c10::BFloat16(xb[j + 16]).x;
+          p.pairs[(t * p.nb + b) * 16 + j] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+        }
+      } else {
+        for (int i = 0; i < QK; ++i) p.f[t * K + b * QK + i] = static_cast<float>(xb[i]);
+      }
+    }
+  return p;
+}
+
+// one group of 16 rows against NT x rows: res[t] = the 16 rows' results for x row t. Two
+// accumulators per x row (even and odd steps) so consecutive products do not wait on each other; a
+// row's operations are the same whatever NT is
+template <int QT, int NT>
+inline void packed_group(const uint8_t* group, const PackedX& x, int64_t t0, __m512* res) {
+  constexpr int bb = block_bytes<QT>(), qo = qs_offset<QT>();
+  // two accumulator chains per x row, whatever NT is (the summation order is a row's own: batch
+  // invariance; four chains at NT = 1 measured no faster). Inner loops over c are fully unrolled
+  // (fixed indices keep the accumulators in registers)
+  constexpr int NC = 2;
+  const int64_t nb = x.nb, K = nb * QK;
+  __m512 tot[NT];
+  for (int t = 0; t < NT; ++t) tot[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = group + b * G * bb;
+    __m512 acc[NT][NC];
+    for (int t = 0; t < NT; ++t)
+      for (int c = 0; c < NC; ++c) acc[t][c] = _mm512_setzero_ps();
+    auto bytes = [&](int j) { return _mm_loadu_si128((const __m128i*)(blk + qo + j * G)); };
+    if constexpr (QT == Q8_0) {
+      for (int k = 0; k < QK; k += NC) {
+        __m512 w[NC];
+#pragma GCC unroll 4
+        for (int c = 0; c < NC; ++c) w[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes(k + c)));
+        for (int t = 0; t < NT; ++t) {
+          const float* xb = x.f.data() + (t0 + t) * K + b * QK + k;
+#pragma GCC unroll 4
+          for (int c = 0; c < NC; ++c) acc[t][c] = _mm512_fmadd_ps(w[c], _mm512_set1_ps(xb[c]), acc[t][c]);
+        }
+      }
+    } else {
+#if defined(__AVX512BF16__)
+      if (x.bf16) {
+        // a lane's byte v as (bf16(q_lo), bf16(q_hi)): v | v << 12 puts the low nibble in the low
+        // word's index bits and the high nibble in the high word's; vpermw reads 5 index bits, so the
+        // table repeats its 16 values
+        const __m512i tbl = QT == Q4_0 ? _mm512_set_epi16(0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000,
+                                                          (short)0xBF80, (short)0xC000, (short)0xC040, (short)0xC080,
+                                                          (short)0xC0A0, (short)0xC0C0, (short)0xC0E0, (short)0xC100,
+                                                          0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000,
+                                                          (short)0xBF80, (short)0xC000, (short)0xC040, (short)0xC080,
+                                                          (short)0xC0A0, (short)0xC0C0, (short)0xC0E0, (short)0xC100)
+                                       : _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
+                                                          0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000,
+                                                          0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
+                                                          0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
+        const uint32_t* xp = x.pairs.data() + b * 16;
+        for (int j = 0; j < 16; j += NC) {
+          __m512bh w[NC];
+#pragma GCC unroll 4
+          for (int c = 0; c < NC; ++c) {
+            const __m512i v = _mm512_cvtepu8_epi32(bytes(j + c));
+            w[c] = (__m512bh)_mm512_permutexvar_epi16(_mm512_or_si512(v, _mm512_slli_epi32(v, 12)), tbl);
+          }
+          for (int t = 0; t < NT; ++t) {
+            const uint32_t* xt = xp + (t0 + t) * nb * 16 + j;
+#pragma GCC unroll 4
+            for (int c = 0; c < NC; ++c)
+              acc[t][c] = _mm512_dpbf16_ps(acc[t][c], w[c], (__m512bh)_mm512_set1_epi32((int)xt[c]));
+          }
+        }
+      } else
+#endif
+      {
+        const __m512 tbl = QT == Q4_0 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
+                                      : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        for (int j = 0; j < 16; j += NC / 2) {
+          __m512 w[NC];  // the low nibbles' weights (j + c) then the high ones' (j + c + 16)
+#pragma GCC unroll 4
+          for (int c = 0; c < NC / 2; ++c) {
+            const __m512i v = _mm512_cvtepu8_epi32(bytes(j + c));
+            w[2 * c] = _mm512_permutexvar_ps(v, tbl);
+            w[2 * c + 1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), tbl);
+          }
+          for (int t = 0; t < NT; ++t) {
+            const float* xb = x.f.data() + (t0 + t) * K + b * QK + j;
+#pragma GCC unroll 4
+            for (int c = 0; c < NC / 2; ++c) {
+              acc[t][2 * c] = _mm512_fmadd_ps(w[2 * c], _mm512_set1_ps(xb[c]), acc[t][2 * c]);
+              acc[t][2 * c + 1] = _mm512_fmadd_ps(w[2 * c + 1], _mm512_set1_ps(xb[c + 16]), acc[t][2 * c + 1]);
+            }
+          }
+        }
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));
+    for (int t = 0; t < NT; ++t) {
+      __m512 sum = acc[t][0];
+#pragma GCC unroll 4
+      for (int c = 1; c < NC; ++c) sum = _mm512_add_ps(sum, acc[t][c]);
+      tot[t] = _mm512_fmadd_ps(d, sum, tot[t]);
+    }
+    if constexpr (QT == Q4_1) {
+      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32)));
+      for (int t = 0; t < NT; ++t) tot[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.sums[(t0 + t) * nb + b]), tot[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) res[t] = tot[t];
+}
+
+constexpr int PTILE = 6;  // x rows per pass over a group: 3 vectors each, within the 32 registers
+
+template <int QT, typename O>
+void packed_linear_impl(const PackedX& x, int64_t T, const uint8_t* w, int64_t N, int64_t group_bytes, O* out, int64_t ldo) {
+  const int64_t groups = (N + G - 1) / G;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    __m512 res[PTILE];
+    alignas(64) float lane[G];
+    for (int64_t g = begin; g < end; ++g) {
+      const uint8_t* group = w + g * group_bytes;
+      const int rows = static_cast<int>(std::min<int64_t>(G, N - g * G));
+      for (int64_t t0 = 0; t0 < T; t0 += PTILE) {
+        const int64_t nt = std::min<int64_t>(PTILE, T - t0);
+        switch (nt) {
+          case 1: packed_group<QT, 1>(group, x, t0, res); break;
+          case 2: packed_group<QT, 2>(group, x, t0, res); break;
+          case 3: packed_group<QT, 3>(group, x, t0, res); break;
+          case 4: packed_group<QT, 4>(group, x, t0, res); break;
+          case 5: packed_group<QT, 5>(group, x, t0, res); break;
+          default: packed_group<QT, 6>(group, x, t0, res); break;
+        }
+        for (int64_t t = 0; t < nt; ++t) {
+          _mm512_store_ps(lane, res[t]);
+          O* o = out + (t0 + t) * ldo + g * G;
+          for (int r = 0; r < rows; ++r) o[r] = to_out<O>(lane[r]);
+        }
+      }
+    }
+  });
+}
+#endif
 
 template <int QT> constexpr bool known() { return QT == Q4_0 || QT == Q4_1 || QT == Q8_0; }
 
@@ -310,16 +537,21 @@ void dispatch(int64_t qtype, const torch::Tensor& out, A... args) {
 }
 
 int64_t row_bytes_of(int64_t qtype, int64_t K) {
-  const int64_t bb = qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : qtype == Q8_0 ? 34 : 0;
-  TORCH_CHECK(bb, "quantized type ", qtype, " has no kernel (Q4_0=2, Q4_1=3, Q8_0=8)");
-  return K / QK * bb;
+  const int64_t base = qtype & ~PACKED;
+  const int64_t bb = base == Q4_0 ? 18 : base == Q4_1 ? 20 : base == Q8_0 ? 34 : 0;
+  TORCH_CHECK(bb && (qtype == base || qtype == (base | PACKED)), "quantized type ", qtype,
+              " has no kernel (Q4_0=2, Q4_1=3, Q8_0=8, each + 256 packed)");
+  return K / QK * bb * (qtype & PACKED ? G : 1);
 }
 
-void check_weight(const torch::Tensor& w, int64_t qtype, int64_t K) {
+// a block matrix [N, row bytes], or a packed one [ceil(N / 16), 16 * row bytes]
+void check_weight(const torch::Tensor& w, int64_t qtype, int64_t K, int64_t N) {
   TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.stride(1) == 1, "weight: 2-D uint8 blocks, rows contiguous");
   TORCH_CHECK(K % QK == 0, "the input size must be a multiple of 32, got ", K);
   TORCH_CHECK(w.size(1) == row_bytes_of(qtype, K), "weight rows hold ", w.size(1), " bytes; type ", qtype, " with ", K,
               " inputs needs ", row_bytes_of(qtype, K));
+  const int64_t want = qtype & PACKED ? (N + G - 1) / G : N;
+  TORCH_CHECK(w.size(0) == want, "weight has ", w.size(0), " rows; ", N, " outputs need ", want);
 }
 
 void check_out(const torch::Tensor& out, int64_t rows, int64_t cols) {
@@ -333,21 +565,49 @@ template <int QT, typename O> struct Linear {
     linear_impl<QT, O>(x, T, K, w, N, rb, out, ldo);
   }
 };
-template <int QT, typename O> struct Dequant {
-  static void run(const uint8_t* w, int64_t N, int64_t K, int64_t rb, int64_t ldo, O* out) {
-    dequant_impl<QT, O>(w, N, K, rb, out, ldo);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+template <int QT, typename O> struct PackedLinear {
+  static void run(const PackedX* x, int64_t T, const uint8_t* w, int64_t N, int64_t rb, int64_t ldo, O* out) {
+    packed_linear_impl<QT, O>(*x, T, w, N, rb, out, ldo);
   }
+};
+#endif
+template <int QT, typename O> struct Dequant {
+  static void run(const uint8_t* w, bool packed, int64_t rb, const int64_t* rows, int64_t n, int64_t K, int64_t ldo, O* out) {
+    dequant_impl<QT, O>(w, packed, rb, rows, n, K, out, ldo);
+  }
+};
+template <int QT, typename O> struct Pack {
+  static void run(const uint8_t* w, int64_t N, int64_t rb, uint8_t* out) { pack_impl<QT>(w, N, rb, out); }
 };
 
 }  // namespace
 
-// out[t, n] = sum_k x[t, k] * W[n, k], W given as GGUF blocks [N, row_bytes]; `out` may be a column
-// slice of a wider tensor (fused QKV / gate-up parts of different types each write their columns).
+// out[t, n] = sum_k x[t, k] * W[n, k], W given as GGUF blocks [N, row_bytes] or packed (qtype + 256);
+// `out` may be a column slice of a wider tensor (fused QKV / gate-up parts of different types each
+// write their columns).
 void quant_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, torch::Tensor out) {
   TORCH_CHECK(x.dim() == 2, "x must be 2-D");
-  const int64_t T = x.size(0), K = x.size(1), N = w.size(0);
-  check_weight(w, qtype, K);
+  const int64_t T = x.size(0), K = x.size(1), N = out.dim() == 2 ? out.size(1) : -1;
+  check_weight(w, qtype, K, N);
   check_out(out, T, N);
+  if (qtype & PACKED) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    const torch::Tensor xc = x.contiguous();
+    const bool bf16 = x.scalar_type() == torch::kBFloat16;
+#if defined(__AVX512BF16__)
+    const bool pairs = bf16 && (qtype & ~PACKED) != Q8_0;  // Q8_0 meets x in fp32 FMAs
+#else
+    const bool pairs = false;
+#endif
+    const PackedX px = bf16 ? prepare_x(xc.data_ptr<c10::BFloat16>(), T, K, pairs)
+                            : prepare_x(xc.to(torch::kFloat).data_ptr<float>(), T, K, false);
+    dispatch<PackedLinear>(qtype & ~PACKED, out, &px, T, w.data_ptr<uint8_t>(), N, w.size(1), out.stride(0));
+    return;
+#else
+    TORCH_CHECK(false, "packed matrices need an AVX-512 build (see packs())");
+#endif
+  }
 #if defined(__AVX512BF16__)
   if (x.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16) {
     const torch::Tensor xb = x.contiguous();
@@ -360,17 +620,58 @@ void quant_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, torch::Tensor
   dispatch<Linear>(qtype, out, xf.data_ptr<float>(), T, K, w.data_ptr<uint8_t>(), N, w.size(1), out.stride(0));
 }
 
-// out[n, :] = the dequantized weight row n (prefill GEMMs, embedding rows)
+// out[n, :] = the dequantized weight row n (prefill GEMMs)
 void quant_dequantize(torch::Tensor w, int64_t qtype, torch::Tensor out) {
-  const int64_t N = w.size(0), K = out.size(1);
-  check_weight(w, qtype, K);
+  TORCH_CHECK(out.dim() == 2, "out must be 2-D");
+  const int64_t N = out.size(0), K = out.size(1);
+  check_weight(w, qtype, K, N);
   check_out(out, N, K);
-  dispatch<Dequant>(qtype, out, w.data_ptr<uint8_t>(), N, K, w.size(1), out.stride(0));
+  dispatch<Dequant>(qtype & ~PACKED, out, w.data_ptr<uint8_t>(), bool(qtype & PACKED), w.size(1),
+                    static_cast<const int64_t*>(nullptr), N, K, out.stride(0));
+}
+
+// out[i, :] = the dequantized row ids[i] of an [N, K] matrix (embedding lookups: only those rows are read)
+void quant_rows(torch::Tensor w, int64_t qtype, int64_t N, torch::Tensor ids, torch::Tensor out) {
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong, "ids: 1-D int64");
+  TORCH_CHECK(out.dim() == 2, "out must be 2-D");
+  const int64_t K = out.size(1);
+  check_weight(w, qtype, K, N);
+  check_out(out, ids.size(0), K);
+  const torch::Tensor idc = ids.contiguous();
+  const int64_t* id = idc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < ids.size(0); ++i) TORCH_CHECK(id[i] >= 0 && id[i] < N, "row id ", id[i], " out of [0, ", N, ")");
+  dispatch<Dequant>(qtype & ~PACKED, out, w.data_ptr<uint8_t>(), bool(qtype & PACKED), w.size(1), id, ids.size(0), K,
+                    out.stride(0));
+}
+
+// the packed form of a block matrix [N, row bytes]: [ceil(N / 16), 16 * row bytes] (see PACKED)
+torch::Tensor quant_pack(torch::Tensor w, int64_t qtype) {
+  TORCH_CHECK(!(qtype & PACKED), "already packed");
+  TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(), "weight: 2-D contiguous uint8 blocks");
+  const int64_t N = w.size(0), rb = w.size(1);
+  TORCH_CHECK(rb % (row_bytes_of(qtype, QK)) == 0, "weight rows of ", rb, " bytes are not whole blocks of type ", qtype);
+  torch::Tensor out = torch::empty({(N + G - 1) / G, rb * G}, w.options());
+  switch (qtype) {
+    case Q4_0: Pack<Q4_0, float>::run(w.data_ptr<uint8_t>(), N, rb, out.data_ptr<uint8_t>()); break;
+    case Q4_1: Pack<Q4_1, float>::run(w.data_ptr<uint8_t>(), N, rb, out.data_ptr<uint8_t>()); break;
+    default: Pack<Q8_0, float>::run(w.data_ptr<uint8_t>(), N, rb, out.data_ptr<uint8_t>()); break;
+  }
+  return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("out"));
   m.def("quant_dequantize", &quant_dequantize, py::arg("w"), py::arg("qtype"), py::arg("out"));
+  m.def("quant_rows", &quant_rows, py::arg("w"), py::arg("qtype"), py::arg("rows"), py::arg("ids"), py::arg("out"));
+  m.def("quant_pack", &quant_pack, py::arg("w"), py::arg("qtype"));
+  // whether quant_linear takes packed matrices (the layer packs its weights at load where it does)
+  m.def("packs", []() {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    return true;
+#else
+    return false;
+#endif
+  });
   m.def("isa", []() {
 #if defined(__AVX512BF16__)
     return std::string(Simd::name()) + "+bf16";

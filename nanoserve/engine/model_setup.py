@@ -40,7 +40,10 @@ def build_shard(config: EngineConfig, source: ModelSource, hf_config, device: to
     else:
         model.load_weights(iter_weights(source, progress=tp.rank == 0))
     cpu = device.type == "cpu"
-    model.finalize(cpu_kernels.load() if cpu else None, cpu_kernels.quant() if cpu and model.quantized else None)
+    model.finalize(cpu_kernels.load() if cpu else None, _quant_kernels(device) if model.quantized else None)
+    if config.quantization == "fp8":
+        from nanoserve.layers.triton_quant import fp8_maker
+        model.replace_linears(fp8_maker(device, dtype))
     backend, flash, block_size = resolve_attention(config.attention_backend, device, dtype,
                                                    config.block_size, config.flash_attn_module)
     layout = KVLayout(model.num_layers, block_size, model.num_kv_heads, model.head_dim, dtype, backend)
@@ -50,6 +53,14 @@ def build_shard(config: EngineConfig, source: ModelSource, hf_config, device: to
     max_model_len = _max_model_len(config, hf_config.max_position_embeddings, num_blocks * block_size)
     opts.max_model_len = max_model_len
     return ModelShard(model, layout, ModelRunner(model, layout, num_blocks, device, opts), num_blocks, max_model_len)
+
+
+def _quant_kernels(device: torch.device):
+    """The kernels GGUF blocks stay quantized with: C++ on CPU, Triton on CUDA (layers/triton_quant.py)."""
+    if device.type == "cpu":
+        return cpu_kernels.quant()
+    from nanoserve.layers.triton_quant import triton_quant
+    return triton_quant(device)
 
 
 def _num_device_blocks(config: EngineConfig, model: LlamaModel, layout: KVLayout, device: torch.device,

@@ -1,8 +1,11 @@
-"""Linear layers and embedding tables whose weights stay in GGUF blocks (Q4_0, Q4_1, Q8_0).
+"""Linear layers and embedding tables whose weights stay in GGUF blocks (Q4_0, Q4_1, Q8_0, ...).
 
 Decode is weight-streaming bound: a Q4_1 weight is 0.625 bytes, a bf16 one 2, an fp32 one 4. The
-kernels (csrc/quant_kernels.cpp) read the blocks and dequantize them in registers, against fp32
-activations, so results equal "dequantize, then matmul in fp32" up to summation order.
+kernels (csrc/quant_kernels.cpp) read the blocks and dequantize them in registers with exact
+products, so results equal "dequantize, then matmul in fp32" up to rounding and summation order.
+Where the kernels have an AVX-512 build (`packs()`), Q4_0/Q4_1/Q8_0 matrices are rearranged once at
+load into groups of 16 interleaved rows (the same bytes; csrc/quant_kernels.cpp, PACKED): one vector
+then holds one weight of 16 rows, and the GEMV runs at about the memory's speed.
 
 Batches of up to GEMV_MAX_ROWS rows (decode) go through the block kernel; larger ones (prefill)
 dequantize the weight (in row chunks of DEQUANT_CHUNK weights where it is larger) into a scratch
@@ -26,34 +29,61 @@ GEMV_MAX_ROWS = 12
 # A prefill GEMM dequantizes at most this many weights (elements) at a time: larger weights (a 1B
 # model's gate/up, 33M) go through in row chunks, so the scratch stays a few MB
 DEQUANT_CHUNK = 4 << 20
+PACKABLE = (Q4_0, Q4_1, Q8_0)  # types with a packed layout
+PACKED = 256  # qtype + PACKED names a packed matrix to the kernels
+GROUP = 16  # rows per packed group
 
 
 @dataclass(frozen=True)
 class QuantTensor:
     """A [rows, cols] weight matrix as GGUF blocks: `data` is [rows, cols / 32 * block bytes] uint8
-    (memory-mapped from the file where it could stay so)."""
+    (memory-mapped from the file where it could stay so), or, `packed`, the kernels' interleaved
+    layout [ceil(rows / 16), 16 * that]."""
     data: torch.Tensor
     qtype: int
     shape: tuple[int, int]
+    packed: bool = False
 
     def __post_init__(self) -> None:
         rows, cols = self.shape
         qk, nbytes = BLOCKS.get(self.qtype, (0, 0))
-        if not qk or cols % qk or tuple(self.data.shape) != (rows, cols // qk * nbytes):
-            raise ValueError(f"not a {TYPE_NAMES.get(self.qtype, self.qtype)} [{rows}, {cols}] block matrix: "
-                             f"data {tuple(self.data.shape)}")
+        want = (-(-rows // GROUP), cols // qk * nbytes * GROUP) if self.packed and qk else (rows, cols // (qk or 1) * nbytes)
+        if not qk or cols % qk or tuple(self.data.shape) != want or (self.packed and self.qtype not in PACKABLE):
+            raise ValueError(f"not a {TYPE_NAMES.get(self.qtype, self.qtype)} [{rows}, {cols}] "
+                             f"{'packed ' if self.packed else ''}block matrix: data {tuple(self.data.shape)}")
 
     @property
     def nbytes(self) -> int:
         return self.data.numel()
 
+    @property
+    def kernel_type(self) -> int:
+        """The type id the kernels take for this layout."""
+        return self.qtype + PACKED if self.packed else self.qtype
+
     def get_shape(self) -> tuple[int, int]:  # the lazy-slice protocol the model's loader reads
         return self.shape
+
+    def packed_for(self, kernels: Any) -> QuantTensor:
+        """This matrix in the layout `kernels` computes on fastest (itself where that is the blocks')."""
+        if self.packed or self.qtype not in PACKABLE or not callable(getattr(kernels, "packs", None)) or not kernels.packs():
+            return self
+        return QuantTensor(kernels.quant_pack(self.data.contiguous(), self.qtype), self.qtype, self.shape, packed=True)
+
+    def rows(self, start: int, stop: int) -> QuantTensor:
+        """Rows [start, stop) (a multiple of 16 apart from the end when packed)."""
+        if not self.packed:
+            return QuantTensor(self.data[start:stop], self.qtype, (stop - start, self.shape[1]))
+        if start % GROUP or (stop % GROUP and stop != self.shape[0]):
+            raise ValueError(f"packed rows are taken 16 at a time, not [{start}, {stop})")
+        return QuantTensor(self.data[start // GROUP:-(-stop // GROUP)], self.qtype, (stop - start, self.shape[1]), True)
 
     def dequantize(self) -> torch.Tensor:
         """fp32 [rows, cols] by the gguf package (the reference this layer is tested against)."""
         import numpy as np
         from gguf.quants import dequantize
+        if self.packed:
+            raise ValueError("a packed matrix is dequantized by its kernels (quant_dequantize)")
         return torch.from_numpy(np.array(dequantize(self.data.numpy(), self.qtype), dtype=np.float32))
 
     def __getitem__(self, index) -> torch.Tensor:
@@ -97,24 +127,25 @@ class QuantLinear:
             return F.linear(x, self.dequantized(x.dtype), self.bias)
         out = torch.empty(rows, self.out_features, dtype=x.dtype)
         if rows > GEMV_MAX_ROWS:
-            step = max(1, DEQUANT_CHUNK // self.in_features)
+            step = max(GROUP, DEQUANT_CHUNK // self.in_features // GROUP * GROUP)
             for part, start in zip(self.parts, self.offsets):
                 for r in range(0, part.shape[0], step):
-                    n = min(step, part.shape[0] - r)
+                    chunk = part.rows(r, min(r + step, part.shape[0]))
+                    n = chunk.shape[0]
                     w = self.scratch.take(n * self.in_features, x.dtype).view(n, self.in_features)
-                    self.kernels.quant_dequantize(part.data[r:r + n], part.qtype, w)
+                    self.kernels.quant_dequantize(chunk.data, chunk.kernel_type, w)
                     out[:, start + r:start + r + n] = F.linear(x, w)
             return out if self.bias is None else out.add_(self.bias)
         for part, start in zip(self.parts, self.offsets):
             dst = out if len(self.parts) == 1 else out[:, start:start + part.shape[0]]
-            self.kernels.quant_linear(x, part.data, part.qtype, dst)
+            self.kernels.quant_linear(x, part.data, part.kernel_type, dst)
         return out if self.bias is None else out.add_(self.bias)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole weight in `dtype`, in the shared scratch buffer (valid until the next call)."""
         w = self.scratch.take(self.out_features * self.in_features, dtype).view(self.out_features, self.in_features)
         for part, start in zip(self.parts, self.offsets):
-            self.kernels.quant_dequantize(part.data, part.qtype, w[start:start + part.shape[0]])
+            self.kernels.quant_dequantize(part.data, part.kernel_type, w[start:start + part.shape[0]])
         return w
 
 
@@ -126,5 +157,8 @@ class QuantEmbedding:
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         out = torch.empty(ids.shape[0], self.table.shape[1], dtype=self.dtype)
-        self.kernels.quant_dequantize(self.table.data.index_select(0, ids), self.table.qtype, out)
+        if self.table.packed:
+            self.kernels.quant_rows(self.table.data, self.table.kernel_type, self.table.shape[0], ids, out)
+        else:
+            self.kernels.quant_dequantize(self.table.data.index_select(0, ids), self.table.qtype, out)
         return out

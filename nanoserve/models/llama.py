@@ -150,8 +150,8 @@ class LlamaModel(nn.Module):
             shape = tuple(src.shape) if isinstance(src, torch.Tensor) else tuple(src.get_shape())
             if shape != t.full_shape:
                 raise ValueError(f"weight {name!r} has shape {shape}, expected {t.full_shape}")
-            if isinstance(src, QuantTensor) and not self.tp.enabled and t.dst.device.type == "cpu":
-                self.quantized[name] = src  # a shard, or a GPU, gets it dequantized (its slice) below
+            if isinstance(src, QuantTensor) and not self.tp.enabled:
+                self.quantized[name] = src  # a shard gets it dequantized (its slice) below
                 loaded.add(name)
                 continue
             index = [slice(None)] * len(shape)
@@ -199,6 +199,18 @@ class LlamaModel(nn.Module):
                 layer.gate_lin, layer.up_lin = (gate, up) if layer.gate_up_lin is None else (None, None)
             layer.down_lin = q.get("down") or Linear(layer.down, split_rows=rows)
         self.lm_head_lin = quant.get("lm_head") or Linear(self.lm_head)
+
+    def replace_linears(self, make) -> None:
+        """Each dense projection (not one kept in GGUF blocks) rebuilt by `make(weight, bias)` (fp8:
+        layers/triton_quant.py), its parameter released. The LM head stays: every logit depends on it,
+        for a few percent of the weight bytes."""
+        for layer in self.layers:
+            for attr, name, bias in (("qkv_lin", "qkv", layer.qkv_bias), ("o_lin", "o", None),
+                                     ("gate_up_lin", "gate_up", None), ("down_lin", "down", None)):
+                lin, param = getattr(layer, attr), getattr(layer, name)
+                if isinstance(lin, Linear) and lin.packed is None and lin.weight is param:
+                    setattr(layer, attr, make(param, bias))
+                    param.data = param.data.new_empty(0)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                 logits_indices: torch.Tensor) -> torch.Tensor | None:
@@ -266,6 +278,16 @@ def quant_layers(model: LlamaModel, kernels) -> dict:
     if not kept:
         return {}
     targets, out, scratch = model.weight_targets(), {}, Scratch()
+    # device kernels (layers/triton_quant.py) bring their own layer classes and read only some types
+    linear, embedding = (getattr(kernels, "linear_layer", QuantLinear), getattr(kernels, "embedding_layer", QuantEmbedding))
+    if (types := getattr(kernels, "qtypes", None)) is not None:
+        for n, w in list(kept.items()):
+            if w.qtype not in types:
+                targets[n].dst.copy_(kept.pop(n).dequantize())
+    device = model.embed.device
+
+    def moved(w: QuantTensor) -> QuantTensor:  # the blocks go to the device once, here
+        return w if w.data.device == device else QuantTensor(w.data.to(device), w.qtype, w.shape)
 
     def take(names: list[str], param: torch.Tensor, bias: torch.Tensor | None = None) -> QuantLinear | None:
         if kernels is None or not all(n in kept for n in names):
@@ -274,7 +296,7 @@ def quant_layers(model: LlamaModel, kernels) -> dict:
                     targets[n].dst.copy_(kept.pop(n).dequantize())
             return None
         param.data = param.data.new_empty(0)
-        return QuantLinear([kept.pop(n) for n in names], kernels, scratch, bias)
+        return linear([moved(kept.pop(n)) for n in names], kernels, scratch, bias)
 
     for i, layer in enumerate(model.layers):
         out[i] = {}
@@ -284,12 +306,13 @@ def quant_layers(model: LlamaModel, kernels) -> dict:
                 out[i][attr] = lin
     if kernels is not None:
         table = kept.pop("embed_tokens.weight", None)
+        table = table if table is None else moved(table)
         head = table if model.tied else kept.pop("lm_head.weight", None)
         if head is not None:
-            out["lm_head"] = QuantLinear([head], kernels, scratch)
+            out["lm_head"] = linear([moved(head)], kernels, scratch)
             model.lm_head.data = model.lm_head.data.new_empty(0)
         if table is not None:
-            model.embed_rows = QuantEmbedding(table, kernels, model.embed.dtype)
+            model.embed_rows = embedding(table, kernels, model.embed.dtype)
             model.embed.data = model.embed.data.new_empty(0)
     for n, w in kept.items():  # no kernels
         targets[n].dst.copy_(w.dequantize())
