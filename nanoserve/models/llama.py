@@ -286,8 +286,9 @@ def quant_layers(model: LlamaModel, kernels) -> dict:
                 targets[n].dst.copy_(kept.pop(n).dequantize())
     device = model.embed.device
 
-    def moved(w: QuantTensor) -> QuantTensor:  # the blocks go to the device once, here
-        return w if w.data.device == device else QuantTensor(w.data.to(device), w.qtype, w.shape)
+    def moved(w: QuantTensor) -> QuantTensor:  # the blocks go to the device once, here, in the kernels' layout
+        w = w if w.data.device == device else QuantTensor(w.data.to(device), w.qtype, w.shape)
+        return w.packed_for(kernels)
 
     def take(names: list[str], param: torch.Tensor, bias: torch.Tensor | None = None) -> QuantLinear | None:
         if kernels is None or not all(n in kept for n in names):
