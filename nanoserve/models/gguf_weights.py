@@ -21,9 +21,12 @@ log = logging.getLogger("nanoserve")
 
 def iter_gguf(path: Path, cfg, names: dict[str, str]) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
     """(HF name, weight) for every tensor of the file; `names` maps GGUF names to HF ones."""
-    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
-    reader = GGUFReader(str(path), "c")  # copy-on-write map: writable for torch, never written
+
+    from nanoserve.models.gguf_reader import WeightsReader
+    reader = WeightsReader(str(path), "c")  # copy-on-write map: writable for torch, never written
+    reader.release(0, reader.data_offset)  # the metadata: parsed, not read again
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     converted: Counter[str] = Counter()
@@ -40,9 +43,12 @@ def iter_gguf(path: Path, cfg, names: dict[str, str]) -> Iterator[tuple[str, tor
             w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
         # llama.cpp's converter permutes the rows of Q and K of *llama* models for its interleaved
         # rope; undo it for rotate-half (a permutation of whole rows: the same on blocks)
-        if cfg.model_type == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        permuted = cfg.model_type == "llama" and name.endswith(("q_proj.weight", "k_proj.weight"))
+        if permuted:
             n = heads if name.endswith("q_proj.weight") else kv_heads
             w = w.reshape(n, w.shape[0] // n // 2, 2, *w.shape[1:]).transpose(2, 1).reshape(w.shape).contiguous()
+        if permuted or not kept:  # copied out: the map's pages of it would stay resident unread
+            reader.release(t.data_offset, t.data_offset + t.n_bytes)
         if kept:
             yield name, QuantTensor(w, qtype, (int(t.shape[1]), int(t.shape[0])))
         else:
