@@ -21,6 +21,12 @@ torch; torch: always):
                Prefills are chunked at 64 tokens, so steps of non-final chunks are covered.
   speed        Llama-3-8B-shaped, random bf16 weights made on the GPU: decode output tok/s at batch
                1/32/128, graphed and eager on the same engine, vs the HBM roofline; prefill tok/s.
+  quant        weight-only quantized layers (layers/triton_quant.py): decode GEMVs (batch 1, 16) and a
+               prefill GEMM of 8B-shaped layers (4096x4096, 14336x4096) in bf16 vs Q8_0 kept in its GGUF
+               blocks vs fp8 (torch._scaled_mm where it runs, and the weight-only Triton kernel): time,
+               weight GB/s, speed-up over bf16, error against each one's own dequantized weight (judged);
+               Q8_0 prefill also as dequantize + cuBLAS (the CPU's choice); then the small model with Q8_0
+               / fp8 weights vs its bf16 self: greedy and teacher-forced agreement (recorded)
   tensor_parallel  with 2+ GPUs (2 gloo ranks for --cpu-smoke): -tp N fp32 greedy == HF, bf16 agreement
                with one rank, a host-tier round trip, decode tok/s tp 1 vs tp N.
   tier_round_trip  random blocks device -> host -> device through HostTier, every element compared
@@ -485,6 +491,147 @@ def speed(run: Run, put: Put) -> None:
             torch.cuda.empty_cache()
 
 
+# ---- quant --------------------------------------------------------------------------------------
+QUANT_SHAPES = {"cuda": ((4096, 4096), (14336, 4096)), "cpu": ((128, 64), (448, 64))}  # (out, in) of a layer
+QUANT_PREFILL = {"cuda": 512, "cpu": 33}
+QUANT_TOL = 2.0 ** -6  # |kernel - fp32 matmul of its own dequantized weight| / max |that|, bf16 activations
+
+
+def timed_us(fn: Callable[[], object], device: str, reps: int) -> float:
+    """Microseconds per call: on CUDA `reps` calls captured in one CUDA graph (no Python or launch
+    gaps between them: a 4096-wide GEMV is a few microseconds), else one eager call."""
+    fn()
+    if device != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return 1e6 * (time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return 1000 * start.elapsed_time(end) / reps
+
+
+def quant_kernels_timed(run: Run, put: Put) -> bool:
+    """Decode GEMVs (batch 1 and 16) and one prefill GEMM of 8B-shaped layers: bf16 (cuBLAS) vs Q8_0
+    kept in its blocks (Triton) vs fp8 (torch._scaled_mm where it runs, and the weight-only Triton
+    kernel); each result checked against the fp32 matmul of its own dequantized weight."""
+    import torch.nn.functional as F
+
+    from nanoserve.layers.quant_linear import Q8_0
+    from nanoserve.layers.triton_quant import Fp8Linear, fp8_activations, q8_0_blocks, scaled_mm_works, triton_quant
+    device, dev = run.device, torch.device(run.device)
+    kernels, fast, ok = triton_quant(dev), scaled_mm_works(dev), True
+    put("scaled_mm", fast)
+    for n, k in QUANT_SHAPES[device]:
+        g = torch.Generator(device=device).manual_seed(n)
+        w = torch.randn(n, k, device=device, generator=g, dtype=torch.bfloat16) * 0.02
+        blocks = q8_0_blocks(w)
+        w8 = torch.empty(n, k, device=device, dtype=torch.float32)
+        kernels.quant_dequantize(blocks, Q8_0, w8)
+        fp8 = {"fp8": Fp8Linear(w, None, kernels, fast), "fp8_triton": Fp8Linear(w, None, kernels, False)}
+        # (layer, its weight dequantized, weight bytes, whether it rounds the activations to fp8 too)
+        variants = {"bf16": (lambda x: F.linear(x, w), w.float(), 2 * n * k, False),
+                    "q8_0": (lambda x: _q8(kernels, x, blocks, n), w8, blocks.numel(), False),
+                    **{name: (lin, lin.weight.float() * lin.scale[:, None], lin.nbytes, lin.scaled_mm)
+                       for name, lin in fp8.items()}}
+        for m in (1, 16, QUANT_PREFILL[device]):
+            x = torch.randn(m, k, device=device, generator=g, dtype=torch.bfloat16)
+            xq, sx = fp8_activations(x)
+            row = {}
+            for name, (fn, ref_w, nbytes, fp8_x) in variants.items():
+                ref = (xq.float() * sx if fp8_x else x.float()) @ ref_w.T
+                err = ((fn(x).float() - ref).abs().max() / ref.abs().max()).item()
+                us = timed_us(lambda: fn(x), device, 50 if m <= 16 else 10)
+                row[name] = dict(us=us, weight_gb_s=nbytes / us / 1e3, rel_err=err)
+                ok = ok and err <= QUANT_TOL
+            if m > 16:  # the CPU's prefill choice, for comparison: dequantize to bf16, then cuBLAS
+                scratch = torch.empty(n, k, device=device, dtype=torch.bfloat16)
+                row["q8_0_dequant_gemm"] = dict(us=timed_us(lambda: F.linear(x, _deq(kernels, blocks, scratch)), device, 10))
+            for name in row:
+                row[name]["vs_bf16"] = row["bf16"]["us"] / row[name]["us"]
+            put("kernels", f"{n}x{k}", f"batch_{m}", row)
+            log(f"quant {n}x{k} batch {m}: " + ", ".join(f"{name} {r['us']:.1f} us ({r['vs_bf16']:.2f}x bf16)"
+                                                      for name, r in row.items()))
+    return ok
+
+
+def _q8(kernels, x: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor:
+    from nanoserve.layers.quant_linear import Q8_0
+    out = torch.empty(x.shape[0], n, device=x.device, dtype=x.dtype)
+    kernels.quant_linear(x, blocks, Q8_0, out)
+    return out
+
+
+def _deq(kernels, blocks: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    from nanoserve.layers.quant_linear import Q8_0
+    kernels.quant_dequantize(blocks, Q8_0, scratch)
+    return scratch
+
+
+def quant_twin(path: Path, device: str, kind: str) -> LLM:
+    """The small model with its projections (and, Q8_0, embedding and LM head) quantized after load:
+    eager, since graphs captured before the swap would replay the old layers. (fp8 on CUDA loads
+    through --quantization fp8 too: `quant` compares both.)"""
+    from nanoserve.layers.quant_linear import Q8_0, QuantTensor
+    from nanoserve.layers.triton_quant import fp8_maker, q8_0_blocks, triton_quant
+    llm = LLM(str(path), device=device, dtype="bfloat16", kv_cache_gb=0.1, enforce_eager=True,
+              enable_prefix_caching=False)
+    model = llm.engine.model
+    if kind == "q8_0":
+        for name, t in model.weight_targets().items():
+            if t.dst.dim() == 2:
+                model.quantized[name] = QuantTensor(q8_0_blocks(t.dst), Q8_0, tuple(t.dst.shape))
+        model.finalize(None, triton_quant(torch.device(device)))
+    else:
+        model.replace_linears(fp8_maker(torch.device(device), torch.bfloat16))
+    return llm
+
+
+def quant(run: Run, put: Put) -> None:
+    """Kernel timings and checks (above), then greedy and teacher-forced agreement of the small model
+    with Q8_0 / fp8 weights against its bf16 self: greedy tokens equal before the first divergence,
+    and, on the bf16 model's own sequences, argmax agreement and |logprob difference|."""
+    put("kernels_ok", quant_kernels_timed(run, put))
+    path = write_model(run.tmp / "small", run.shapes.small, with_weights=True)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, run.shapes.small["vocab_size"], (n,), generator=g).tolist() for n in (5, 37)]
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    forced = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    common = dict(device=run.device, dtype="bfloat16", kv_cache_gb=0.1, enable_prefix_caching=False)
+    engines = {"bf16": lambda: LLM(str(path), **common),
+               "q8_0": lambda: quant_twin(path, run.device, "q8_0"), "fp8": lambda: quant_twin(path, run.device, "fp8")}
+    if run.device == "cuda":
+        engines["fp8_loaded"] = lambda: LLM(str(path), quantization="fp8", **common)
+    base = None
+    for name, make in engines.items():
+        llm = make()
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        seqs = [p + o for p, o in zip(prompts, outs if base is None else base["outs"])]
+        lps = [o.prompt_logprobs[1:] for o in llm.generate(seqs, forced)]
+        del llm
+        if base is None:
+            base = dict(outs=outs, lps=lps)
+            continue
+        same = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(outs, base["outs"])]
+        pairs = [(a, b) for x, y in zip(lps, base["lps"]) for a, b in zip(x, y)]
+        diff = [abs(a.logprob - b.logprob) for a, b in pairs]
+        res = dict(greedy_tokens_before_divergence=sum(same) / sum(map(len, outs)),
+                   argmax_agreement=sum(a.top[0][0] == b.top[0][0] for a, b in pairs) / len(pairs),
+                   mean_logprob_diff=sum(diff) / len(diff), max_logprob_diff=max(diff))
+        put("agreement", name, res)
+        log(f"quant {name} vs bf16: greedy {res['greedy_tokens_before_divergence']:.0%} of tokens before the first "
+            f"divergence, teacher-forced argmax {res['argmax_agreement']:.1%}, |logprob diff| mean "
+            f"{res['mean_logprob_diff']:.4f} max {res['max_logprob_diff']:.4f}")
+
+
 # ---- tensor parallelism -------------------------------------------------------------------------
 def tensor_parallel(run: Run, put: Put) -> None:
     """-tp N over the GPUs present (N a power of two up to 8; the small model's 2 KV heads are
@@ -939,7 +1086,7 @@ def fetch_wheels(dest: Path) -> int:
 
 # ---- main ---------------------------------------------------------------------------------------
 SECTIONS: dict[str, Callable[[Run, Put], None]] = {
-    f.__name__: f for f in (correctness, speed, tensor_parallel, tier_round_trip, tier_ttft, tier_bandwidth,
+    f.__name__: f for f in (correctness, speed, quant, tensor_parallel, tier_round_trip, tier_ttft, tier_bandwidth,
                             tier_overlap, tier_noreuse, server)}
 
 
@@ -1048,7 +1195,7 @@ def verdict(r: dict, criteria: list[Criterion], judge_timing: bool) -> bool:
     checks += [row.get("outputs_match", True) for row in r.get("tier_ttft", {}).get("rows", [])]
     ov = r.get("tier_overlap", {})
     checks += [ov.get("outputs_equal", True), ov.get("host_loaded", True)]
-    checks += [r.get("server", {}).get("stop", {}).get("clean_exit", True)]
+    checks += [r.get("server", {}).get("stop", {}).get("clean_exit", True), r.get("quant", {}).get("kernels_ok", True)]
     ran = [k for k in criteria if not any(n in r.get("skipped", {}) for n in k.needs)]
     if judge_timing:
         checks += [bool(k.passed) for k in ran]

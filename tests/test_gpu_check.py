@@ -32,16 +32,21 @@ def run_smoke(tmp_path: Path, sections: list[str]) -> dict:
 
 def test_gpu_check_cpu_smoke(tmp_path):
     """The speed section with every backend (Triton interpreted) counts decode tokens from the
-    engine while the batch stays full; the tier round trip and TTFT outputs check out; copies run
-    both ways; steps are timed while a host load is in flight and the loader's tokens equal the
-    device-cache run's; nothing on the path imports pyzmq, fastapi, gguf, the embedded model
-    package or test code."""
-    r = run_smoke(tmp_path, ["speed", "tier_round_trip", "tier_ttft", "tier_bandwidth", "tier_overlap"])
+    engine while the batch stays full; the quant section's kernels meet their bounds and its
+    quantized twins of the small model generate; the tier round trip and TTFT outputs check out;
+    copies run both ways; steps are timed while a host load is in flight and the loader's tokens
+    equal the device-cache run's; nothing on the path imports pyzmq, fastapi, gguf, the embedded
+    model package or test code."""
+    r = run_smoke(tmp_path, ["speed", "quant", "tier_round_trip", "tier_ttft", "tier_bandwidth", "tier_overlap"])
     batches, steps = CPU_SMOKE.batches, CPU_SMOKE.decode_steps
     for backend in ("flash", "triton", "torch"):
         rows = r["speed"][backend]["eager"]
         assert [rows[f"batch_{b}"]["tokens"] for b in batches] == [b * steps for b in batches]
         assert all(row["tok_s"] > 0 and row["roofline_tok_s"] > 0 for row in rows.values())
+    q = r["quant"]  # every quantized kernel within its bound of its own dequantized weight; the twins ran
+    assert q["kernels_ok"] and [len(shape) for shape in q["kernels"].values()] == [3, 3]
+    assert all({"bf16", "q8_0", "fp8", "fp8_triton"} <= set(row) for shape in q["kernels"].values() for row in shape.values())
+    assert set(q["agreement"]) == {"q8_0", "fp8"} and all(a["argmax_agreement"] > 0.5 for a in q["agreement"].values())
     assert r["tier_round_trip"]["exact"] and r["tier_round_trip"]["bytes_each_way"] > 0
     assert [row["outputs_match"] for row in r["tier_ttft"]["rows"]] == [True] * len(CPU_SMOKE.ttft_lens)
     assert all(row["host_cached"] > 0 for row in r["tier_ttft"]["rows"])

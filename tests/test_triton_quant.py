@@ -22,8 +22,8 @@ pytest.importorskip("triton", reason="triton is not installed: its kernels canno
 
 from nanoserve.layers.quant_linear import Q4_0, Q4_1, Q8_0, QuantTensor, Scratch  # noqa: E402
 from nanoserve.layers.triton_quant import (FP8, Fp8Linear, TritonQuant, TritonQuantEmbedding,  # noqa: E402
-                                           TritonQuantLinear, fp8_activations, fp8_cast, scaled_mm_works,
-                                           triton_quant)
+                                           TritonQuantLinear, fp8_activations, fp8_cast, q8_0_blocks,
+                                           scaled_mm_works, triton_quant)
 
 TYPES = {"Q8_0": Q8_0, "Q4_0": Q4_0, "Q4_1": Q4_1}
 CPU = torch.device("cpu")
@@ -93,6 +93,16 @@ def test_fused_parts_write_their_columns_and_embedding_rows(kernels):
     assert torch.equal(TritonQuantEmbedding(table, kernels, torch.float32)(ids), table.dequantize()[ids])
 
 
+def test_q8_0_blocks_are_the_gguf_quantizers_bytes():
+    from gguf.quants import quantize
+    w = torch.randn(9, 128) * torch.logspace(-4, 2, 9)[:, None]
+    w[2, :32] = 0  # an all-zero block: d = 0
+    w[3, 64:96] = 0.25
+    w[3, 64] = -127.0
+    w[3, 65] = 2.5  # d = 1: q = 2.5 exactly, a tie, rounded away from zero to 3
+    assert torch.equal(q8_0_blocks(w), torch.from_numpy(quantize(w.numpy(), Q8_0)))
+
+
 def test_bad_shapes_are_refused(kernels):
     w = quantized(8, 64, Q8_0)
     x, out = torch.randn(2, 64), torch.empty(2, 8)
@@ -109,6 +119,17 @@ def test_bad_shapes_are_refused(kernels):
     for call in bad:
         with pytest.raises(ValueError):
             call()
+
+
+def test_fp8_option_refuses_cpu_and_fp32_in_one_line(monkeypatch):
+    from nanoserve.config import EngineConfig
+    with pytest.raises(ValueError, match="^--quantization fp8 needs a CUDA GPU: this run is on the CPU"):
+        EngineConfig(quantization="fp8", device="cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # past the device check: the dtype's turn
+    with pytest.raises(ValueError, match="^--quantization fp8 computes in bf16 or fp16"):
+        EngineConfig(quantization="fp8", device="cuda", dtype="float32")
+    with pytest.raises(ValueError, match="quantization must be fp8"):
+        EngineConfig(quantization="int4", device="cpu")
 
 
 def test_fp8_cast_rounds_each_weight_within_e4m3s_bound():

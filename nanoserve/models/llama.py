@@ -205,10 +205,12 @@ class LlamaModel(nn.Module):
         layers/triton_quant.py), its parameter released. The LM head stays: every logit depends on it,
         for a few percent of the weight bytes."""
         for layer in self.layers:
+            if layer.gate_up_lin is None:  # CPU's two packed GEMMs (gate, up): one layer for make()
+                layer.gate_up_lin, layer.gate_lin, layer.up_lin = Linear(layer.gate_up), None, None
             for attr, name, bias in (("qkv_lin", "qkv", layer.qkv_bias), ("o_lin", "o", None),
                                      ("gate_up_lin", "gate_up", None), ("down_lin", "down", None)):
                 lin, param = getattr(layer, attr), getattr(layer, name)
-                if isinstance(lin, Linear) and lin.packed is None and lin.weight is param:
+                if isinstance(lin, Linear) and lin.weight is param:
                     setattr(layer, attr, make(param, bias))
                     param.data = param.data.new_empty(0)
 
