@@ -295,6 +295,68 @@ inline void unpack_block(const uint8_t* group, int64_t b, int lane, uint8_t* blk
   for (int j = 0; j < nq; ++j) q[j] = src[qo + j * G + lane];
 }
 
+// a dequantized block (Simd::N vectors of fp32) stored as 32 values of O: bf16 in one vcvtneps2bf16
+// per 16 (round to nearest even like c10's conversion; the values are never fp32 subnormals, which
+// it would flush), else through a buffer
+template <typename O>
+inline void store_block(O* o, const V* v) {
+  if constexpr (std::is_same_v<O, float>) {
+    for (int j = 0; j < Simd::N; ++j) Simd::store(o + j * Simd::W, v[j]);
+#if defined(__AVX512BF16__)
+  } else if constexpr (std::is_same_v<O, c10::BFloat16>) {
+    for (int j = 0; j < Simd::N; ++j) _mm256_storeu_si256((__m256i*)(o + j * Simd::W), (__m256i)_mm512_cvtneps_pbh(v[j]));
+#endif
+  } else {
+    alignas(64) float buf[QK];
+    for (int j = 0; j < Simd::N; ++j) Simd::store(buf + j * Simd::W, v[j]);
+    for (int j = 0; j < QK; ++j) o[j] = static_cast<O>(buf[j]);
+  }
+}
+
+// a packed group's block b back as the 16 rows' GGUF blocks, blk[r * block bytes ...]: the 16x16
+// byte transpose that quant_pack applied, undone with SSE unpacks (64 ops for up to 512 weights,
+// where a byte-by-byte gather would take 256 loads)
+template <int QT>
+inline void unpack_group_block(const uint8_t* group, int64_t b, uint8_t* blk) {
+  constexpr int bb = block_bytes<QT>(), qo = qs_offset<QT>(), q0 = QT == Q4_1 ? 4 : 2;
+  const uint8_t* src = group + b * G * bb;
+  for (int r = 0; r < G; ++r) {
+    std::memcpy(blk + r * bb, src + 2 * r, 2);
+    if constexpr (QT == Q4_1) std::memcpy(blk + r * bb + 2, src + 32 + 2 * r, 2);
+  }
+  for (int half = 0; half < (QT == Q8_0 ? 2 : 1); ++half) {
+#if defined(__SSE2__)
+    __m128i m[16], t[16];
+    for (int j = 0; j < 16; ++j) m[j] = _mm_loadu_si128((const __m128i*)(src + qo + (half * 16 + j) * G));
+    // four rounds of interleaving: after them, m[r] holds bytes j = 0..15 of row r
+    for (int i = 0; i < 8; ++i) {
+      t[2 * i] = _mm_unpacklo_epi8(m[2 * i], m[2 * i + 1]);
+      t[2 * i + 1] = _mm_unpackhi_epi8(m[2 * i], m[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i)
+      for (int k = 0; k < 2; ++k) {
+        m[4 * i + k] = _mm_unpacklo_epi16(t[4 * i + k], t[4 * i + k + 2]);
+        m[4 * i + k + 2] = _mm_unpackhi_epi16(t[4 * i + k], t[4 * i + k + 2]);
+      }
+    for (int i = 0; i < 2; ++i)
+      for (int k = 0; k < 4; ++k) {
+        t[8 * i + k] = _mm_unpacklo_epi32(m[8 * i + k], m[8 * i + k + 4]);
+        t[8 * i + k + 4] = _mm_unpackhi_epi32(m[8 * i + k], m[8 * i + k + 4]);
+      }
+    for (int k = 0; k < 8; ++k) {
+      m[k] = _mm_unpacklo_epi64(t[k], t[k + 8]);
+      m[k + 8] = _mm_unpackhi_epi64(t[k], t[k + 8]);
+    }
+    // m[k] now holds rows in the order the rounds produced: row = bit-reversal-like map, computed once
+    static constexpr int order[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+    for (int k = 0; k < 16; ++k) _mm_storeu_si128((__m128i*)(blk + order[k] * bb + q0 + half * 16), m[k]);
+#else
+    for (int r = 0; r < G; ++r)
+      for (int j = 0; j < 16; ++j) blk[r * bb + q0 + half * 16 + j] = src[qo + (half * 16 + j) * G + r];
+#endif
+  }
+}
+
 template <int QT>
 void pack_impl(const uint8_t* w, int64_t N, int64_t row_bytes, uint8_t* out) {
   constexpr int bb = block_bytes<QT>(), qo = qs_offset<QT>(), nq = QT == Q8_0 ? 32 : 16;
@@ -317,13 +379,33 @@ void pack_impl(const uint8_t* w, int64_t N, int64_t row_bytes, uint8_t* out) {
 
 // out[i, :] = the dequantized weight row rows[i] (all rows when `rows` is null), the block-layout
 // or the packed matrix alike, with the reference's arithmetic (Simd::block)
+// the whole packed matrix dequantized, a group at a time (prefill GEMMs)
+template <int QT, typename O>
+void dequant_packed_impl(const uint8_t* w, int64_t group_bytes, int64_t N, int64_t K, O* out, int64_t ldo) {
+  constexpr int bb = block_bytes<QT>();
+  const int64_t nb = K / QK;
+  at::parallel_for(0, (N + G - 1) / G, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) uint8_t blk[G * bb];
+    V v[Simd::N];
+    for (int64_t g = begin; g < end; ++g) {
+      const int rows = static_cast<int>(std::min<int64_t>(G, N - g * G));
+      for (int64_t b = 0; b < nb; ++b) {
+        unpack_group_block<QT>(w + g * group_bytes, b, blk);
+        for (int r = 0; r < rows; ++r) {
+          Simd::block<QT>(blk + r * bb, v);
+          store_block(out + (g * G + r) * ldo + b * QK, v);
+        }
+      }
+    }
+  });
+}
+
 template <int QT, typename O>
 void dequant_impl(const uint8_t* w, bool packed, int64_t row_bytes, const int64_t* rows, int64_t n_out, int64_t K,
                   O* out, int64_t ldo) {
   constexpr int bb = block_bytes<QT>();
   const int64_t nb = K / QK;
   at::parallel_for(0, n_out, 16, [&](int64_t begin, int64_t end) {
-    alignas(64) float buf[QK];
     uint8_t blk[block_bytes<QT>()];
     V v[Simd::N];
     for (int64_t i = begin; i < end; ++i) {
@@ -336,12 +418,7 @@ void dequant_impl(const uint8_t* w, bool packed, int64_t row_bytes, const int64_
           src = blk;
         }
         Simd::block<QT>(src, v);
-        if constexpr (std::is_same_v<O, float>) {
-          for (int j = 0; j < Simd::N; ++j) Simd::store(orow + b * QK + j * Simd::W, v[j]);
-        } else {
-          for (int j = 0; j < Simd::N; ++j) Simd::store(buf + j * Simd::W, v[j]);
-          for (int j = 0; j < QK; ++j) orow[b * QK + j] = static_cast<O>(buf[j]);
-        }
+        store_block(orow + b * QK, v);
       }
     }
   });
@@ -484,7 +561,7 @@ inline void packed_group(const uint8_t* group, const PackedX& x, int64_t t0, __m
   for (int t = 0; t < NT; ++t) res[t] = tot[t];
 }
 
-constexpr int PTILE = 6;  // x rows per pass over a group: 3 vectors each, within the 32 registers
+constexpr int PTILE = 8;  // x rows per pass over a group: 3 vectors each, within the 32 registers
 
 template <int QT, typename O>
 void packed_linear_impl(const PackedX& x, int64_t T, const uint8_t* w, int64_t N, int64_t group_bytes, O* out, int64_t ldo) {
@@ -503,7 +580,9 @@ void packed_linear_impl(const PackedX& x, int64_t T, const uint8_t* w, int64_t N
           case 3: packed_group<QT, 3>(group, x, t0, res); break;
           case 4: packed_group<QT, 4>(group, x, t0, res); break;
           case 5: packed_group<QT, 5>(group, x, t0, res); break;
-          default: packed_group<QT, 6>(group, x, t0, res); break;
+          case 6: packed_group<QT, 6>(group, x, t0, res); break;
+          case 7: packed_group<QT, 7>(group, x, t0, res); break;
+          default: packed_group<QT, 8>(group, x, t0, res); break;
         }
         for (int64_t t = 0; t < nt; ++t) {
           _mm512_store_ps(lane, res[t]);
@@ -574,7 +653,8 @@ template <int QT, typename O> struct PackedLinear {
 #endif
 template <int QT, typename O> struct Dequant {
   static void run(const uint8_t* w, bool packed, int64_t rb, const int64_t* rows, int64_t n, int64_t K, int64_t ldo, O* out) {
-    dequant_impl<QT, O>(w, packed, rb, rows, n, K, out, ldo);
+    if (packed && !rows) dequant_packed_impl<QT, O>(w, rb, n, K, out, ldo);
+    else dequant_impl<QT, O>(w, packed, rb, rows, n, K, out, ldo);
   }
 };
 template <int QT, typename O> struct Pack {
