@@ -125,7 +125,7 @@ def test_bad_shapes_are_refused(kernels):
     with pytest.raises(RuntimeError, match="needs"):
         kernels.quant_linear(torch.randn(1, 96), w.data, Q4_1, torch.empty(1, 4))
     with pytest.raises(RuntimeError, match="no kernel"):
-        kernels.quant_linear(torch.randn(1, 64), w.data, 12, torch.empty(1, 4))
+        kernels.quant_linear(torch.randn(1, 64), w.data, 13, torch.empty(1, 4))  # Q5_K
 
 
 def test_prefill_of_a_large_weight_dequantizes_it_in_row_chunks(kernels, monkeypatch):

@@ -14,6 +14,9 @@ measures the whole step. `paged_prefill_attention` attends every prefill chunk o
 over cached context) flash-style on GEMM tiles (AMX where the CPU has it: `amx()`);
 The experiment bench/prefill_rate.py (at c256b25) measured its FLOP rate against the linear layers' and PyTorch's SDPA.
 
+`quant()` serves GGUF weights kept in their blocks: csrc/quant_kernels.cpp (Q4_0/Q4_1/Q8_0) and
+csrc/kquant_kernels.cpp (Q4_K/Q6_K), two modules behind one router (`QuantKernels`).
+
 Without a compiler, or with NANOSERVE_CPU_KERNELS=0, `load()` returns None and the torch path runs;
 tests compare the two."""
 from __future__ import annotations
@@ -22,13 +25,45 @@ import functools
 import hashlib
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+
+from nanoserve.layers.quant_linear import BLOCKS, Q4_K, Q6_K
 
 log = logging.getLogger("nanoserve")
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_kernels.cpp"
 QUANT_SOURCE = SOURCE.with_name("quant_kernels.cpp")
+KQUANT_SOURCE = SOURCE.with_name("kquant_kernels.cpp")
+K_TYPES = frozenset({Q4_K, Q6_K})  # served by the K-quant module, every other kept type by the blocks one
+
+
+@dataclass(frozen=True)
+class QuantKernels:
+    """The quantized-weight kernels as one module: `quant_linear` / `quant_dequantize` go to the module
+    of the weight's type; any other attribute is the blocks module's (its packing helpers)."""
+    blocks: Any
+    kquants: Any | None  # None: its build failed, and K-quant weights are dequantized at load
+
+    def _module(self, qtype: int) -> Any:
+        if qtype not in K_TYPES:
+            return self.blocks
+        if self.kquants is None:
+            raise RuntimeError(f"quantized type {qtype} has no kernel (the K-quant kernels did not build)")
+        return self.kquants
+
+    def quant_linear(self, x: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor) -> None:
+        self._module(qtype).quant_linear(x, w, qtype, out)
+
+    def quant_dequantize(self, w: torch.Tensor, qtype: int, out: torch.Tensor) -> None:
+        self._module(qtype).quant_dequantize(w, qtype, out)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("blocks", "kquants"):  # copy / pickle probing a half-built one
+            raise AttributeError(name)
+        return getattr(self.blocks, name)
 
 
 @functools.cache
@@ -38,9 +73,29 @@ def load():
 
 
 @functools.cache
-def quant():
-    """The GGUF block-quantized kernels (csrc/quant_kernels.cpp), or None like `load()`."""
+def quant() -> QuantKernels | None:
+    """The GGUF quantized-weight kernels, or None like `load()` when the blocks module is unavailable."""
+    blocks = _blocks()
+    return None if blocks is None else QuantKernels(blocks, kquant())
+
+
+@functools.cache
+def _blocks():
     return _build("nanoserve_quant", QUANT_SOURCE)
+
+
+@functools.cache
+def kquant():
+    """The K-quant kernels alone (csrc/kquant_kernels.cpp), or None like `load()`."""
+    return _build("nanoserve_kquant", KQUANT_SOURCE)
+
+
+def keeps(qtype: int) -> bool:
+    """Whether a GGUF loader keeps tensors of this GGML type in blocks. Q4_0/Q4_1/Q8_0 are kept even
+    without kernels (the model dequantizes them after loading, on any device); the K-quants only when
+    their own module built, since nothing else computes on them. Asking about a K-quant builds (or
+    finds) that module."""
+    return qtype in BLOCKS and (qtype not in K_TYPES or kquant() is not None)
 
 
 def _build(prefix: str, source: Path):
@@ -66,9 +121,9 @@ def _build(prefix: str, source: Path):
 
 
 def build_all() -> None:
-    """Build (or find) both modules before anything uses them: `make test` runs this first, since its two
+    """Build (or find) every module before anything uses them: `make test` runs this first, since its two
     pytest workers would otherwise both wait on one ~35 s build at the start of the suite."""
     from concurrent.futures import ThreadPoolExecutor
-    with ThreadPoolExecutor(2) as pool:  # each build is a ninja subprocess: the two run side by side
-        built = list(pool.map(lambda f: f(), (load, quant)))
+    with ThreadPoolExecutor(3) as pool:  # each build is a ninja subprocess: they run side by side
+        built = list(pool.map(lambda f: f(), (load, _blocks, kquant)))
     print("CPU kernels:", ", ".join(m.__name__ if m else "unavailable (torch path)" for m in built))

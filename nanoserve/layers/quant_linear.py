@@ -21,8 +21,10 @@ import torch
 import torch.nn.functional as F
 
 Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGML type ids of the types kept quantized
-BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34)}  # (weights, bytes) of one block, by type
-TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
+Q4_K, Q6_K = 12, 14
+# (weights, bytes) of one block, by type
+BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34), Q4_K: (256, 144), Q6_K: (256, 210)}
+TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q6_K: "Q6_K"}
 # Above this many rows the dequantize-then-GEMM path runs (bench/latency.py --quant-kernels measures
 # both sides of it)
 GEMV_MAX_ROWS = 12

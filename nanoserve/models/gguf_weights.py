@@ -1,6 +1,7 @@
-"""GGUF tensors as the model loads them when they stay quantized: Q4_0, Q4_1 and Q8_0 matrices as
-their raw blocks (memory-mapped by the gguf package's reader: nothing is converted, nothing copied),
-1-D and float tensors as fp32, every other quantized type dequantized here (logged once, by name).
+"""GGUF tensors as the model loads them when they stay quantized: Q4_0, Q4_1, Q8_0, Q4_K and Q6_K
+matrices as their raw blocks (memory-mapped by the gguf package's reader: nothing is converted, nothing
+copied; the K-quants only where their kernels built: layers/cpu_kernels.keeps), 1-D and float tensors
+as fp32, every other quantized type dequantized here (logged once, by name).
 
 A GGUF folder made by `loader.materialize(..., dequantize=False)` holds the config and tokenizer
 and `model.gguf`, a link to the file itself."""
@@ -14,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from nanoserve.layers.quant_linear import BLOCKS, TYPE_NAMES, QuantTensor
+from nanoserve.layers.cpu_kernels import keeps
+from nanoserve.layers.quant_linear import TYPE_NAMES, QuantTensor
 
 log = logging.getLogger("nanoserve")
 
@@ -34,7 +36,7 @@ def iter_gguf(path: Path, cfg, names: dict[str, str]) -> Iterator[tuple[str, tor
         if (name := names.get(t.name)) is None:
             raise ValueError(f"GGUF tensor {t.name!r} is not one this model loads")
         qtype = int(t.tensor_type)
-        kept = qtype in BLOCKS and t.data.ndim == 2
+        kept = t.data.ndim == 2 and keeps(qtype)
         if kept:  # [rows, row bytes]: the logical shape is GGUF's reversed
             w: torch.Tensor = torch.from_numpy(t.data)
         else:
@@ -54,5 +56,6 @@ def iter_gguf(path: Path, cfg, names: dict[str, str]) -> Iterator[tuple[str, tor
         else:
             yield name, w
     if converted:
-        log.info("GGUF %s: dequantized at load (kept quantized: %s): %s", path.name, ", ".join(TYPE_NAMES.values()),
+        kept_names = ", ".join(n for n in TYPE_NAMES.values() if n not in converted)
+        log.info("GGUF %s: dequantized at load (kept quantized: %s): %s", path.name, kept_names,
                  ", ".join(f"{k} ({n} tensors)" for k, n in sorted(converted.items())))

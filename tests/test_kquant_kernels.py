@@ -1,0 +1,275 @@
+"""K-quant weights (Q4_K, Q6_K) kept in their blocks (csrc/kquant_kernels.cpp behind
+layers/cpu_kernels.QuantKernels, layers/quant_linear.py) against the gguf package's dequantization
+followed by a float64 matmul: random but valid super-blocks (gguf cannot quantize to K types), fp32 and
+bf16 activations, ragged row counts, token counts on both sides of the GEMV/GEMM switch; the
+dequantizer bit for bit; batch invariance bit for bit; refused shapes; the loader keeping the blocks
+only where the kernels built. The AVX2 and scalar builds are checked by an opt-in test
+(NANOSERVE_TEST_ISAS=1: two ~30 s builds, then cached)."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from nanoserve.layers import cpu_kernels
+from nanoserve.layers.quant_linear import GEMV_MAX_ROWS, Q4_K, Q6_K, QuantEmbedding, QuantLinear, QuantTensor, Scratch
+
+TYPES = {"Q4_K": Q4_K, "Q6_K": Q6_K}
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = cpu_kernels.quant()
+    if (k is None or k.kquants is None) and shutil.which("g++") and shutil.which("ninja"):
+        pytest.fail("a compiler and ninja are here, yet the quantized kernels did not build (see the log warning)")
+    if k is None or k.kquants is None:
+        pytest.skip("no C++ toolchain: K-quant GGUF weights are dequantized at load")
+    return k
+
+
+def k_blocks(rows: int, cols: int, qtype: int, seed: int = 0) -> np.ndarray:
+    """Random super-blocks whose fp16 scales are finite and give weights of ~0.05 (the scales, mins,
+    nibbles and 6-bit values are random bytes: every pattern is valid)."""
+    g = np.random.default_rng(seed)
+    nbytes = 144 if qtype == Q4_K else 210
+    b = g.integers(0, 256, (rows, cols // 256, nbytes), dtype=np.uint8)
+    if qtype == Q4_K:
+        d = g.uniform(1e-4, 3e-4, (rows, cols // 256)).astype(np.float16)
+        b[..., 0:2] = d.view(np.uint8).reshape(rows, -1, 2)
+        b[..., 2:4] = (d * 7).astype(np.float16).view(np.uint8).reshape(rows, -1, 2)  # mins centre the weights
+    else:
+        b[..., 208:210] = g.uniform(2e-5, 8e-5, (rows, cols // 256)).astype(np.float16).view(np.uint8).reshape(rows, -1, 2)
+    return b.reshape(rows, -1)
+
+
+def kq(rows: int, cols: int, qtype: int, seed: int = 0) -> QuantTensor:
+    return QuantTensor(torch.from_numpy(k_blocks(rows, cols, qtype, seed)), qtype, (rows, cols))
+
+
+def reference(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
+    return x.double() @ w.dequantize().double().T
+
+
+@pytest.mark.parametrize("name", list(TYPES))
+@pytest.mark.parametrize("rows,cols", [(1, 256), (7, 512), (33, 768), (130, 1024)])
+@pytest.mark.parametrize("tokens", [1, 3, 8, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 5])
+def test_quant_linear_matches_dequantize_then_matmul(kernels, name, rows, cols, tokens):
+    w = kq(rows, cols, TYPES[name], seed=rows + cols)
+    x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens))
+    want = reference(x, w)
+    scale = want.abs().max().item() + 1e-6
+    got = QuantLinear([w], kernels, Scratch())(x)
+    assert got.dtype == torch.float32 and got.shape == (tokens, rows)
+    assert (got.double() - want).abs().max().item() <= 2e-6 * scale * cols ** 0.5
+    # bf16 x: widened exactly, against the weights as they are (fp32 out: to summation-order noise)
+    want_b = x.bfloat16().double() @ w.dequantize().double().T
+    got = torch.empty(tokens, rows)
+    kernels.quant_linear(x.bfloat16(), w.data, w.qtype, got)
+    assert (got.double() - want_b).abs().max().item() <= 2e-6 * scale * cols ** 0.5
+    got16 = QuantLinear([w], kernels, Scratch())(x.bfloat16())
+    assert got16.dtype == torch.bfloat16
+    if tokens <= GEMV_MAX_ROWS:  # the kernel: one rounding of the output
+        assert (got16.double() - want_b).abs().max().item() <= 2 ** -8 * scale
+    else:  # the prefill GEMM meets the weights' bf16 copy
+        want16 = x.bfloat16().double() @ w.dequantize().bfloat16().double().T
+        assert (got16.double() - want16).abs().max().item() <= 2 ** -7 * scale
+
+
+@pytest.mark.parametrize("name", list(TYPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cols", [256, 768])
+def test_a_row_gets_the_same_bits_whatever_rows_share_its_pass(kernels, name, dtype, cols):
+    """Batch invariance: greedy text must not depend on the batch shape a token was decoded in."""
+    w = kq(37, cols, TYPES[name], seed=cols)
+    x = torch.randn(GEMV_MAX_ROWS, cols, generator=torch.Generator().manual_seed(cols)).to(dtype)
+    together = torch.empty(GEMV_MAX_ROWS, 37, dtype=dtype)
+    kernels.quant_linear(x, w.data, w.qtype, together)
+    for t in range(GEMV_MAX_ROWS):
+        alone = torch.empty(1, 37, dtype=dtype)
+        kernels.quant_linear(x[t:t + 1], w.data, w.qtype, alone)
+        assert torch.equal(alone, together[t:t + 1]), (name, dtype, t)
+    some = torch.empty(5, 37, dtype=dtype)
+    kernels.quant_linear(x[3:8], w.data, w.qtype, some)
+    assert torch.equal(some, together[3:8])
+
+
+def test_dequantize_kernel_is_exactly_the_gguf_packages(kernels):
+    for name, qtype in TYPES.items():
+        w = kq(19, 768, qtype, seed=qtype)
+        want = w.dequantize()
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            out = torch.empty(19, 768, dtype=dtype)
+            kernels.quant_dequantize(w.data, qtype, out)
+            assert torch.equal(out, want.to(dtype)), (name, dtype)
+
+
+def test_fused_parts_write_their_own_columns_and_prefill_chunks(kernels, monkeypatch):
+    from nanoserve.layers import quant_linear
+    parts = [kq(24, 512, Q4_K, 1), kq(16, 512, Q6_K, 2), kq(9, 512, Q4_K, 3)]
+    bias = torch.randn(49)
+    lin = QuantLinear(parts, kernels, Scratch(), bias)
+    for tokens in (5, GEMV_MAX_ROWS + 1):  # the block kernel (column slices of one out), then dequantize + GEMM
+        x = torch.randn(tokens, 512)
+        want = torch.cat([reference(x, p) for p in parts], dim=1) + bias.double()
+        assert (lin(x).double() - want).abs().max().item() < 1e-4
+    monkeypatch.setattr(quant_linear, "DEQUANT_CHUNK", 7 * 512)  # 7 rows at a time: chunks end mid-part
+    x = torch.randn(GEMV_MAX_ROWS + 3, 512)
+    want = torch.cat([reference(x, p) for p in parts], dim=1) + bias.double()
+    assert (lin(x).double() - want).abs().max().item() < 1e-4
+
+
+def test_embedding_dequantizes_the_rows_it_reads(kernels):
+    table = kq(50, 256, Q6_K)
+    ids = torch.tensor([3, 0, 49, 3])
+    assert torch.equal(QuantEmbedding(table, kernels, torch.float32)(ids), table.dequantize()[ids])
+    assert torch.equal(QuantEmbedding(table, kernels, torch.bfloat16)(ids), table.dequantize()[ids].bfloat16())
+
+
+def test_bad_shapes_and_types_are_refused(kernels):
+    w = kq(4, 512, Q4_K)
+    with pytest.raises(ValueError, match="block matrix"):
+        QuantTensor(w.data[:, :-1], Q4_K, (4, 512))
+    with pytest.raises(RuntimeError, match="needs"):
+        kernels.quant_linear(torch.randn(1, 256), w.data, Q4_K, torch.empty(1, 4))
+    with pytest.raises(RuntimeError, match="needs"):
+        kernels.quant_linear(torch.randn(1, 512), w.data, Q6_K, torch.empty(1, 4))
+    with pytest.raises(RuntimeError, match="multiple of 256"):
+        kernels.quant_linear(torch.randn(1, 480), w.data, Q4_K, torch.empty(1, 4))
+    with pytest.raises(RuntimeError, match="out must be"):
+        kernels.quant_linear(torch.randn(2, 512), w.data, Q4_K, torch.empty(2, 5))
+    with pytest.raises(RuntimeError, match="x must be"):
+        kernels.quant_linear(torch.ones(1, 512, dtype=torch.int32), w.data, Q4_K, torch.empty(1, 4))
+    with pytest.raises(RuntimeError, match="output dtype"):
+        kernels.quant_dequantize(w.data, Q4_K, torch.empty(4, 512, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="no K-quant kernel"):
+        kernels.kquants.quant_linear(torch.randn(1, 512), w.data, 13, torch.empty(1, 4))
+
+
+def test_router_sends_each_type_to_its_module_and_forwards_the_rest(kernels):
+    assert kernels.isa() == kernels.blocks.isa()  # any other attribute: the blocks module's
+    crippled = cpu_kernels.QuantKernels(kernels.blocks, None)
+    w = kq(4, 256, Q6_K)
+    with pytest.raises(RuntimeError, match="did not build"):
+        crippled.quant_linear(torch.randn(1, 256), w.data, Q6_K, torch.empty(1, 4))
+    with pytest.raises(AttributeError):
+        crippled.no_such_function  # noqa: B018
+
+
+def test_loader_keeps_k_quants_only_where_their_kernels_built(kernels, monkeypatch):
+    assert cpu_kernels.keeps(Q4_K) and cpu_kernels.keeps(Q6_K) and not cpu_kernels.keeps(13)
+    monkeypatch.setattr(cpu_kernels, "kquant", lambda: None)
+    assert not cpu_kernels.keeps(Q4_K) and not cpu_kernels.keeps(Q6_K) and cpu_kernels.keeps(2)
+
+
+CHECK = """
+import torch, numpy as np, sys
+sys.path.insert(0, "tests")
+from test_kquant_kernels import kq, reference, Q4_K, Q6_K
+from nanoserve.layers import cpu_kernels
+k = cpu_kernels.kquant()
+print(k.isa())
+for qt in (Q4_K, Q6_K):
+    w = kq(9, 768, qt, seed=qt)
+    out = torch.empty(9, 768)
+    k.quant_dequantize(w.data, qt, out)
+    assert torch.equal(out, w.dequantize()), qt
+    for dt in (torch.float32, torch.bfloat16):
+        x = torch.randn(GEMV, 768).to(dt)
+        got = torch.empty(GEMV, 9, dtype=dt)
+        k.quant_linear(x, w.data, qt, got)
+        want = x.double() @ w.dequantize().double().T
+        tol = 1e-4 if dt == torch.float32 else 2 ** -7 * want.abs().max().item()
+        assert (got.double() - want).abs().max().item() < tol, (qt, dt)
+        for t in range(GEMV):
+            alone = torch.empty(1, 9, dtype=dt)
+            k.quant_linear(x[t:t + 1], w.data, qt, alone)
+            assert torch.equal(alone, got[t:t + 1]), (qt, dt, t)
+""".replace("GEMV", str(GEMV_MAX_ROWS))
+
+
+@pytest.mark.skipif(os.environ.get("NANOSERVE_TEST_ISAS") != "1", reason="opt-in (NANOSERVE_TEST_ISAS=1): builds two more ISAs")
+@pytest.mark.parametrize("march,isa", [("haswell", "avx2"), ("x86-64", "scalar")])
+def test_the_other_instruction_sets_compute_the_same(kernels, march, isa):
+    env = dict(os.environ, NANOSERVE_CPU_MARCH=march)
+    r = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split()[0] == isa
+
+
+LLAMA_TYPES = {"token_embd": Q4_K, "output": Q6_K, "attn_q": Q4_K, "attn_k": Q4_K, "attn_v": Q6_K, "attn_output": Q4_K,
+               "ffn_gate": Q4_K, "ffn_up": Q4_K, "ffn_down": Q6_K}  # as a Q4_K_M file mixes them
+
+
+@pytest.fixture(scope="module")
+def k_pair(kernels, tmp_path_factory, embedded_dir):
+    """A tiny random untied Llama GGUF of Q4_K/Q6_K matrices, as served from its blocks and as the fp32
+    HF folder that --gguf-dequantize makes of it."""
+    from gguf import GGMLQuantizationType as T, GGUFWriter
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer, LlamaConfig
+
+    from nanoserve import LLM
+    from nanoserve.models.loader import GGUF_LINK, _gguf_weights
+    from conftest import KV_GB
+    tok = AutoTokenizer.from_pretrained(embedded_dir)
+    hid, inter, heads, kv, layers = 256, 512, 4, 2, 2
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hid, intermediate_size=inter, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=256,
+                      tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    kvd = kv * hid // heads
+    shapes = {"token_embd": (len(tok), hid), "output": (len(tok), hid), "attn_q": (hid, hid), "attn_k": (kvd, hid),
+              "attn_v": (kvd, hid), "attn_output": (hid, hid), "ffn_gate": (inter, hid), "ffn_up": (inter, hid),
+              "ffn_down": (hid, inter)}
+    root = tmp_path_factory.mktemp("kquant-llama")
+    f = root / "tiny-q4_k_m.gguf"
+    w = GGUFWriter(str(f), "llama")
+    rng = np.random.default_rng(0)
+    for i, (kind, qtype) in enumerate(LLAMA_TYPES.items()):
+        for layer in ([None] if kind in ("token_embd", "output") else range(layers)):
+            name = f"{kind}.weight" if layer is None else f"blk.{layer}.{kind}.weight"
+            w.add_tensor(name, k_blocks(*shapes[kind], qtype, seed=i * 10 + (layer or 0)), raw_dtype=T(qtype))
+    for name in ["output_norm.weight"] + [f"blk.{i}.{n}.weight" for i in range(layers) for n in ("attn_norm", "ffn_norm")]:
+        w.add_tensor(name, rng.uniform(0.8, 1.2, hid).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    kept, dense = root / "kept", root / "dense"
+    for d in (kept, dense):
+        cfg.save_pretrained(d)
+        tok.save_pretrained(d)
+    (kept / GGUF_LINK).symlink_to(f)
+    save_file(dict(_gguf_weights(f, cfg)), str(dense / "model.safetensors"))
+    kw = dict(dtype="float32", kv_cache_gb=KV_GB, enable_prefix_caching=False)
+    return LLM(str(kept), **kw), LLM(str(dense), **kw)
+
+
+def test_a_q4_k_m_llama_is_served_from_its_blocks_like_its_dequantized_copy(k_pair):
+    from nanoserve import SamplingParams
+    model = k_pair[0].engine.model
+    for layer in model.layers:
+        assert [p.qtype for p in layer.qkv_lin.parts] == [Q4_K, Q4_K, Q6_K]
+        assert [p.qtype for p in layer.gate_up_lin.parts] == [Q4_K, Q4_K] and layer.down_lin.parts[0].qtype == Q6_K
+    assert model.embed_rows.table.qtype == Q4_K and model.lm_head_lin.parts[0].qtype == Q6_K
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away, there lived"]
+    # all prompts in one prefill step (dequantize + GEMM), then one alone (the block kernel)
+    for batch in (prompts, prompts[:1]):
+        a, b = (llm.generate(batch, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)) for llm in k_pair)
+        for x, y in zip(a, b):
+            for lx, ly in zip(x.prompt_logprobs[1:], y.prompt_logprobs[1:]):
+                assert lx.token_id == ly.token_id and abs(lx.logprob - ly.logprob) < 2e-3
+    # decode steps: 3 rows through the block kernel
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2)
+    a, b = (llm.generate(prompts, greedy) for llm in k_pair)
+    for x, y in zip(a, b):
+        for lx, ly in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
+            if lx.token_id != ly.token_id:  # only at a near-tie of the dequantized model
+                top = sorted((c.logprob for c in ly.top), reverse=True)
+                assert top[0] - top[1] < 1e-3
+                break
+            assert abs(lx.logprob - ly.logprob) < 2e-3
