@@ -591,7 +591,7 @@ def quant_twin(path: Path, device: str, kind: str) -> LLM:
                 model.quantized[name] = QuantTensor(q8_0_blocks(t.dst), Q8_0, tuple(t.dst.shape))
         model.finalize(None, triton_quant(torch.device(device)))
     else:
-        model.replace_linears(fp8_maker(torch.device(device), torch.bfloat16))
+        model.replace_linears(fp8_maker(torch.device(device)))
     return llm
 
 

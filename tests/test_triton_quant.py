@@ -121,6 +121,18 @@ def test_bad_shapes_are_refused(kernels):
             call()
 
 
+def test_cuda_engines_get_these_kernels_or_none_without_triton(monkeypatch):
+    import sys
+    from types import SimpleNamespace
+
+    from nanoserve.engine.model_setup import _quant_kernels
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=132))
+    got = _quant_kernels(torch.device("cuda", 7))
+    assert isinstance(got, TritonQuant) and got.sms == 264 and got.linear_layer is TritonQuantLinear
+    monkeypatch.setitem(sys.modules, "nanoserve.layers.triton_quant", None)  # its import fails
+    assert _quant_kernels(torch.device("cuda", 7)) is None
+
+
 def test_fp8_option_refuses_cpu_and_fp32_in_one_line(monkeypatch):
     from nanoserve.config import EngineConfig
     with pytest.raises(ValueError, match="^--quantization fp8 needs a CUDA GPU: this run is on the CPU"):

@@ -43,7 +43,7 @@ def build_shard(config: EngineConfig, source: ModelSource, hf_config, device: to
     model.finalize(cpu_kernels.load() if cpu else None, _quant_kernels(device) if model.quantized else None)
     if config.quantization == "fp8":
         from nanoserve.layers.triton_quant import fp8_maker
-        model.replace_linears(fp8_maker(device, dtype))
+        model.replace_linears(fp8_maker(device))
     backend, flash, block_size = resolve_attention(config.attention_backend, device, dtype,
                                                    config.block_size, config.flash_attn_module)
     layout = KVLayout(model.num_layers, block_size, model.num_kv_heads, model.head_dim, dtype, backend)
@@ -56,10 +56,15 @@ def build_shard(config: EngineConfig, source: ModelSource, hf_config, device: to
 
 
 def _quant_kernels(device: torch.device):
-    """The kernels GGUF blocks stay quantized with: C++ on CPU, Triton on CUDA (layers/triton_quant.py)."""
+    """The kernels GGUF blocks stay quantized with: C++ on CPU, Triton on CUDA (layers/triton_quant.py);
+    None (the blocks dequantized at load) where they are missing."""
     if device.type == "cpu":
         return cpu_kernels.quant()
-    from nanoserve.layers.triton_quant import triton_quant
+    try:
+        from nanoserve.layers.triton_quant import triton_quant
+    except ImportError as e:
+        log.warning("no Triton (%s): GGUF blocks are dequantized at load", e)
+        return None
     return triton_quant(device)
 
 

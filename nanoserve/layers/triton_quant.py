@@ -277,7 +277,7 @@ class Fp8Linear:
         return out if self.bias is None else out.add_(self.bias)
 
 
-def fp8_maker(device: torch.device, dtype: torch.dtype):
+def fp8_maker(device: torch.device):
     """What `LlamaModel.replace_linears` calls for `--quantization fp8`: (weight, bias) -> Fp8Linear."""
     kernels, fast = triton_quant(device), scaled_mm_works(device)
     return lambda weight, bias: Fp8Linear(weight, bias, kernels, fast)
