@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from nanoserve.layers import cpu_kernels
-from nanoserve.layers.quant_linear import GEMV_MAX_ROWS, Q4_0, Q4_1, Q8_0, QuantEmbedding, QuantLinear, QuantTensor, Scratch
+from nanoserve.layers.quant_linear import GEMV_MAX_ROWS, PACKED_MAX_ROWS, Q4_0, Q4_1, Q8_0, QuantEmbedding, QuantLinear, QuantTensor, Scratch
 
 TYPES = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0}
 
@@ -49,7 +49,7 @@ def layouts(kernels) -> list[bool]:
 
 @pytest.mark.parametrize("name", list(TYPES))
 @pytest.mark.parametrize("rows,cols", [(1, 32), (7, 96), (33, 576), (130, 1536)])
-@pytest.mark.parametrize("tokens", [1, 3, 8, 9, GEMV_MAX_ROWS + 5])
+@pytest.mark.parametrize("tokens", [1, 3, 8, 9, GEMV_MAX_ROWS + 5, PACKED_MAX_ROWS + 5])
 def test_quant_linear_matches_dequantize_then_matmul(kernels, name, rows, cols, tokens):
     w = quantized(rows, cols, TYPES[name], seed=rows + cols)
     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens))
@@ -64,7 +64,7 @@ def test_quant_linear_matches_dequantize_then_matmul(kernels, name, rows, cols, 
         got16 = QuantLinear([ww], kernels, Scratch())(x.bfloat16())
         # bf16 activations: the block-layout kernel and the prefill GEMM meet the weights rounded to bf16
         # (the GEMM's bf16 copy); the packed decode kernel meets them exact
-        exact16 = packed and tokens <= GEMV_MAX_ROWS
+        exact16 = packed and tokens <= PACKED_MAX_ROWS
         want16 = x.bfloat16().double() @ (w.dequantize().double() if exact16 else w.dequantize().bfloat16().double()).T
         assert got16.dtype == torch.bfloat16
         assert (got16.double() - want16).abs().max().item() <= 2 ** -7 * scale, packed  # one bf16 rounding of the output
@@ -100,11 +100,27 @@ def test_fused_parts_of_different_types_write_their_own_columns(kernels):
     bias = torch.randn(136)
     x = torch.randn(5, 192)
     want = torch.cat([reference(x, p) for p in parts], dim=1) + bias.double()
-    for tokens in (5, GEMV_MAX_ROWS + 1):  # the block kernel, then dequantize + GEMM
-        xx = torch.randn(tokens, 192) if tokens != 5 else x
-        ref = want if tokens == 5 else torch.cat([reference(xx, p) for p in parts], dim=1) + bias.double()
-        got = QuantLinear(parts, kernels, Scratch(), bias)(xx)
-        assert (got.double() - ref).abs().max().item() < 1e-4
+    for packed in layouts(kernels):
+        pp = [p.packed_for(kernels) if packed else p for p in parts]
+        for tokens in (5, PACKED_MAX_ROWS + 1):  # the kernel, then dequantize + GEMM
+            xx = torch.randn(tokens, 192) if tokens != 5 else x
+            ref = want if tokens == 5 else torch.cat([reference(xx, p) for p in parts], dim=1) + bias.double()
+            got = QuantLinear(pp, kernels, Scratch(), bias)(xx)
+            assert (got.double() - ref).abs().max().item() < 1e-4
+
+
+def test_parts_of_one_type_are_stacked_into_one_matrix(kernels):
+    """A fused QKV of one type is one kernel call; packed parts stack only in whole groups of 16 rows."""
+    parts = [quantized(64, 96, Q4_1, 1), quantized(32, 96, Q4_1, 2), quantized(32, 96, Q4_1, 3)]
+    x = torch.randn(3, 96)
+    want = torch.cat([reference(x, p) for p in parts], dim=1)
+    for packed in layouts(kernels):
+        lin = QuantLinear([p.packed_for(kernels) if packed else p for p in parts], kernels, Scratch())
+        assert len(lin.parts) == 1 and lin.parts[0].shape == (128, 96) and lin.offsets == [0]
+        assert (lin(x).double() - want).abs().max().item() < 1e-4
+    if kernels.packs():
+        ragged = [quantized(20, 96, Q4_1, 4).packed_for(kernels), quantized(16, 96, Q4_1, 5).packed_for(kernels)]
+        assert len(QuantLinear(ragged, kernels, Scratch()).parts) == 2  # 20 rows: not whole groups
 
 
 def test_embedding_dequantizes_the_rows_it_reads(kernels):
@@ -133,7 +149,7 @@ def test_prefill_of_a_large_weight_dequantizes_it_in_row_chunks(kernels, monkeyp
     monkeypatch.setattr(quant_linear, "DEQUANT_CHUNK", 7 * 192)  # 7 rows at a time: chunks end mid-part
     parts = [quantized(30, 192, Q4_1, 4), quantized(12, 192, Q8_0, 5)]
     bias = torch.randn(42)
-    x = torch.randn(GEMV_MAX_ROWS + 3, 192)
+    x = torch.randn(PACKED_MAX_ROWS + 3, 192)  # beyond both kernels' row limits
     want = torch.cat([reference(x, p) for p in parts], dim=1) + bias.double()
     for packed in layouts(kernels):  # packed: 16 rows at a time, the last chunk of a part shorter
         got = QuantLinear([p.packed_for(kernels) if packed else p for p in parts], kernels, Scratch(), bias)(x)

@@ -7,7 +7,7 @@ Where the kernels have an AVX-512 build (`packs()`), Q4_0/Q4_1/Q8_0 matrices are
 load into groups of 16 interleaved rows (the same bytes; csrc/quant_kernels.cpp, PACKED): one vector
 then holds one weight of 16 rows, and the GEMV runs at about the memory's speed.
 
-Batches of up to GEMV_MAX_ROWS rows (decode) go through the block kernel; larger ones (prefill)
+Batches of up to GEMV_MAX_ROWS rows (PACKED_MAX_ROWS packed: decode) go through the kernel; larger ones (prefill)
 dequantize the weight (in row chunks of DEQUANT_CHUNK weights where it is larger) into a scratch
 tensor in the activation dtype and run the ordinary GEMM (oneDNN): there the FLOPs dominate and the
 dequantization is a few percent of the step.
@@ -28,6 +28,10 @@ TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q6_K: "Q6_
 # Above this many rows the dequantize-then-GEMM path runs (bench/latency.py --quant-kernels measures
 # both sides of it)
 GEMV_MAX_ROWS = 12
+# The packed kernel's cost a row is about the bf16 GEMM's (one thread, 3072x576 Q4_1: ~38 vs ~33 us
+# a row, measured up to 256 rows), so dequantizing first pays only beyond ~64 rows: batched decode
+# stays on the kernel (one path, the same bits, for any batch up to this)
+PACKED_MAX_ROWS = 64
 # A prefill GEMM dequantizes at most this many weights (elements) at a time: larger weights (a 1B
 # model's gate/up, 33M) go through in row chunks, so the scratch stays a few MB
 DEQUANT_CHUNK = 4 << 20
@@ -131,6 +135,7 @@ class QuantLinear:
         self.out_features = sum(p.shape[0] for p in parts)
         parts = self.parts
         self.offsets = [sum(p.shape[0] for p in parts[:i]) for i in range(len(parts))]
+        self.max_kernel_rows = PACKED_MAX_ROWS if all(p.packed for p in parts) else GEMV_MAX_ROWS
 
     @property
     def nbytes(self) -> int:
@@ -138,10 +143,11 @@ class QuantLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if rows > GEMV_MAX_ROWS and self.out_features * self.in_features <= DEQUANT_CHUNK:
+        gemm = rows > self.max_kernel_rows
+        if gemm and self.out_features * self.in_features <= DEQUANT_CHUNK:
             return F.linear(x, self.dequantized(x.dtype), self.bias)
         out = torch.empty(rows, self.out_features, dtype=x.dtype)
-        if rows > GEMV_MAX_ROWS:
+        if gemm:
             step = max(GROUP, DEQUANT_CHUNK // self.in_features // GROUP * GROUP)
             for part, start in zip(self.parts, self.offsets):
                 for r in range(0, part.shape[0], step):
