@@ -81,11 +81,12 @@ def test_dequantize_is_exactly_the_gguf_packages(kernels, name):
 
 
 def test_fused_parts_write_their_columns_and_embedding_rows(kernels):
-    parts = [quantized(32, 64, Q4_0, 1), quantized(16, 64, Q8_0, 2), quantized(19, 64, Q4_1, 3)]
+    # 256 inputs: the 2-row batch splits K over programs, whose partials are summed into column slices
+    parts = [quantized(32, 256, Q4_0, 1), quantized(16, 256, Q8_0, 2), quantized(19, 256, Q4_1, 3)]
     bias = torch.randn(67)
     lin = TritonQuantLinear(parts, kernels, Scratch(), bias)
     for tokens in (2, 20):
-        x = torch.randn(tokens, 64)
+        x = torch.randn(tokens, 256)
         want = torch.cat([reference(x, p) for p in parts], 1) + bias.double()
         assert torch.allclose(lin(x).double(), want, atol=1e-5)
     table = quantized(50, 64, Q8_0, 4)

@@ -104,6 +104,18 @@ def _gemm(x, w, scale, out, part, M, N, NB, sx, so, RB, QT: tl.constexpr, BB: tl
 
 
 @triton.jit
+def _reduce(part, out, M, N, so, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """out = sum of the SPLIT fp32 partials, in out's dtype: one launch (a sum and a cast would be two
+    kernels, each a few microseconds of a decode GEMV that takes not many more)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < M * N
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(part + s * M * N + i, mask=mask, other=0.0)
+    tl.store(out + (i // N).to(tl.int64) * so + i % N, acc.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _dequant(w, scale, out, N, NB, so, RB, QT: tl.constexpr, BB: tl.constexpr, HDR: tl.constexpr,
              KB: tl.constexpr, BN: tl.constexpr):
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -169,7 +181,7 @@ class TritonQuant:
             QT=qtype, BB=bb, HDR=hdr, KB=kb, BM=bm, BN=bn, SPLIT=split,
             IEEE=self.ieee or x.dtype == torch.float32, num_warps=warps)
         if split > 1:
-            out.copy_(part.sum(0))
+            _reduce[(triton.cdiv(m * n, 1024),)](part, out, m, n, out.stride(0), SPLIT=split, BLOCK=1024)
 
 
 def _check_blocks(w: torch.Tensor, qtype: int, cols: int) -> tuple[int, int]:
