@@ -54,8 +54,8 @@ def test_quant_linear_matches_dequantize_then_matmul(kernels, name, rows, cols, 
     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens))
     want = reference(x, w)
     scale = want.abs().max().item()
-    # sms=1: one program per tile; the default (8 on CPU) splits K of the decode shapes over programs
-    for k in (kernels, TritonQuant(sms=1, ieee=True)):
+    # fill=1: one program per tile; the default (8 on CPU) splits K of the decode shapes over programs
+    for k in (kernels, TritonQuant(fill=1, ieee=True)):
         got = torch.empty(tokens, rows)
         k.quant_linear(x, w.data, w.qtype, got)
         assert (got.double() - want).abs().max().item() <= 2e-6 * scale * cols ** 0.5
@@ -129,7 +129,7 @@ def test_cuda_engines_get_these_kernels_or_none_without_triton(monkeypatch):
     from nanoserve.engine.model_setup import _quant_kernels
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=132))
     got = _quant_kernels(torch.device("cuda", 7))
-    assert isinstance(got, TritonQuant) and got.sms == 264 and got.linear_layer is TritonQuantLinear
+    assert isinstance(got, TritonQuant) and got.fill == 264 and got.linear_layer is TritonQuantLinear
     monkeypatch.setitem(sys.modules, "nanoserve.layers.triton_quant", None)  # its import fails
     assert _quant_kernels(torch.device("cuda", 7)) is None
 

@@ -131,8 +131,8 @@ def _dequant(w, scale, out, N, NB, so, RB, QT: tl.constexpr, BB: tl.constexpr, H
 @dataclass(frozen=True)
 class TritonQuant:
     """The CPU quant kernels' interface (`quant_linear`, `quant_dequantize`) for device tensors,
-    plus fp8; `sms`: programs that fill the device (K is split below that); `ieee`: fp32 dots."""
-    sms: int
+    plus fp8; `fill`: programs that fill the device (K is split below that); `ieee`: fp32 dots."""
+    fill: int
     ieee: bool
     qtypes: tuple[int, ...] = (Q8_0, Q4_0, Q4_1)  # the GGUF types these kernels read
 
@@ -173,7 +173,7 @@ class TritonQuant:
             return
         bm, bn, kb, warps = (16, 64, 4, 4) if m <= 16 else (64, 64, 2, 4) if m <= 64 else (128, 128, 2, 8)
         tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-        split = max(1, min(triton.cdiv(nb, kb), self.sms // tiles)) if tiles < self.sms else 1
+        split = max(1, min(triton.cdiv(nb, kb), self.fill // tiles)) if tiles < self.fill else 1
         part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
         bb, hdr = LAYOUT[qtype]
         _gemm[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
@@ -201,7 +201,7 @@ def triton_quant(device: torch.device) -> TritonQuant:
     """The kernels for `device` (a CPU "device" runs them under TRITON_INTERPRET=1: tests)."""
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return TritonQuant(sms=2 * sms, ieee=interpret)
+    return TritonQuant(fill=2 * sms, ieee=interpret)
 
 
 class TritonQuantLinear(QuantLinear):
