@@ -253,8 +253,8 @@ def test_a_q4_k_m_llama_is_served_from_its_blocks_like_its_dequantized_copy(k_pa
     from nanoserve import SamplingParams
     model = k_pair[0].engine.model
     for layer in model.layers:
-        assert [p.qtype for p in layer.qkv_lin.parts] == [Q4_K, Q4_K, Q6_K]
-        assert [p.qtype for p in layer.gate_up_lin.parts] == [Q4_K, Q4_K] and layer.down_lin.parts[0].qtype == Q6_K
+        assert {p.qtype for p in layer.qkv_lin.parts} == {Q4_K, Q6_K}  # parts of one type may be stacked
+        assert {p.qtype for p in layer.gate_up_lin.parts} == {Q4_K} and layer.down_lin.parts[0].qtype == Q6_K
     assert model.embed_rows.table.qtype == Q4_K and model.lm_head_lin.parts[0].qtype == Q6_K
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away, there lived"]
     # all prompts in one prefill step (dequantize + GEMM), then one alone (the block kernel)

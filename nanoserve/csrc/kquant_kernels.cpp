@@ -57,6 +57,24 @@ inline void q4k_scale_min(const uint8_t* b, int j, float& dsc, float& dm) {
   dm = h2f(b + 2) * static_cast<float>(m);
 }
 
+#if defined(__AVX2__) && defined(__F16C__)
+// All 8 of Q4_K's (d * scale) and (dmin * min) at once: the 12 bytes unpacked with 32-bit masks (as
+// llama.cpp does) into 8 scale bytes then 8 min bytes, widened and multiplied in one vector each
+inline void q4k_scales_mins(const uint8_t* b, float* dsc, float* dm) {
+  uint32_t u[4];
+  std::memcpy(u, b + 4, 12);
+  constexpr uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
+  u[3] = ((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4);  // mins 4-7
+  const uint32_t mins_lo = u[1] & m6;                     // mins 0-3
+  u[1] = (u[2] & m4) | (((u[0] >> 6) & m2) << 4);         // scales 4-7
+  u[2] = mins_lo;
+  u[0] &= m6;                                             // scales 0-3
+  const __m128i v = _mm_loadu_si128((const __m128i*)u);
+  _mm256_storeu_ps(dsc, _mm256_mul_ps(_mm256_set1_ps(h2f(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v))));
+  _mm256_storeu_ps(dm, _mm256_mul_ps(_mm256_set1_ps(h2f(b + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)))));
+}
+#endif
+
 // Q6_K weight e's 6-bit value minus 32 (the llama.cpp layout gguf's reshapes spell out)
 inline int q6k_value(const uint8_t* b, int e) {
   const int h = e / 128, r = e % 128;
@@ -87,15 +105,16 @@ struct Simd {
       // a sub-block's 32 weights take one of 16 values: compute them (the reference's arithmetic)
       // and look each weight up by its nibble (vpermps reads the low 4 bits of each lane)
       const V lanes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      alignas(32) float dsc[8], dm[8];
+      q4k_scales_mins(b, dsc, dm);
 #pragma GCC unroll 4  // constant vector indices: each accumulator stays in its register
       for (int c = 0; c < 4; ++c) {
         const __m512i q0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(b + 16 + 32 * c)));
         const __m512i q1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(b + 16 + 32 * c + 16)));
 #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) {
-          float dsc, dm;
-          q4k_scale_min(b, 2 * c + h, dsc, dm);
-          const V t = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(dsc), lanes), _mm512_set1_ps(dm));
+          const int j = 2 * c + h;
+          const V t = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(dsc[j]), lanes), _mm512_set1_ps(dm[j]));
           f(4 * c + 2 * h, _mm512_permutexvar_ps(h ? _mm512_srli_epi32(q0, 4) : q0, t));
           f(4 * c + 2 * h + 1, _mm512_permutexvar_ps(h ? _mm512_srli_epi32(q1, 4) : q1, t));
         }
@@ -145,11 +164,11 @@ struct Simd {
   static __m256i bytes8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
   template <int QT, typename F> static void superblock(const uint8_t* b, F&& f) {
     if constexpr (QT == Q4_K) {
+      alignas(32) float dsc[8], dm[8];
+      q4k_scales_mins(b, dsc, dm);
 #pragma GCC unroll 8  // constant vector indices: each accumulator stays in its register
       for (int j = 0; j < 8; ++j) {
-        float dsc, dm;
-        q4k_scale_min(b, j, dsc, dm);
-        const V vd = _mm256_set1_ps(dsc), vm = _mm256_set1_ps(dm);
+        const V vd = _mm256_set1_ps(dsc[j]), vm = _mm256_set1_ps(dm[j]);
         const __m128i shift = _mm_cvtsi32_si128(4 * (j % 2));
 #pragma GCC unroll 4
         for (int k = 0; k < 4; ++k) {
