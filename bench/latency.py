@@ -7,8 +7,9 @@ time goes inside nanoserve's forward pass.
     python bench/latency.py --threads 2 --base /tmp/base --decode-batch ''   # A/B of cold TTFT
     python bench/latency.py --threads 1 --breakdown --decode-batch ''        # where a prefill's time goes
     python bench/latency.py --tp-wire --decode-batch 1,32    # a tensor-parallel step message's codec
-    python bench/latency.py --vs-dequantized --threads 2 --decode-batch 1 --ttft-lens 256 --offline 16
-        # a GGUF served from its blocks vs --gguf-dequantize, plus memory and bandwidth
+    python bench/latency.py --vs-dequantized --threads 2 --decode-batch 1 --ttft-lens 256 --offline 16 \
+        --llama-server /tmp/llamacpp/build/bin/llama-server
+        # a GGUF served from its blocks vs --gguf-dequantize vs llama.cpp's server, memory and bandwidth
 
 Cold TTFT: one fresh prompt (random token ids, no prefix any side has seen) with max_tokens=1, timed
 around generate; median of --prompts prompts per length and run. Decode step: --decode-steps K; the
@@ -31,9 +32,24 @@ default) and with --gguf-dequantize, each run of each side a fresh process (cold
 set); also per side: resident memory (VmRSS after the run), the model's weight bytes, load time, and
 with --offline N the output tok/s of N prompts of 128 tokens x 64 new ones in one generate call; the
 machine's memory bandwidth (a 1 GiB torch copy on the same threads, best of 5, read + write bytes)
-before the runs, and per batch-1 decode: weight bytes x tok/s / bandwidth. --write-gguf FILE writes
-a random-weight Llama GGUF (--gguf-size 1b|135m, --gguf-type Q4_0|Q8_0|Q4_1) to serve with --model
-and exits.
+before the runs, and per batch-1 decode: weight bytes x tok/s / bandwidth. Batch-1 decode tok/s is
+the one request's tokens after the first over the time from its first to its last token (nanoserve:
+the engine steps that made them, stamped in-process; no prefill in it, unlike the decode step's
+difference of two runs, which a loaded machine's prefill noise swamps), with K = --decode-steps.
+With a llama-server binary (--llama-server PATH or $LLAMA_SERVER; the column is skipped with a note
+when there is none, or when --model is not a .gguf file) llama.cpp is a third side on the same file
+(bench/llamacpp.py): a fresh server per run, -t/-tb = --threads on the cores this process is pinned
+to, as many KV tokens as nanoserve's --kv-cache-gb holds (one unified buffer, slots for the largest
+batch), its host prompt cache off; every prompt is a /completion request of token ids with
+ignore_eos, n_predict and cache_prompt false, all sent at once, timed at the client: the same
+measurements over HTTP (about 1 ms of localhost round trip in each TTFT, cancelled in the decode
+step's difference); its batch-1 request is streamed and timed from the first to the last token as it
+arrives (its own timings.predicted_per_token_ms is printed beside the table as a check); resident
+memory is the VmRSS of its process group, CPU time the group's from /proc, weights the file's tensor
+bytes (memory-mapped as nanoserve's are), load the time from its start to /health answering (it
+includes the process start; nanoserve's load is the LLM() constructor in an imported process).
+--write-gguf FILE writes a random-weight Llama GGUF (--gguf-size 1b|135m, --gguf-type
+Q4_0|Q8_0|Q4_1) to serve with --model and exits.
 """
 from __future__ import annotations
 
@@ -49,6 +65,7 @@ from pathlib import Path
 
 from common import (ROOT, alternated, auto_dtype, comparison_table, cpu_name, embedded_gguf, run_in_tree,
                     token_prompts, write_json)
+from llamacpp import LlamaServerSide, find_llama_server
 from peers import VllmOffline, add_peer_args, peer_config
 
 
@@ -127,12 +144,32 @@ class Nanoserve:
         self.cores = f"{torch.get_num_threads()} compute thread(s) on cpus {sorted(os.sched_getaffinity(0))}"
         self.run(token_prompts(1, max(args.lens + [300]), seed=-3), 1)  # warm-up: kernel build, oneDNN JIT
 
+    def memory(self) -> dict[str, float]:
+        return {"resident memory (MB)": resident_mb(), "weights (MB)": weight_bytes(self.llm.engine.model) / 1e6,
+                "load (s)": self.load_s}
+
     def run(self, prompts: list[list[int]], max_tokens: int) -> dict:
         params = self.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        engine, stamps = self.llm.engine, []
+        step = engine.step
+
+        def stamped():  # a step's outputs are the requests that got a token: when each token was made
+            outs = step()
+            if outs:
+                stamps.append(time.perf_counter())
+            return outs
+        engine.step = stamped
         t0, c0 = time.perf_counter(), time.process_time()
-        self.llm.generate(prompts, params)
+        try:
+            self.llm.generate(prompts, params)
+        finally:
+            del engine.step
         elapsed = time.perf_counter() - t0
-        return {"elapsed_s": elapsed, "cpu_s": time.process_time() - c0, **({"parts_s": self.breakdown.parts(elapsed)} if self.breakdown else {})}
+        out = {"elapsed_s": elapsed, "cpu_s": time.process_time() - c0}
+        if len(prompts) == 1 and max_tokens > 1:
+            assert len(stamps) == max_tokens, (len(stamps), max_tokens)
+            out["first_to_last_s"] = stamps[-1] - stamps[0]
+        return out | ({"parts_s": self.breakdown.parts(elapsed)} if self.breakdown else {})
 
 
 class OtherTree:
@@ -176,7 +213,10 @@ def measure(side, args, r: int) -> dict:
     """One run of every measurement on one side: ms, and the parts (ms) with --breakdown."""
     if isinstance(side, OtherTree):
         return side.measure(args, r)
-    out: dict = {"ttft_ms": {}, "decode_step_ms": {}, "prefill_ms": {}, "parts_ms": {}, "memory": {}, "cpu_ms": {}}
+    if isinstance(side, LlamaServerSide):  # a fresh server, then this function on it
+        return side.measure(lambda running: measure(running, args, r))
+    out: dict = {"ttft_ms": {}, "decode_step_ms": {}, "prefill_ms": {}, "parts_ms": {}, "memory": {}, "cpu_ms": {},
+                 "decode_stream_ms": {}}
     for i, n in enumerate(args.lens):
         runs = [side.run(token_prompts(1, n, seed=1000 * r + 10 * i + k), 1) for k in range(args.prompts)]
         best = sorted(runs, key=lambda x: x["elapsed_s"])[len(runs) // 2]
@@ -193,6 +233,8 @@ def measure(side, args, r: int) -> dict:
             out["decode_step_ms"][key] = (more["elapsed_s"] - one["elapsed_s"]) / args.decode_steps * 1e3
             out["cpu_ms"][f"decode step, {key}"] = (more["cpu_s"] - one["cpu_s"]) / args.decode_steps * 1e3
             out["prefill_ms"][key] = one["elapsed_s"] * 1e3
+            if "first_to_last_s" in more:  # batch 1: its own tokens' times, no prefill in it
+                out["decode_stream_ms"][key] = more["first_to_last_s"] / args.decode_steps * 1e3
             if "parts_s" in one:
                 parts = {k: (more["parts_s"].get(k, 0) - v) / args.decode_steps * 1e3
                          for k, v in one["parts_s"].items()}
@@ -201,8 +243,7 @@ def measure(side, args, r: int) -> dict:
         new = 64
         t = side.run(token_prompts(args.offline, 128, seed=7000 + r), new)["elapsed_s"]
         out["memory"]["offline throughput (output tok/s)"] = args.offline * new / t
-    out["memory"] |= {"resident memory (MB)": resident_mb(), "weights (MB)": weight_bytes(side.llm.engine.model) / 1e6,
-                      "load (s)": side.load_s}
+    out["memory"] |= side.memory()
     return out
 
 
@@ -293,6 +334,24 @@ def tp_wire(batches: list[int], ctx: int, reps: int = 20_000) -> None:
               f"{cpu_name()}")
 
 
+def llama_side(args) -> LlamaServerSide | None:
+    """llama.cpp's server on the same GGUF and threads (bench/llamacpp.py), or None with a note."""
+    gguf = Path(args.model) if args.model else embedded_gguf()
+    binary = find_llama_server(args.llama_server)
+    if binary is None or gguf.suffix != ".gguf" or not gguf.is_file():
+        why = (f"no llama-server {args.llama_server!r} (--llama-server PATH or $LLAMA_SERVER)" if binary is None
+               else f"--model {gguf} is not a .gguf file")
+        print(f"llama.cpp column skipped: {why}", flush=True)
+        return None
+    slots = max(args.batches + [1, args.offline])
+    # the most KV any step of the workload holds at once
+    need = max([n + 1 for n in args.lens] + [args.offline * (128 + 64)]
+               + [b * (c + args.decode_steps + 1) for b in args.batches for c in args.contexts])
+    act_bytes = 4 if args.dtype == "float32" else 2
+    return LlamaServerSide(binary, gguf, args.threads or os.cpu_count(), slots, args.kv_cache_gb, act_bytes, need,
+                           max(args.lens + [300]))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="nanoserve --model (default: the embedded SmolLM2-135M)")
@@ -347,6 +406,8 @@ def main() -> int:
             sides["base"] = OtherTree(args.base.resolve(), child)
         if args.vs_dequantized:
             sides["dequantized"] = OtherTree(ROOT, [*child, "--gguf-dequantize"])
+            if (peer := llama_side(args)) is not None:
+                sides["llama.cpp"] = peer
             bandwidth = memory_bandwidth_gbs(args.threads)
             print(f"memory bandwidth: {bandwidth:.1f} GB/s (1 GiB copy, read + write)", flush=True)
         runs: dict[str, list[dict]] = {k: [] for k in sides}
@@ -360,7 +421,7 @@ def main() -> int:
         if "vllm" in sides:
             sides["vllm"].close()
     med = {name: {what: {k: statistics.median(x[what][k] for x in rs) for k in rs[0].get(what, {})}
-                  for what in ("ttft_ms", "decode_step_ms", "prefill_ms", "memory", "cpu_ms")}
+                  for what in ("ttft_ms", "decode_step_ms", "prefill_ms", "memory", "cpu_ms", "decode_stream_ms")}
            for name, rs in runs.items()}
     print(f"\n{cpu_name()}; dtype {args.dtype}; medians of {args.runs}")
     for name, side in sides.items():
@@ -370,17 +431,19 @@ def main() -> int:
                                       ("prefill + first token", "prefill_ms", ""))
             for k in med["nanoserve"][what]}
     if args.vs_dequantized:
-        for k, ms in med["nanoserve"]["decode_step_ms"].items():
-            if k.startswith("1 x "):
-                rows[f"batch-1 decode tok/s, ctx {k[4:]}"] = {n: 1e3 / med[n]["decode_step_ms"][k] for n in sides}
-                rows[f"weights x tok/s / bandwidth (%), ctx {k[4:]}"] = {
-                    n: 100 * med[n]["memory"]["weights (MB)"] * 1e6 * 1e3 / med[n]["decode_step_ms"][k] / (bandwidth * 1e9)
-                    for n in sides}
+        for k in med["nanoserve"]["decode_stream_ms"]:  # batch 1, first to last token
+            rows[f"batch-1 decode tok/s, ctx {k[4:]}"] = {n: 1e3 / med[n]["decode_stream_ms"][k] for n in sides}
+            rows[f"weights x tok/s / bandwidth (%), ctx {k[4:]}"] = {
+                n: 100 * med[n]["memory"]["weights (MB)"] / med[n]["decode_stream_ms"][k] / bandwidth
+                for n in sides}
         rows |= {k: {n: med[n]["memory"][k] for n in sides} for k in med["nanoserve"]["memory"]}
         # CPU time of the process: what each side costs when the cores are shared
         rows |= {f"{k}, CPU ms": {n: med[n]["cpu_ms"][k] for n in sides} for k in med["nanoserve"]["cpu_ms"]}
     if rows:
         print(comparison_table(rows, "measurement (ms unless named)"))
+    if own := [x["server_decode_ms_per_token"] for x in runs.get("llama.cpp", []) if "server_decode_ms_per_token" in x]:
+        print(f"llama.cpp's own timings (predicted_per_token_ms of its batch-1 requests), median: "
+              f"{statistics.median(own):.2f} ms/token = {1e3 / statistics.median(own):.1f} tok/s")
     parts = {}
     if args.breakdown and runs["nanoserve"][0]["parts_ms"]:
         rs = runs["nanoserve"]

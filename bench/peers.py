@@ -45,6 +45,8 @@ class PeerConfig:
     llama_server: str = os.environ.get("LLAMA_SERVER", "llama-server")
     llamacpp_threads: int = 1
     llamacpp_slots: int = 32
+    llamacpp_model: str | None = None  # a GGUF file; default: the embedded one
+    llamacpp_ctx: int = 16384  # KV tokens (-c)
 
     @property
     def vllm_python(self) -> str:
@@ -177,8 +179,9 @@ def start(spec: ServerSpec, cfg: PeerConfig, num_blocks: int | None = None) -> S
             cmd += ["--num-gpu-blocks-override", str(num_blocks)]
         return Server(spec.label, cmd, port, cores, env)
     n = str(cfg.llamacpp_threads)
-    cmd = [cfg.llama_server, "-m", str(embedded_gguf()), "--host", "127.0.0.1", "--port", str(port), "-t", n, "-tb", n,
-           "-c", "16384", "-np", str(cfg.llamacpp_slots), "-a", "smollm2", *spec.flags]
+    model = cfg.llamacpp_model or str(embedded_gguf())
+    cmd = [cfg.llama_server, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", n, "-tb", n,
+           "-c", str(cfg.llamacpp_ctx), "-np", str(cfg.llamacpp_slots), "-a", "smollm2", *spec.flags]
     return Server(spec.label, cmd, port, f"{n} compute thread(s), quantized GGUF as shipped")
 
 
