@@ -62,12 +62,40 @@ def test_quant_linear_matches_dequantize_then_matmul(kernels, name, rows, cols, 
         assert got.dtype == torch.float32 and got.shape == (tokens, rows)
         assert (got.double() - want).abs().max().item() <= 2e-6 * scale * cols ** 0.5, packed
         got16 = QuantLinear([ww], kernels, Scratch())(x.bfloat16())
-        # bf16 activations: the block-layout kernel and the prefill GEMM meet the weights rounded to bf16
-        # (the GEMM's bf16 copy); the packed decode kernel meets them exact
-        exact16 = packed and tokens <= PACKED_MAX_ROWS
-        want16 = x.bfloat16().double() @ (w.dequantize().double() if exact16 else w.dequantize().bfloat16().double()).T
         assert got16.dtype == torch.bfloat16
+        if packed and tokens <= PACKED_MAX_ROWS and kernels.int8_activations():
+            # the packed kernel rounds each 32-activation block to int8: within half a step an element
+            want16 = x.bfloat16().double() @ w.dequantize().double().T
+            bound = int8_rounding_bound(x.bfloat16(), w) + 2 ** -8 * want16.abs()  # + the output's bf16 rounding
+            assert ((got16.double() - want16).abs() <= bound + 1e-6).all(), packed
+            continue
+        # bf16 activations otherwise meet the weights rounded to bf16 on both paths (the GEMM's bf16 copy)
+        want16 = x.bfloat16().double() @ w.dequantize().bfloat16().double().T
         assert (got16.double() - want16).abs().max().item() <= 2 ** -7 * scale, packed  # one bf16 rounding of the output
+
+
+def int8_rounding_bound(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
+    """[tokens, rows]: the most that rounding x to int8 per 32-block (scale absmax / 127) can move x W^T."""
+    xb = x.double().view(x.shape[0], -1, 32)
+    wb = w.dequantize().double().abs().view(w.shape[0], -1, 32).sum(-1)
+    return torch.einsum("tb,nb->tn", xb.abs().amax(-1) / 254, wb)
+
+
+def test_int8_activations_are_the_rounded_blocks_exactly(kernels):
+    """The integer path computes exactly sum_b d_w d_x dot(q_w, q_x): reproduce it from the int8 rounding."""
+    if not (kernels.packs() and kernels.int8_activations()):
+        pytest.skip("no int8 activation path in this build (AVX512_VNNI)")
+    w = quantized(48, 128, Q8_0, seed=9)
+    x = torch.randn(2, 128).bfloat16()
+    xb = x.float().view(2, -1, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    # the activations the kernel sees: its arithmetic (x * (127 / absmax), rounded half to even) in fp32
+    xq = torch.round(xb * (127 / amax)).clamp(-127, 127) * (amax / 127)
+    want = xq.view(2, 128).double() @ w.dequantize().double().T
+    out = torch.empty(2, 48)
+    kernels.quant_linear(x, w.packed_for(kernels).data, Q8_0 + 256, out)
+    assert (out.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    assert (out.double() - x.double() @ w.dequantize().double().T).abs().max().item() > 1e-4  # not exact: rounded
 
 
 @pytest.mark.parametrize("name", list(TYPES))

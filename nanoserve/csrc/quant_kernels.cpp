@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -270,19 +271,27 @@ void linear_impl(const XT* x, int64_t T, int64_t K, const uint8_t* w, int64_t N,
 
 // ---- the packed layout: 16 rows interleaved ------------------------------------------------------
 // quant_pack rearranges a block matrix (same bytes, same count, rows padded to a multiple of 16 with
-// zero blocks) so that one vector holds the same weight of 16 rows: a GEMV then needs no horizontal
-// sums and no per-row scalar scale conversions, which is what held the block-layout kernel at about
-// 13 G weights/s, compute bound, below what memory delivers. Per group of 16 rows and block b:
-//   Q4_0: d[16] (fp16) | qs[16][16]         qs[j][r] = byte j of row r's block: weights j and j+16
-//   Q4_1: d[16] | m[16] | qs[16][16]
-//   Q8_0: d[16] | qs[32][16]                qs[k][r] = weight k of row r
-// The products are exact (4-bit values and bf16 activations meet in vdpbf16ps; int8 values and fp32
-// activations in FMAs) and each block's sum is scaled once: d * sum(q x) (+ m * sum(x) for Q4_1), the
-// same value as sum((d q + m) x) up to fp32 rounding and summation order.
+// zero blocks) so that one vector holds 16 rows: a GEMV then needs no horizontal sums and no per-row
+// scalar scale conversions, which is what held the block-layout kernel at about 13 G weights/s,
+// compute bound, below what memory delivers. Per group of 16 rows and block b:
+//   Q4_0: d[16] (fp16) | qs[4][16][4]       qs[c][r][i] = byte 4c+i of row r's block (weights 4c+i
+//   Q4_1: d[16] | m[16] | qs[4][16][4]                    in its low nibble, 4c+i+16 in its high one)
+//   Q8_0: d[16] | qs[8][16][4]              qs[c][r][i] = weight 4c+i of row r
+// so that each 32-bit lane of a 64-byte vector holds four consecutive bytes of one row: what
+// vpdpbusd multiplies against four int8 activations.
+// Two ways to compute, by the activations' dtype:
+// - fp32: exact products in FMAs, each block's sum scaled once: d * sum(q x) (+ m * sum(x) for
+//   Q4_1), the same value as sum((d q + m) x) up to fp32 rounding and summation order;
+// - bf16 (AVX512_VNNI): as llama.cpp does, each 32-activation block is rounded to int8 with its own
+//   scale (absmax / 127) and meets the weights in integer dot products (exact), then one fp32 scaling
+//   a block: the error is the activation rounding, at most half a step (absmax / 254) an element,
+//   about bf16's own (2^-9 relative), larger for the small elements of a block with an outlier.
 constexpr int64_t PACKED = 256;  // qtype | PACKED names a packed matrix
 constexpr int G = 16;            // rows per group
 
 template <int QT> constexpr int qs_offset() { return QT == Q4_1 ? 64 : 32; }
+// where byte j of row r's quants sits in a packed block
+constexpr int qs_index(int j, int r) { return (j / 4) * 64 + r * 4 + (j % 4); }
 
 // row `lane` of a packed group's block b back in GGUF block form (for dequantization)
 template <int QT>
@@ -292,7 +301,7 @@ inline void unpack_block(const uint8_t* group, int64_t b, int lane, uint8_t* blk
   std::memcpy(blk, src + 2 * lane, 2);
   if constexpr (QT == Q4_1) std::memcpy(blk + 2, src + 32 + 2 * lane, 2);
   uint8_t* q = blk + (QT == Q4_1 ? 4 : 2);
-  for (int j = 0; j < nq; ++j) q[j] = src[qo + j * G + lane];
+  for (int c = 0; c < nq / 4; ++c) std::memcpy(q + 4 * c, src + qo + qs_index(4 * c, lane), 4);
 }
 
 // a dequantized block (Simd::N vectors of fp32) stored as 32 values of O: bf16 in one vcvtneps2bf16
@@ -313,48 +322,10 @@ inline void store_block(O* o, const V* v) {
   }
 }
 
-// a packed group's block b back as the 16 rows' GGUF blocks, blk[r * block bytes ...]: the 16x16
-// byte transpose that quant_pack applied, undone with SSE unpacks (64 ops for up to 512 weights,
-// where a byte-by-byte gather would take 256 loads)
+// a packed group's block b back as the 16 rows' GGUF blocks, blk[r * block bytes ...]
 template <int QT>
 inline void unpack_group_block(const uint8_t* group, int64_t b, uint8_t* blk) {
-  constexpr int bb = block_bytes<QT>(), qo = qs_offset<QT>(), q0 = QT == Q4_1 ? 4 : 2;
-  const uint8_t* src = group + b * G * bb;
-  for (int r = 0; r < G; ++r) {
-    std::memcpy(blk + r * bb, src + 2 * r, 2);
-    if constexpr (QT == Q4_1) std::memcpy(blk + r * bb + 2, src + 32 + 2 * r, 2);
-  }
-  for (int half = 0; half < (QT == Q8_0 ? 2 : 1); ++half) {
-#if defined(__SSE2__)
-    __m128i m[16], t[16];
-    for (int j = 0; j < 16; ++j) m[j] = _mm_loadu_si128((const __m128i*)(src + qo + (half * 16 + j) * G));
-    // four rounds of interleaving: after them, m[r] holds bytes j = 0..15 of row r
-    for (int i = 0; i < 8; ++i) {
-      t[2 * i] = _mm_unpacklo_epi8(m[2 * i], m[2 * i + 1]);
-      t[2 * i + 1] = _mm_unpackhi_epi8(m[2 * i], m[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; ++i)
-      for (int k = 0; k < 2; ++k) {
-        m[4 * i + k] = _mm_unpacklo_epi16(t[4 * i + k], t[4 * i + k + 2]);
-        m[4 * i + k + 2] = _mm_unpackhi_epi16(t[4 * i + k], t[4 * i + k + 2]);
-      }
-    for (int i = 0; i < 2; ++i)
-      for (int k = 0; k < 4; ++k) {
-        t[8 * i + k] = _mm_unpacklo_epi32(m[8 * i + k], m[8 * i + k + 4]);
-        t[8 * i + k + 4] = _mm_unpackhi_epi32(m[8 * i + k], m[8 * i + k + 4]);
-      }
-    for (int k = 0; k < 8; ++k) {
-      m[k] = _mm_unpacklo_epi64(t[k], t[k + 8]);
-      m[k + 8] = _mm_unpackhi_epi64(t[k], t[k + 8]);
-    }
-    // m[k] now holds rows in the order the rounds produced: row = bit-reversal-like map, computed once
-    static constexpr int order[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
-    for (int k = 0; k < 16; ++k) _mm_storeu_si128((__m128i*)(blk + order[k] * bb + q0 + half * 16), m[k]);
-#else
-    for (int r = 0; r < G; ++r)
-      for (int j = 0; j < 16; ++j) blk[r * bb + q0 + half * 16 + j] = src[qo + (half * 16 + j) * G + r];
-#endif
-  }
+  for (int r = 0; r < G; ++r) unpack_block<QT>(group, b, r, blk + r * block_bytes<QT>());
 }
 
 template <int QT>
@@ -371,7 +342,7 @@ void pack_impl(const uint8_t* w, int64_t N, int64_t row_bytes, uint8_t* out) {
           std::memcpy(dst + 2 * r, src, 2);
           if constexpr (QT == Q4_1) std::memcpy(dst + 32 + 2 * r, src + 2, 2);
           const uint8_t* q = src + (QT == Q4_1 ? 4 : 2);
-          for (int j = 0; j < nq; ++j) dst[qo + j * G + r] = q[j];
+          for (int c = 0; c < nq / 4; ++c) std::memcpy(dst + qo + qs_index(4 * c, r), q + 4 * c, 4);
         }
       }
   });
@@ -425,140 +396,165 @@ void dequant_impl(const uint8_t* w, bool packed, int64_t row_bytes, const int64_
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-// Activations as the packed kernels read them, per x row: fp32 values (Q8_0, and Q4 without
-// AVX512_BF16) or bf16 pairs (x[j], x[j + 16]) of each block as one 32-bit word (Q4 with bf16 x), and
-// each block's sum (Q4: the offset's term), in a fixed order per row so a row's bits do not depend on
-// its batch
+// Activations as the packed kernels read them, per x row and block: fp32 values and the block's sum
+// (in `scale`: Q4_1's offset term), or (int8) the block rounded to int8, its scale and the sum of its
+// int8 values (for Q4_0's -8, Q4_1's offset and Q8_0's unsigned shift); a row's values depend on
+// that row alone (batch invariance)
 struct PackedX {
-  std::vector<float> f, sums;
-  std::vector<uint32_t> pairs;
+  std::vector<float> f, scale;
+  std::vector<int8_t> q;
+  std::vector<int32_t> qsum;
   int64_t nb = 0;
-  bool bf16 = false;
+  bool int8 = false;
 };
 
 template <typename XT>
-PackedX prepare_x(const XT* x, int64_t T, int64_t K, bool pairs) {
+PackedX prepare_x(const XT* x, int64_t T, int64_t K, bool int8) {
   PackedX p;
   p.nb = K / QK;
-  p.bf16 = pairs;
-  p.sums.resize(T * p.nb);
-  if (pairs) p.pairs.resize(T * p.nb * 16); else p.f.resize(T * K);
+  p.int8 = int8;
+  if (!int8) {  // the values, and each block's sum (Q4_1's offset term) in a fixed order
+    p.f.resize(T * K);
+    p.scale.resize(T * p.nb);
+    for (int64_t i = 0; i < T * K; ++i) p.f[i] = static_cast<float>(x[i]);
+    for (int64_t i = 0; i < T * p.nb; ++i) {
+      float s = 0.f;
+      for (int k = 0; k < QK; ++k) s += p.f[i * QK + k];
+      p.scale[i] = s;
+    }
+    return p;
+  }
+  p.q.resize(T * K);
+  p.scale.resize(T * p.nb);
+  p.qsum.resize(T * p.nb);
   for (int64_t t = 0; t < T; ++t)
     for (int64_t b = 0; b < p.nb; ++b) {
       const XT* xb = x + t * K + b * QK;
-      float s = 0.f;
-      for (int i = 0; i < QK; ++i) s += static_cast<float>(xb[i]);
-      p.sums[t * p.nb + b] = s;
-      if (pairs) {
-        for (int j = 0; j < 16; ++j) {
-          const uint16_t lo = c10::BFloat16(xb[j]).x, hi = c10::BFloat16(xb[j + 16]).x;
-          p.pairs[(t * p.nb + b) * 16 + j] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
-        }
-      } else {
-        for (int i = 0; i < QK; ++i) p.f[t * K + b * QK + i] = static_cast<float>(xb[i]);
+      float amax = 0.f;
+      for (int i = 0; i < QK; ++i) amax = std::max(amax, std::abs(static_cast<float>(xb[i])));
+      const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t sum = 0;
+      for (int i = 0; i < QK; ++i) {
+        const int v = static_cast<int>(std::nearbyint(static_cast<float>(xb[i]) * id));
+        p.q[t * K + b * QK + i] = static_cast<int8_t>(std::clamp(v, -127, 127));
+        sum += p.q[t * K + b * QK + i];
       }
+      p.scale[t * p.nb + b] = d;
+      p.qsum[t * p.nb + b] = sum;
     }
   return p;
 }
 
-// one group of 16 rows against NT x rows: res[t] = the 16 rows' results for x row t. Two
-// accumulators per x row (even and odd steps) so consecutive products do not wait on each other; a
-// row's operations are the same whatever NT is
+#if defined(__AVX512VNNI__)
+// one group of 16 rows against NT int8 x rows: integer dot products a block (exact, so their order is
+// free), then per row one fp32 step a block in a fixed order: tot += (d_w d_x) * dot (+ m_w * d_x * sum)
 template <int QT, int NT>
-inline void packed_group(const uint8_t* group, const PackedX& x, int64_t t0, __m512* res) {
+inline void packed_group_int8(const uint8_t* group, const PackedX& x, int64_t t0, __m512* res) {
   constexpr int bb = block_bytes<QT>(), qo = qs_offset<QT>();
-  // two accumulator chains per x row, whatever NT is (the summation order is a row's own: batch
-  // invariance; four chains at NT = 1 measured no faster). Inner loops over c are fully unrolled
-  // (fixed indices keep the accumulators in registers)
-  constexpr int NC = 2;
   const int64_t nb = x.nb, K = nb * QK;
+  const __m512i low4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 tot[NT];
+  for (int t = 0; t < NT; ++t) tot[t] = _mm512_setzero_ps();
+  auto xdword = [&](int t, int64_t b, int j) {  // four int8 activations j..j+3, broadcast
+    int32_t v;
+    std::memcpy(&v, x.q.data() + (t0 + t) * K + b * QK + j, 4);
+    return _mm512_set1_epi32(v);
+  };
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = group + b * G * bb;
+    __m512i acc[NT][2];
+    for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_si512();
+    if constexpr (QT == Q8_0) {
+      // vpdpbusd multiplies unsigned by signed bytes: the weights + 128 (their top bit flipped) times
+      // x, less 128 * sum(x) after
+      for (int c = 0; c < 8; c += 2) {
+        const __m512i w0 = _mm512_xor_si512(_mm512_loadu_si512(blk + qo + c * 64), flip);
+        const __m512i w1 = _mm512_xor_si512(_mm512_loadu_si512(blk + qo + c * 64 + 64), flip);
+        for (int t = 0; t < NT; ++t) {
+          acc[t][0] = _mm512_dpbusd_epi32(acc[t][0], w0, xdword(t, b, 4 * c));
+          acc[t][1] = _mm512_dpbusd_epi32(acc[t][1], w1, xdword(t, b, 4 * c + 4));
+        }
+      }
+    } else {
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = _mm512_loadu_si512(blk + qo + c * 64);
+        const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        for (int t = 0; t < NT; ++t) {
+          acc[t][0] = _mm512_dpbusd_epi32(acc[t][0], lo, xdword(t, b, 4 * c));
+          acc[t][1] = _mm512_dpbusd_epi32(acc[t][1], hi, xdword(t, b, 4 * c + 16));
+        }
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));
+    const __m512 m = QT == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32))) : d;
+    for (int t = 0; t < NT; ++t) {
+      const int64_t xi = (t0 + t) * nb + b;
+      __m512i dot = _mm512_add_epi32(acc[t][0], acc[t][1]);
+      if constexpr (QT == Q4_0) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(8 * x.qsum[xi]));
+      if constexpr (QT == Q8_0) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * x.qsum[xi]));
+      const __m512 dx = _mm512_set1_ps(x.scale[xi]);
+      tot[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(dot), tot[t]);
+      if constexpr (QT == Q4_1) tot[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.scale[xi] * static_cast<float>(x.qsum[xi])), tot[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) res[t] = tot[t];
+}
+#endif
+
+// one group of 16 rows against NT fp32 x rows: res[t] = the 16 rows' results for x row t. Two
+// accumulator chains per x row whatever NT is (a row's summation order is its own)
+template <int QT, int NT>
+inline void packed_group_f32(const uint8_t* group, const PackedX& x, int64_t t0, __m512* res) {
+  constexpr int bb = block_bytes<QT>(), qo = qs_offset<QT>();
+  const int64_t nb = x.nb, K = nb * QK;
+  const __m512 tbl = QT == Q4_0 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
+                                : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __m512 tot[NT];
   for (int t = 0; t < NT; ++t) tot[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = group + b * G * bb;
-    __m512 acc[NT][NC];
-    for (int t = 0; t < NT; ++t)
-      for (int c = 0; c < NC; ++c) acc[t][c] = _mm512_setzero_ps();
-    auto bytes = [&](int j) { return _mm_loadu_si128((const __m128i*)(blk + qo + j * G)); };
-    if constexpr (QT == Q8_0) {
-      for (int k = 0; k < QK; k += NC) {
-        __m512 w[NC];
+    __m512 acc[NT][2];
+    for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+    for (int c = 0; c < (QT == Q8_0 ? 8 : 4); ++c) {
+      const __m512i v = _mm512_loadu_si512(blk + qo + c * 64);
 #pragma GCC unroll 4
-        for (int c = 0; c < NC; ++c) w[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes(k + c)));
+      for (int i = 0; i < 4; ++i) {
+        const int j = 4 * c + i;
+        __m512 w0, w1;  // weight j and (Q4) j + 16, or (Q8_0) weight j twice split over both chains
+        if constexpr (QT == Q8_0) {
+          w0 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * i), 24));
+        } else {
+          // vpermps reads the low 4 bits of each lane: the byte's low nibble, then its high one
+          w0 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8 * i), tbl);
+          w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8 * i + 4), tbl);
+        }
         for (int t = 0; t < NT; ++t) {
-          const float* xb = x.f.data() + (t0 + t) * K + b * QK + k;
-#pragma GCC unroll 4
-          for (int c = 0; c < NC; ++c) acc[t][c] = _mm512_fmadd_ps(w[c], _mm512_set1_ps(xb[c]), acc[t][c]);
-        }
-      }
-    } else {
-#if defined(__AVX512BF16__)
-      if (x.bf16) {
-        // a lane's byte v as (bf16(q_lo), bf16(q_hi)): v | v << 12 puts the low nibble in the low
-        // word's index bits and the high nibble in the high word's; vpermw reads 5 index bits, so the
-        // table repeats its 16 values
-        const __m512i tbl = QT == Q4_0 ? _mm512_set_epi16(0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000,
-                                                          (short)0xBF80, (short)0xC000, (short)0xC040, (short)0xC080,
-                                                          (short)0xC0A0, (short)0xC0C0, (short)0xC0E0, (short)0xC100,
-                                                          0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000,
-                                                          (short)0xBF80, (short)0xC000, (short)0xC040, (short)0xC080,
-                                                          (short)0xC0A0, (short)0xC0C0, (short)0xC0E0, (short)0xC100)
-                                       : _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
-                                                          0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000,
-                                                          0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
-                                                          0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
-        const uint32_t* xp = x.pairs.data() + b * 16;
-        for (int j = 0; j < 16; j += NC) {
-          __m512bh w[NC];
-#pragma GCC unroll 4
-          for (int c = 0; c < NC; ++c) {
-            const __m512i v = _mm512_cvtepu8_epi32(bytes(j + c));
-            w[c] = (__m512bh)_mm512_permutexvar_epi16(_mm512_or_si512(v, _mm512_slli_epi32(v, 12)), tbl);
-          }
-          for (int t = 0; t < NT; ++t) {
-            const uint32_t* xt = xp + (t0 + t) * nb * 16 + j;
-#pragma GCC unroll 4
-            for (int c = 0; c < NC; ++c)
-              acc[t][c] = _mm512_dpbf16_ps(acc[t][c], w[c], (__m512bh)_mm512_set1_epi32((int)xt[c]));
-          }
-        }
-      } else
-#endif
-      {
-        const __m512 tbl = QT == Q4_0 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
-                                      : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        for (int j = 0; j < 16; j += NC / 2) {
-          __m512 w[NC];  // the low nibbles' weights (j + c) then the high ones' (j + c + 16)
-#pragma GCC unroll 4
-          for (int c = 0; c < NC / 2; ++c) {
-            const __m512i v = _mm512_cvtepu8_epi32(bytes(j + c));
-            w[2 * c] = _mm512_permutexvar_ps(v, tbl);
-            w[2 * c + 1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), tbl);
-          }
-          for (int t = 0; t < NT; ++t) {
-            const float* xb = x.f.data() + (t0 + t) * K + b * QK + j;
-#pragma GCC unroll 4
-            for (int c = 0; c < NC / 2; ++c) {
-              acc[t][2 * c] = _mm512_fmadd_ps(w[2 * c], _mm512_set1_ps(xb[c]), acc[t][2 * c]);
-              acc[t][2 * c + 1] = _mm512_fmadd_ps(w[2 * c + 1], _mm512_set1_ps(xb[c + 16]), acc[t][2 * c + 1]);
-            }
+          const float* xb = x.f.data() + (t0 + t) * K + b * QK;
+          if constexpr (QT == Q8_0) {
+            acc[t][i & 1] = _mm512_fmadd_ps(w0, _mm512_set1_ps(xb[j]), acc[t][i & 1]);
+          } else {
+            acc[t][0] = _mm512_fmadd_ps(w0, _mm512_set1_ps(xb[j]), acc[t][0]);
+            acc[t][1] = _mm512_fmadd_ps(w1, _mm512_set1_ps(xb[j + 16]), acc[t][1]);
           }
         }
       }
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));
-    for (int t = 0; t < NT; ++t) {
-      __m512 sum = acc[t][0];
-#pragma GCC unroll 4
-      for (int c = 1; c < NC; ++c) sum = _mm512_add_ps(sum, acc[t][c]);
-      tot[t] = _mm512_fmadd_ps(d, sum, tot[t]);
-    }
+    for (int t = 0; t < NT; ++t) tot[t] = _mm512_fmadd_ps(d, _mm512_add_ps(acc[t][0], acc[t][1]), tot[t]);
     if constexpr (QT == Q4_1) {
       const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32)));
-      for (int t = 0; t < NT; ++t) tot[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.sums[(t0 + t) * nb + b]), tot[t]);
+      for (int t = 0; t < NT; ++t) tot[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.scale[(t0 + t) * nb + b]), tot[t]);
     }
   }
   for (int t = 0; t < NT; ++t) res[t] = tot[t];
+}
+
+template <int QT, int NT>
+inline void packed_group(const uint8_t* group, const PackedX& x, int64_t t0, __m512* res) {
+#if defined(__AVX512VNNI__)
+  if (x.int8) return packed_group_int8<QT, NT>(group, x, t0, res);
+#endif
+  packed_group_f32<QT, NT>(group, x, t0, res);
 }
 
 constexpr int PTILE = 8;  // x rows per pass over a group: 3 vectors each, within the 32 registers
@@ -674,14 +670,14 @@ void quant_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, torch::Tensor
   if (qtype & PACKED) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     const torch::Tensor xc = x.contiguous();
-    const bool bf16 = x.scalar_type() == torch::kBFloat16;
-#if defined(__AVX512BF16__)
-    const bool pairs = bf16 && (qtype & ~PACKED) != Q8_0;  // Q8_0 meets x in fp32 FMAs
+    // bf16 activations meet the weights as int8 where the CPU has VNNI; fp32 ones stay exact
+#if defined(__AVX512VNNI__)
+    const bool int8 = x.scalar_type() == torch::kBFloat16;
 #else
-    const bool pairs = false;
+    const bool int8 = false;
 #endif
-    const PackedX px = bf16 ? prepare_x(xc.data_ptr<c10::BFloat16>(), T, K, pairs)
-                            : prepare_x(xc.to(torch::kFloat).data_ptr<float>(), T, K, false);
+    const PackedX px = x.scalar_type() == torch::kBFloat16 ? prepare_x(xc.data_ptr<c10::BFloat16>(), T, K, int8)
+                                                            : prepare_x(xc.to(torch::kFloat).data_ptr<float>(), T, K, false);
     dispatch<PackedLinear>(qtype & ~PACKED, out, &px, T, w.data_ptr<uint8_t>(), N, w.size(1), out.stride(0));
     return;
 #else
@@ -747,6 +743,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // whether quant_linear takes packed matrices (the layer packs its weights at load where it does)
   m.def("packs", []() {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
+    return true;
+#else
+    return false;
+#endif
+  });
+  // whether bf16 activations meet packed weights as int8 (AVX512_VNNI), not exact (see PACKED)
+  m.def("int8_activations", []() {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
     return true;
 #else
     return false;
