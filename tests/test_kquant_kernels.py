@@ -3,8 +3,8 @@ layers/cpu_kernels.QuantKernels, layers/quant_linear.py) against the gguf packag
 followed by a float64 matmul: random but valid super-blocks (gguf cannot quantize to K types), fp32 and
 bf16 activations, ragged row counts, token counts on both sides of the GEMV/GEMM switch; the
 dequantizer bit for bit; batch invariance bit for bit; refused shapes; the loader keeping the blocks
-only where the kernels built. The AVX2 and scalar builds are checked by an opt-in test
-(NANOSERVE_TEST_ISAS=1: two ~30 s builds, then cached)."""
+only where the kernels built. AVX-512 without BF16, AVX2 and scalar builds are checked by an
+opt-in test (NANOSERVE_TEST_ISAS=1: three ~30 s builds, then cached)."""
 from __future__ import annotations
 
 import os
@@ -175,9 +175,10 @@ k = cpu_kernels.kquant()
 print(k.isa())
 for qt in (Q4_K, Q6_K):
     w = kq(9, 768, qt, seed=qt)
-    out = torch.empty(9, 768)
-    k.quant_dequantize(w.data, qt, out)
-    assert torch.equal(out, w.dequantize()), qt
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        out = torch.empty(9, 768, dtype=dt)
+        k.quant_dequantize(w.data, qt, out)
+        assert torch.equal(out, w.dequantize().to(dt)), (qt, dt)
     for dt in (torch.float32, torch.bfloat16):
         x = torch.randn(GEMV, 768).to(dt)
         got = torch.empty(GEMV, 9, dtype=dt)
@@ -192,8 +193,8 @@ for qt in (Q4_K, Q6_K):
 """.replace("GEMV", str(GEMV_MAX_ROWS))
 
 
-@pytest.mark.skipif(os.environ.get("NANOSERVE_TEST_ISAS") != "1", reason="opt-in (NANOSERVE_TEST_ISAS=1): builds two more ISAs")
-@pytest.mark.parametrize("march,isa", [("haswell", "avx2"), ("x86-64", "scalar")])
+@pytest.mark.skipif(os.environ.get("NANOSERVE_TEST_ISAS") != "1", reason="opt-in (NANOSERVE_TEST_ISAS=1): builds three more ISAs")
+@pytest.mark.parametrize("march,isa", [("skylake-avx512", "avx512"), ("haswell", "avx2"), ("x86-64", "scalar")])
 def test_the_other_instruction_sets_compute_the_same(kernels, march, isa):
     env = dict(os.environ, NANOSERVE_CPU_MARCH=march)
     r = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)

@@ -97,6 +97,21 @@ struct Simd {
   static V zero() { return _mm512_setzero_ps(); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  // rounded to nearest even as c10's conversions round (the dequantized values are never subnormal)
+  static void store(c10::Half* p, V v) {
+    _mm256_storeu_si256((__m256i*)p, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static void store(c10::BFloat16* p, V v) {
+#if defined(__AVX512BF16__)
+    _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(v));
+#else
+    const __m512i b = _mm512_castps_si512(v);
+    __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                                     _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1))));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));  // NaN as c10's
+    _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+#endif
+  }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V add(V a, V b) { return _mm512_add_ps(a, b); }
   static float sum(V v) { return _mm512_reduce_add_ps(v); }
@@ -154,6 +169,17 @@ struct Simd {
   static V zero() { return _mm256_setzero_ps(); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static void store(c10::Half* p, V v) {
+    _mm_storeu_si128((__m128i*)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static void store(c10::BFloat16* p, V v) {  // nearest even, NaN as c10's
+    const __m256i b = _mm256_castps_si256(v);
+    __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
+                                                     _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1))));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC00000), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    r = _mm256_srli_epi32(r, 16);
+    _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08)));
+  }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V add(V a, V b) { return _mm256_add_ps(a, b); }
   static float sum(V v) {
@@ -200,7 +226,7 @@ struct Simd {
   static const char* name() { return "scalar"; }
   static V zero() { return 0.f; }
   static V load(const float* p) { return *p; }
-  static void store(float* p, V v) { *p = v; }
+  template <typename O> static void store(O* p, V v) { *p = static_cast<O>(v); }
   static V fma(V a, V b, V c) { return a * b + c; }
   static V add(V a, V b) { return a + b; }
   static float sum(V v) { return v; }
@@ -269,18 +295,10 @@ template <int QT, typename O>
 void dequant_impl(const uint8_t* w, int64_t N, int64_t K, int64_t ldw, O* out, int64_t ldo) {
   const int64_t nb = K / QK;
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    alignas(64) float buf[Simd::W];
     for (int64_t n = begin; n < end; ++n) {
       for (int64_t b = 0; b < nb; ++b) {
         O* ob = out + n * ldo + b * QK;
-        Simd::superblock<QT>(w + n * ldw + b * block_bytes<QT>(), [&](int i, V v) {
-          if constexpr (std::is_same_v<O, float>) {
-            Simd::store(ob + i * Simd::W, v);
-          } else {
-            Simd::store(buf, v);
-            for (int k = 0; k < Simd::W; ++k) ob[i * Simd::W + k] = static_cast<O>(buf[k]);
-          }
-        });
+        Simd::superblock<QT>(w + n * ldw + b * block_bytes<QT>(), [&](int i, V v) { Simd::store(ob + i * Simd::W, v); });
       }
     }
   });
