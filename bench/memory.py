@@ -1,0 +1,113 @@
+"""Where a nanoserve engine's resident memory goes, stage by stage: /proc/self/smaps_rollup (Rss, its
+anonymous part, the rest file-backed: shared libraries, memory-mapped weights) after each step of
+loading an in-process engine (the engine process of a server loads the same way), then after a
+batch-1 and a batch-8 generate, then after llguidance's view of the vocabulary, which a server's
+engine process builds at start-up (engine/core.py) and an offline LLM only on its first constrained
+request.
+
+    python bench/memory.py --kv-cache-gb 0.25                      # GGUF kept in its blocks
+    python bench/memory.py --kv-cache-gb 0.25 --gguf-dequantize
+    python bench/memory.py --kv-cache-gb 0.25 --stock-reader       # the gguf package's reader as it is
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+
+
+def rollup() -> tuple[float, float]:
+    """(Rss, anonymous) MB of this process."""
+    got = {}
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            key, value, *_ = line.split()
+            if key in ("Rss:", "Anonymous:"):
+                got[key] = int(value) / 1024
+    return got["Rss:"], got["Anonymous:"]
+
+
+@dataclass
+class Stages:
+    rows: list[tuple[str, float, float, float]] = field(default_factory=list)  # label, rss, anon, seconds
+    last_t: float = field(default_factory=time.perf_counter)
+
+    def mark(self, label: str) -> None:
+        t = time.perf_counter()
+        self.rows.append((label, *rollup(), t - self.last_t))
+        self.last_t = t
+
+    def table(self) -> str:
+        lines = ["| stage | RSS MB | +RSS | anon MB | +anon | file MB | +file | s |", "|---" * 8 + "|"]
+        prev = (0.0, 0.0)
+        for label, rss, anon, s in self.rows:
+            d_rss, d_anon = rss - prev[0], anon - prev[1]
+            lines.append(f"| {label} | {rss:.1f} | {d_rss:+.1f} | {anon:.1f} | {d_anon:+.1f} | {rss - anon:.1f} | "
+                         f"{d_rss - d_anon:+.1f} | {s:.2f} |")
+            prev = (rss, anon)
+        return "\n".join(lines)
+
+
+def wrap(owner, name: str, label: str, stages: Stages) -> None:
+    fn = getattr(owner, name)
+
+    def marked(*a, **kw):
+        out = fn(*a, **kw)
+        stages.mark(label)
+        return out
+    setattr(owner, name, marked)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--kv-cache-gb", type=float, default=0.25)
+    ap.add_argument("--gguf-dequantize", action="store_true")
+    ap.add_argument("--stock-reader", action="store_true",
+                    help="load GGUF blocks with the gguf package's reader unchanged (every array element parsed, "
+                         "no page released): the A/B of models/gguf_reader.py")
+    args = ap.parse_args()
+    stages = Stages()
+    stages.mark("python")
+    import torch  # noqa: F401
+    stages.mark("import torch")
+    import nanoserve.engine.llm_engine as le
+    import nanoserve.engine.model_setup as ms
+    from nanoserve import LLM, SamplingParams
+    from nanoserve.models.llama import LlamaModel
+    stages.mark("import nanoserve")
+    if args.stock_reader:
+        from gguf import GGUFReader
+
+        from nanoserve.models import gguf_reader
+        gguf_reader.WeightsReader._get_field_parts = GGUFReader._get_field_parts
+        gguf_reader.WeightsReader.release = lambda self, start, end: None
+    for owner, name, label in [(le, "materialize", "materialize (cached folder)"),
+                               (le, "load_config", "load_config (transformers' config)"),
+                               (le, "load_tokenizer", "load_tokenizer"),
+                               (LlamaModel, "load_weights", "model + load_weights"),
+                               (LlamaModel, "finalize", "finalize (layers, kernels)"),
+                               (ms, "ModelRunner", "runner + KV cache")]:
+        wrap(owner, name, label, stages)
+    llm = LLM(args.model, dtype=args.dtype, kv_cache_gb=args.kv_cache_gb, gguf_dequantize=args.gguf_dequantize,
+              enable_prefix_caching=False)
+    stages.mark("rest of LLM()")
+    rng = random.Random(0)
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    llm.generate([[rng.randrange(100, 40000) for _ in range(256)]], greedy)
+    stages.mark("generate 1 x (256 + 32)")
+    llm.generate([[rng.randrange(100, 40000) for _ in range(128)] for _ in range(8)], greedy)
+    stages.mark("generate 8 x (128 + 32)")
+    llm.engine.grammars.start().result()
+    stages.mark("llguidance vocabulary (server start)")
+    print(f"{'dequantized' if args.gguf_dequantize else 'kept'}{', stock reader' if args.stock_reader else ''}; "
+          f"kv-cache-gb {args.kv_cache_gb}")
+    print(stages.table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
