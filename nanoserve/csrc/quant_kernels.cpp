@@ -1,14 +1,13 @@
 // GGUF block-quantized weights (Q4_0, Q4_1, Q8_0) computed on directly, built on first use by
 // nanoserve/layers/cpu_kernels.py (-march=native unless NANOSERVE_CPU_MARCH says otherwise).
 //
-// Activations stay in fp32: each 32-weight block is dequantized in registers with exactly the
-// arithmetic of the gguf package's dequantize (Q4_0/Q8_0: d*q; Q4_1: d*q then + m, two roundings, no
-// FMA), then FMA-ed against x. So a product here differs from "dequantize, then F.linear in fp32"
-// only in summation order. (llama.cpp instead rounds x to int8 per block and uses integer dot
-// products: faster on VNNI, but not exact.) One code path per build, chosen by the compiler flags:
-// AVX-512, else AVX2 + FMA + F16C, else scalar. With AVX512_BF16 and bf16 activations the block is
-// instead rounded to bf16 (as the bf16 prefill GEMM's copy holds it) and meets x, read as bf16, in
-// vdpbf16ps: the products are exact either way (bf16 x bf16 fits fp32), so only the summation differs.
+// Two layouts. The GGUF blocks as they are (AVX2 and scalar builds): each 32-weight block is
+// dequantized in registers with exactly the arithmetic of the gguf package's dequantize (Q4_0/Q8_0:
+// d*q; Q4_1: d*q then + m, two roundings, no FMA), then FMA-ed against fp32 x, so a product differs
+// from "dequantize, then F.linear in fp32" only in summation order (bf16 outputs: the weights rounded
+// to bf16 first, as the prefill GEMM's bf16 copy holds them). And the packed layout (AVX-512 builds,
+// see PACKED below), which the layer uses wherever the build has it. One code path per build, chosen
+// by the compiler flags: AVX-512, else AVX2 + FMA + F16C, else scalar.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -82,24 +81,6 @@ struct Simd {
       w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), t);
     }
   }
-#if defined(__AVX512BF16__)
-  // the block as 32 bf16, in order; vcvtne(2)ps2bf16 rounds to nearest even, as bf16() does (the
-  // values are multiples of 2^-24, never fp32 subnormals, so its flushing of those never applies)
-  template <int QT> static __m512bh block_bf16(const uint8_t* b) {
-    if constexpr (QT == Q8_0) {
-      V w[N];
-      block<QT>(b, w);
-      return _mm512_cvtne2ps_pbh(w[1], w[0]);
-    } else {
-      // the table in bf16 and one 16-bit lookup (vpermw) per block: weights 0-15 are the low
-      // nibbles of the 16 bytes, 16-31 the high ones
-      const __m512i t = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(table<QT>(b)));
-      const __m128i q = _mm_loadu_si128((const __m128i*)(b + (QT == Q4_1 ? 4 : 2))), m4 = _mm_set1_epi8(0x0F);
-      const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
-      return (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(nib), t);
-    }
-  }
-#endif
 };
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 struct Simd {
@@ -200,50 +181,13 @@ inline void dot_rows(const uint8_t* wrow, int64_t nb, const float* x, int64_t ld
   }
 }
 
-#if defined(__AVX512BF16__)
-// dot_rows for bf16 x: one vdpbf16ps per block and row. Two accumulators, even and odd blocks, so
-// consecutive dot products of a row do not wait on each other; a row's order of operations is the
-// same whatever NT is (batch invariance)
-template <int QT, int NT>
-inline void dot_rows_bf16(const uint8_t* wrow, int64_t nb, const c10::BFloat16* x, int64_t ldx, float* res) {
-  __m512 even[NT], odd[NT];
-  for (int t = 0; t < NT; ++t) even[t] = odd[t] = _mm512_setzero_ps();
-  auto xblock = [&](int t, int64_t b) { return (__m512bh)_mm512_loadu_si512(x + t * ldx + b * QK); };
-  int64_t b = 0;
-  for (; b + 1 < nb; b += 2) {
-    const __m512bh w0 = Simd::block_bf16<QT>(wrow + b * block_bytes<QT>());
-    const __m512bh w1 = Simd::block_bf16<QT>(wrow + (b + 1) * block_bytes<QT>());
-    for (int t = 0; t < NT; ++t) {
-      even[t] = _mm512_dpbf16_ps(even[t], w0, xblock(t, b));
-      odd[t] = _mm512_dpbf16_ps(odd[t], w1, xblock(t, b + 1));
-    }
-  }
-  if (b < nb) {
-    const __m512bh w0 = Simd::block_bf16<QT>(wrow + b * block_bytes<QT>());
-    for (int t = 0; t < NT; ++t) even[t] = _mm512_dpbf16_ps(even[t], w0, xblock(t, b));
-  }
-  for (int t = 0; t < NT; ++t) res[t] = _mm512_reduce_add_ps(_mm512_add_ps(even[t], odd[t]));
-}
-#endif
-
-// NT rows of x against one weight row, by x's dtype (bf16 x reaches here only with AVX512_BF16)
-template <int QT, bool RB, int NT, typename XT>
-inline void tile_rows(const uint8_t* wrow, int64_t nb, const XT* x, int64_t ldx, float* res) {
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<XT, c10::BFloat16>) {
-    dot_rows_bf16<QT, NT>(wrow, nb, x, ldx, res);
-    return;
-  }
-#endif
-  if constexpr (std::is_same_v<XT, float>) dot_rows<QT, RB, NT>(wrow, nb, x, ldx, res);
-}
 
 template <typename O> inline O to_out(float v) { return static_cast<O>(v); }
 
 constexpr int TILE = 8;  // x rows per pass over a weight row
 
-template <int QT, typename O, typename XT>
-void linear_impl(const XT* x, int64_t T, int64_t K, const uint8_t* w, int64_t N, int64_t row_bytes, O* out, int64_t ldo) {
+template <int QT, typename O>
+void linear_impl(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t N, int64_t row_bytes, O* out, int64_t ldo) {
   constexpr bool RB = std::is_same_v<O, c10::BFloat16>;
   const int64_t nb = K / QK;
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
@@ -252,16 +196,16 @@ void linear_impl(const XT* x, int64_t T, int64_t K, const uint8_t* w, int64_t N,
       const uint8_t* wrow = w + n * row_bytes;
       for (int64_t t0 = 0; t0 < T; t0 += TILE) {
         const int64_t nt = std::min<int64_t>(TILE, T - t0);
-        const XT* xt = x + t0 * K;
+        const float* xt = x + t0 * K;
         switch (nt) {
-          case 1: tile_rows<QT, RB, 1>(wrow, nb, xt, K, res); break;
-          case 2: tile_rows<QT, RB, 2>(wrow, nb, xt, K, res); break;
-          case 3: tile_rows<QT, RB, 3>(wrow, nb, xt, K, res); break;
-          case 4: tile_rows<QT, RB, 4>(wrow, nb, xt, K, res); break;
-          case 5: tile_rows<QT, RB, 5>(wrow, nb, xt, K, res); break;
-          case 6: tile_rows<QT, RB, 6>(wrow, nb, xt, K, res); break;
-          case 7: tile_rows<QT, RB, 7>(wrow, nb, xt, K, res); break;
-          default: tile_rows<QT, RB, 8>(wrow, nb, xt, K, res); break;
+          case 1: dot_rows<QT, RB, 1>(wrow, nb, xt, K, res); break;
+          case 2: dot_rows<QT, RB, 2>(wrow, nb, xt, K, res); break;
+          case 3: dot_rows<QT, RB, 3>(wrow, nb, xt, K, res); break;
+          case 4: dot_rows<QT, RB, 4>(wrow, nb, xt, K, res); break;
+          case 5: dot_rows<QT, RB, 5>(wrow, nb, xt, K, res); break;
+          case 6: dot_rows<QT, RB, 6>(wrow, nb, xt, K, res); break;
+          case 7: dot_rows<QT, RB, 7>(wrow, nb, xt, K, res); break;
+          default: dot_rows<QT, RB, 8>(wrow, nb, xt, K, res); break;
         }
         for (int64_t t = 0; t < nt; ++t) out[(t0 + t) * ldo + n] = to_out<O>(res[t]);
       }
@@ -635,8 +579,7 @@ void check_out(const torch::Tensor& out, int64_t rows, int64_t cols) {
 }
 
 template <int QT, typename O> struct Linear {
-  template <typename XT>
-  static void run(const XT* x, int64_t T, int64_t K, const uint8_t* w, int64_t N, int64_t rb, int64_t ldo, O* out) {
+  static void run(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t N, int64_t rb, int64_t ldo, O* out) {
     linear_impl<QT, O>(x, T, K, w, N, rb, out, ldo);
   }
 };
@@ -684,14 +627,6 @@ void quant_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, torch::Tensor
     TORCH_CHECK(false, "packed matrices need an AVX-512 build (see packs())");
 #endif
   }
-#if defined(__AVX512BF16__)
-  if (x.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16) {
-    const torch::Tensor xb = x.contiguous();
-    dispatch<Linear>(qtype, out, static_cast<const c10::BFloat16*>(xb.data_ptr<c10::BFloat16>()), T, K,
-                     w.data_ptr<uint8_t>(), N, w.size(1), out.stride(0));
-    return;
-  }
-#endif
   const torch::Tensor xf = x.to(torch::kFloat).contiguous();
   dispatch<Linear>(qtype, out, xf.data_ptr<float>(), T, K, w.data_ptr<uint8_t>(), N, w.size(1), out.stride(0));
 }
