@@ -258,12 +258,13 @@ def test_a_q4_k_m_llama_is_served_from_its_blocks_like_its_dequantized_copy(k_pa
         assert {p.qtype for p in layer.gate_up_lin.parts} == {Q4_K} and layer.down_lin.parts[0].qtype == Q6_K
     assert model.embed_rows.table.qtype == Q4_K and model.lm_head_lin.parts[0].qtype == Q6_K
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away, there lived"]
-    # all prompts in one prefill step (dequantize + GEMM), then one alone (the block kernel)
+    # all prompts in one prefill step (dequantize + GEMM), then one alone (the block kernel); fp32
+    # summation-order noise measured here: at most ~1e-5 (AVX-512 EPYC)
     for batch in (prompts, prompts[:1]):
         a, b = (llm.generate(batch, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)) for llm in k_pair)
         for x, y in zip(a, b):
             for lx, ly in zip(x.prompt_logprobs[1:], y.prompt_logprobs[1:]):
-                assert lx.token_id == ly.token_id and abs(lx.logprob - ly.logprob) < 2e-3
+                assert lx.token_id == ly.token_id and abs(lx.logprob - ly.logprob) < 5e-4
     # decode steps: 3 rows through the block kernel
     greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2)
     a, b = (llm.generate(prompts, greedy) for llm in k_pair)
@@ -273,4 +274,4 @@ def test_a_q4_k_m_llama_is_served_from_its_blocks_like_its_dequantized_copy(k_pa
                 top = sorted((c.logprob for c in ly.top), reverse=True)
                 assert top[0] - top[1] < 1e-3
                 break
-            assert abs(lx.logprob - ly.logprob) < 2e-3
+            assert abs(lx.logprob - ly.logprob) < 5e-4
