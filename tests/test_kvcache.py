@@ -223,3 +223,25 @@ def test_block_pool_pins_keep_blocks_from_reuse(script):
         pool.unpin(b)
     pool.check_invariants()
     assert pool.stats().in_use == 0 and pool.stats().in_flight == 0
+
+
+def test_cpu_kv_cache_is_zeros_resident_only_once_written():
+    """The CPU KV cache comes from calloc: zeros, yet a 256 MiB cache adds next to nothing to the
+    resident set until blocks are written (torch.zeros would write every byte at start-up)."""
+    import os
+
+    import torch
+
+    from nanoserve.runner.model_runner import zeros_untouched
+
+    def resident() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    before = resident()
+    kv = zeros_untouched((2, 4, 2, 1024, 16, 64), torch.bfloat16, torch.device("cpu"))  # 256 MiB
+    assert kv.shape == (2, 4, 2, 1024, 16, 64) and kv.dtype == torch.bfloat16 and kv.is_contiguous()
+    assert resident() - before < 32 << 20
+    assert not kv[1, 3].any()  # reads back zeros (and makes that part resident)
+    kv[0, 0, 0, 0].fill_(1.0)
+    assert kv[0, 0, 0, 0].float().sum().item() == 16 * 64 and kv.float().sum().item() == 16 * 64
