@@ -1,4 +1,4 @@
-"""Linear layers and embedding tables whose weights stay in GGUF blocks (Q4_0, Q4_1, Q8_0, ...).
+"""Linear layers and embedding tables whose weights stay in GGUF blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K).
 
 Decode is weight-streaming bound: a Q4_1 weight is 0.625 bytes, a bf16 one 2, an fp32 one 4. The
 kernels (csrc/quant_kernels.cpp) read the blocks and dequantize them in registers with exact
@@ -7,10 +7,10 @@ Where the kernels have an AVX-512 build (`packs()`), Q4_0/Q4_1/Q8_0 matrices are
 load into groups of 16 interleaved rows (the same bytes; csrc/quant_kernels.cpp, PACKED): one vector
 then holds one weight of 16 rows, and the GEMV runs at about the memory's speed.
 
-Batches of up to GEMV_MAX_ROWS rows (PACKED_MAX_ROWS packed, any number with int8 activations) go
-through the kernel; larger ones dequantize the weight (in row chunks of DEQUANT_CHUNK weights where it is larger) into a scratch
-tensor in the activation dtype and run the ordinary GEMM (oneDNN): there the FLOPs dominate and the
-dequantization is a few percent of the step.
+Batches of up to GEMV_MAX_ROWS rows (PACKED_MAX_ROWS packed; any number with int8 activations) go
+through the kernel; larger ones dequantize the weight (in row chunks of DEQUANT_CHUNK weights where it
+is larger) into a scratch tensor in the activation dtype and run the ordinary GEMM (oneDNN): there the
+FLOPs dominate and the dequantization is a few percent of the step.
 Embedding lookups dequantize only the rows they read."""
 from __future__ import annotations
 
@@ -42,8 +42,8 @@ GROUP = 16  # rows per packed group
 
 @dataclass(frozen=True)
 class QuantTensor:
-    """A [rows, cols] weight matrix as GGUF blocks: `data` is [rows, cols / 32 * block bytes] uint8
-    (memory-mapped from the file where it could stay so), or, `packed`, the kernels' interleaved
+    """A [rows, cols] weight matrix as GGUF blocks: `data` is [rows, cols / block weights * block
+    bytes] uint8 (memory-mapped from the file where it could stay so), or, `packed`, the kernels' interleaved
     layout [ceil(rows / 16), 16 * that]."""
     data: torch.Tensor
     qtype: int

@@ -155,7 +155,7 @@ def cache_dir() -> Path:
 
 def materialize(src: ModelSource, dequantize: bool = True) -> ModelSource:
     """GGUF -> an HF folder in the cache, made once: config, tokenizer and either fp32 safetensors
-    (`dequantize`) or a link to the GGUF file, whose Q4_0/Q4_1/Q8_0 tensors then stay quantized
+    (`dequantize`) or a link to the GGUF file, whose Q4_0/Q4_1/Q8_0/Q4_K/Q6_K tensors then stay quantized
     (models/gguf_weights.py). Parsing and dequantizing GGUF takes ~15 s even for a 135M model;
     reading the converted folder takes well under a second, which matters for a server that restarts."""
     if not src.gguf_file:
