@@ -374,6 +374,24 @@ PackedX prepare_x(const XT* x, int64_t T, int64_t K, bool int8) {
   for (int64_t t = 0; t < T; ++t)
     for (int64_t b = 0; b < p.nb; ++b) {
       const XT* xb = x + t * K + b * QK;
+#if defined(__AVX512F__)
+      if constexpr (std::is_same_v<XT, c10::BFloat16>) {  // the loop below in vectors, the same arithmetic
+        const __m512i raw = _mm512_loadu_si512(xb);
+        const __m512 f0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
+        const __m512 f1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(f0), _mm512_abs_ps(f1)));
+        const __m512 id = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+        const __m512i lim = _mm512_set1_epi32(127), nlim = _mm512_set1_epi32(-127);
+        // vcvtps2dq rounds to nearest even, as nearbyint does in the default rounding mode
+        const __m512i q0 = _mm512_max_epi32(nlim, _mm512_min_epi32(lim, _mm512_cvtps_epi32(_mm512_mul_ps(f0, id))));
+        const __m512i q1 = _mm512_max_epi32(nlim, _mm512_min_epi32(lim, _mm512_cvtps_epi32(_mm512_mul_ps(f1, id))));
+        _mm_storeu_si128((__m128i*)(p.q.data() + t * K + b * QK), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i*)(p.q.data() + t * K + b * QK + 16), _mm512_cvtepi32_epi8(q1));
+        p.scale[t * p.nb + b] = amax / 127.f;
+        p.qsum[t * p.nb + b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        continue;
+      }
+#endif
       float amax = 0.f;
       for (int i = 0; i < QK; ++i) amax = std::max(amax, std::abs(static_cast<float>(xb[i])));
       const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
