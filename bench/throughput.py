@@ -36,7 +36,7 @@ class Nanoserve:
         kw = {k: getattr(args, k) for k in ("block_size", "max_num_batched_tokens", "tensor_parallel_size")
               if getattr(args, k)}  # else the engine's default
         self.llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False, max_num_seqs=args.max_num_seqs,
-                       kv_cache_gb=args.kv_cache_gb, **kw)
+                       kv_cache_gb=args.kv_cache_gb, gguf_dequantize=args.gguf_dequantize, **kw)
         self.SamplingParams = SamplingParams
         self.cores = f"offline LLM, {torch.get_num_threads()} compute thread(s)"
         self.llm.generate(token_prompts(4, 64, seed=-1), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
@@ -84,6 +84,7 @@ def main() -> int:
     ap.add_argument("--tensor-parallel-size", type=int, default=None, help="nanoserve -tp (CPU: gloo ranks)")
     ap.add_argument("--kv-cache-gb", type=int, default=1, help="KV budget of each side (vLLM takes whole GiB)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--gguf-dequantize", action="store_true", help="nanoserve --gguf-dequantize (a GGUF's weights as floats)")
     ap.add_argument("--peer", choices=["vllm"], default=None, help="alternate with vLLM-CPU's offline LLM")
     ap.add_argument("--base", type=Path, default=None, help="alternate with this checkout's nanoserve")
     ap.add_argument("--json", default=None, metavar="FILE", help="also write the result here")
