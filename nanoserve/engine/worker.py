@@ -114,4 +114,12 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    code = main(sys.argv)
+    if code:
+        # stopped without leave(): the process group's threads still run, and their destructors at
+        # interpreter exit can abort the process ("terminate called without an active exception",
+        # SIGABRT) instead of exiting with the code that names the reason
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
