@@ -49,7 +49,7 @@ def layouts(kernels) -> list[bool]:
 
 @pytest.mark.parametrize("name", list(TYPES))
 @pytest.mark.parametrize("rows,cols", [(1, 32), (7, 96), (33, 576), (130, 1536)])
-@pytest.mark.parametrize("tokens", [1, 3, 8, 9, GEMV_MAX_ROWS + 5, PACKED_MAX_ROWS + 5])
+@pytest.mark.parametrize("tokens", [1, 3, 8, 9, GEMV_MAX_ROWS + 5, PACKED_MAX_ROWS + 5, 261])  # 261: two sweeps of 256
 def test_quant_linear_matches_dequantize_then_matmul(kernels, name, rows, cols, tokens):
     w = quantized(rows, cols, TYPES[name], seed=rows + cols)
     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens))
