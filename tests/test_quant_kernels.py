@@ -64,15 +64,15 @@ def test_quant_linear_matches_dequantize_then_matmul(kernels, name, rows, cols, 
         lin = QuantLinear([ww], kernels, Scratch())
         got16 = lin(x.bfloat16())
         assert got16.dtype == torch.bfloat16
-        if packed and kernels.int8_activations():  # the kernel at any row count
-            assert lin.kernel_rows(torch.bfloat16) > tokens
+        want16 = x.bfloat16().double() @ w.dequantize().double().T
+        if packed and tokens <= lin.max_kernel_rows and kernels.int8_activations():
             # the packed kernel rounds each 32-activation block to int8: within half a step an element
-            want16 = x.bfloat16().double() @ w.dequantize().double().T
             bound = int8_rounding_bound(x.bfloat16(), w) + 2 ** -8 * want16.abs()  # + the output's bf16 rounding
             assert ((got16.double() - want16).abs() <= bound + 1e-6).all(), packed
             continue
-        # bf16 activations otherwise meet the weights rounded to bf16 on both paths (the GEMM's bf16 copy)
-        want16 = x.bfloat16().double() @ w.dequantize().bfloat16().double().T
+        if not (packed and tokens <= lin.max_kernel_rows):
+            # the block kernel and the GEMM meet the weights rounded to bf16 (the GEMM's bf16 copy)
+            want16 = x.bfloat16().double() @ w.dequantize().bfloat16().double().T
         assert (got16.double() - want16).abs().max().item() <= 2 ** -7 * scale, packed  # one bf16 rounding of the output
 
 
@@ -132,10 +132,12 @@ def test_fused_parts_of_different_types_write_their_own_columns(kernels):
     want = torch.cat([reference(x, p) for p in parts], dim=1) + bias.double()
     for packed in layouts(kernels):
         pp = [p.packed_for(kernels) if packed else p for p in parts]
-        for tokens in (5, PACKED_MAX_ROWS + 1):  # the kernel, then dequantize + GEMM
+        for tokens in (5, PACKED_MAX_ROWS + 1):  # the kernel, then dequantize + GEMM (packed: as with AMX)
             xx = torch.randn(tokens, 192) if tokens != 5 else x
             ref = want if tokens == 5 else torch.cat([reference(xx, p) for p in parts], dim=1) + bias.double()
-            got = QuantLinear(pp, kernels, Scratch(), bias)(xx)
+            lin = QuantLinear(pp, kernels, Scratch(), bias)
+            lin.max_kernel_rows = min(lin.max_kernel_rows, PACKED_MAX_ROWS)
+            got = lin(xx)
             assert (got.double() - ref).abs().max().item() < 1e-4
 
 
@@ -181,8 +183,10 @@ def test_prefill_of_a_large_weight_dequantizes_it_in_row_chunks(kernels, monkeyp
     bias = torch.randn(42)
     x = torch.randn(PACKED_MAX_ROWS + 3, 192)  # beyond both kernels' row limits
     want = torch.cat([reference(x, p) for p in parts], dim=1) + bias.double()
-    for packed in layouts(kernels):  # packed: 16 rows at a time, the last chunk of a part shorter
-        got = QuantLinear([p.packed_for(kernels) if packed else p for p in parts], kernels, Scratch(), bias)(x)
+    for packed in layouts(kernels):  # packed (as with AMX): 16 rows at a time, the last chunk of a part shorter
+        lin = QuantLinear([p.packed_for(kernels) if packed else p for p in parts], kernels, Scratch(), bias)
+        lin.max_kernel_rows = min(lin.max_kernel_rows, PACKED_MAX_ROWS)
+        got = lin(x)
         assert (got.double() - want).abs().max().item() < 1e-4, packed
 
 

@@ -10,6 +10,7 @@
 // by the compiler flags: AVX-512, else AVX2 + FMA + F16C, else scalar.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <c10/util/Half.h>
 #include <algorithm>
 #include <cmath>
@@ -707,6 +708,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return false;
 #endif
   });
+  // whether prefill-sized steps should dequantize packed weights into a bf16 GEMM rather than take the
+  // packed kernel: where oneDNN's bf16 GEMM has AMX tiles (not measured against the kernel; without
+  // AMX the kernel was faster at every size measured, up to 2048 rows, fp32 and int8 alike)
+  m.def("gemm_prefill", []() { return at::native::cpublas::could_pack(torch::kBFloat16); });
   // whether bf16 activations meet packed weights as int8 (AVX512_VNNI), not exact (see PACKED)
   m.def("int8_activations", []() {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)

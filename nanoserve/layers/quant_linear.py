@@ -7,10 +7,11 @@ Where the kernels have an AVX-512 build (`packs()`), Q4_0/Q4_1/Q8_0 matrices are
 load into groups of 16 interleaved rows (the same bytes; csrc/quant_kernels.cpp, PACKED): one vector
 then holds one weight of 16 rows, and the GEMV runs at about the memory's speed.
 
-Batches of up to GEMV_MAX_ROWS rows (PACKED_MAX_ROWS packed; any number with int8 activations) go
-through the kernel; larger ones dequantize the weight (in row chunks of DEQUANT_CHUNK weights where it
-is larger) into a scratch tensor in the activation dtype and run the ordinary GEMM (oneDNN): there the
-FLOPs dominate and the dequantization is a few percent of the step.
+Packed matrices take every step on the kernel (beyond PACKED_MAX_ROWS rows only where the GEMM has
+AMX); block-layout ones up to GEMV_MAX_ROWS rows (decode). Larger steps dequantize the weight (in row
+chunks of DEQUANT_CHUNK weights where it is larger) into a scratch tensor in the activation dtype and
+run the ordinary GEMM (oneDNN): there the FLOPs dominate and the dequantization is a few percent of
+the step.
 Embedding lookups dequantize only the rows they read."""
 from __future__ import annotations
 
@@ -28,9 +29,10 @@ TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q6_K: "Q6_
 # Above this many rows the dequantize-then-GEMM path runs (bench/latency.py --quant-kernels measures
 # both sides of it)
 GEMV_MAX_ROWS = 12
-# The packed kernel's cost a row is about the bf16 GEMM's (one thread, 3072x576 Q4_1: ~38 vs ~33 us
-# a row, measured up to 256 rows), so dequantizing first pays only beyond ~64 rows: batched decode
-# stays on the kernel (one path, the same bits, for any batch up to this)
+# Packed matrices take every step on the kernel: without AMX it was faster than dequantize + oneDNN
+# GEMM at every size measured (one thread, 3072x576 Q4_1: int8 activations 22.6 vs 36.1 ms at 2048
+# rows, fp32 70 vs 83 ms), and a token's numerics then do not depend on its step's size. With AMX
+# (`gemm_prefill()`, not measured against the kernel) steps beyond this many rows take the GEMM
 PACKED_MAX_ROWS = 64
 # A prefill GEMM dequantizes at most this many weights (elements) at a time: larger weights (a 1B
 # model's gate/up, 33M) go through in row chunks, so the scratch stays a few MB
@@ -135,15 +137,12 @@ class QuantLinear:
         self.out_features = sum(p.shape[0] for p in parts)
         parts = self.parts
         self.offsets = [sum(p.shape[0] for p in parts[:i]) for i in range(len(parts))]
-        self.max_kernel_rows = PACKED_MAX_ROWS if all(p.packed for p in parts) else GEMV_MAX_ROWS
-        # bf16 activations as int8 (VNNI): the kernel is faster than dequantize + bf16 GEMM at any row
-        # count (one thread, 3072x576 Q4_1: 3.3 vs 4.4 ms at 256 rows, 13.5 vs 17.2 at 1024), so prefill
-        # takes it too, and a token's numerics do not depend on its step's size
-        self.int8 = all(p.packed for p in parts) and bool(getattr(kernels, "int8_activations", lambda: False)())
-
-    def kernel_rows(self, dtype: torch.dtype) -> int:
-        """The most rows a call computes straight from the blocks; beyond, dequantize + GEMM."""
-        return 1 << 62 if self.int8 and dtype == torch.bfloat16 else self.max_kernel_rows
+        if not all(p.packed for p in parts):
+            self.max_kernel_rows = GEMV_MAX_ROWS
+        elif getattr(kernels, "gemm_prefill", lambda: False)():
+            self.max_kernel_rows = PACKED_MAX_ROWS
+        else:
+            self.max_kernel_rows = 1 << 62
 
     @property
     def nbytes(self) -> int:
@@ -151,7 +150,7 @@ class QuantLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        gemm = rows > self.kernel_rows(x.dtype)
+        gemm = rows > self.max_kernel_rows
         if gemm and self.out_features * self.in_features <= DEQUANT_CHUNK:
             return F.linear(x, self.dequantized(x.dtype), self.bias)
         out = torch.empty(rows, self.out_features, dtype=x.dtype)
