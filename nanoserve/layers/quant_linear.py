@@ -26,8 +26,7 @@ Q4_K, Q6_K = 12, 14
 # (weights, bytes) of one block, by type
 BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34), Q4_K: (256, 144), Q6_K: (256, 210)}
 TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q6_K: "Q6_K"}
-# Above this many rows the dequantize-then-GEMM path runs (bench/latency.py --quant-kernels measures
-# both sides of it)
+# Above this many rows a block-layout matrix (AVX2, scalar builds) is dequantized for the GEMM
 GEMV_MAX_ROWS = 12
 # Packed matrices take every step on the kernel: without AMX it was faster than dequantize + oneDNN
 # GEMM at every size measured (one thread, 3072x576 Q4_1: int8 activations 22.6 vs 36.1 ms at 2048
