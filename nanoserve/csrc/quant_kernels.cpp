@@ -229,8 +229,9 @@ void linear_impl(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t
 //   Q4_1), the same value as sum((d q + m) x) up to fp32 rounding and summation order;
 // - bf16 (AVX512_VNNI): as llama.cpp does, each 32-activation block is rounded to int8 with its own
 //   scale (absmax / 127) and meets the weights in integer dot products (exact), then one fp32 scaling
-//   a block: the error is the activation rounding, at most half a step (absmax / 254) an element,
-//   about bf16's own (2^-9 relative), larger for the small elements of a block with an outlier.
+//   a block: the error is the activation rounding, at most half a step (absmax / 254) an element:
+//   for the block's largest element about 2^-8 relative (bf16's own rounding: 2^-9), relatively
+//   more for small elements beside an outlier.
 constexpr int64_t PACKED = 256;  // qtype | PACKED names a packed matrix
 constexpr int G = 16;            // rows per group
 
