@@ -17,8 +17,8 @@ from nanoserve.layers import cpu_kernels
 from nanoserve.layers.quant_linear import Q4_0, Q4_1, Q8_0, QuantEmbedding, QuantLinear, QuantTensor
 from tests.conftest import KV_GB
 
-# test_correctness's prompts: prefilled in one step of > GEMV_MAX_ROWS tokens (dequantize + GEMM), then
-# decoded as a batch of 4 (the block kernel)
+# test_correctness's prompts: prefilled in one step, then decoded as a batch of 4 (on AVX-512 both through
+# the packed kernel; elsewhere the prefill dequantizes for the GEMM and the decode takes the block kernel)
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away, there lived",
            "1, 2, 3, 4,"]
 LOGPROB_TOL = 2e-3
