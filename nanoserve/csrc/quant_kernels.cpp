@@ -347,7 +347,8 @@ void dequant_impl(const uint8_t* w, bool packed, int64_t row_bytes, const int64_
 // int8 values (for Q4_0's -8, Q4_1's offset and Q8_0's unsigned shift); a row's values depend on
 // that row alone (batch invariance)
 struct PackedX {
-  std::vector<float> f, scale;
+  const float* f = nullptr;  // fp32 x: the caller's rows themselves, or `fbuf` (bf16 x without VNNI)
+  std::vector<float> fbuf, scale;
   std::vector<int8_t> q;
   std::vector<int32_t> qsum;
   int64_t nb = 0;
@@ -360,9 +361,14 @@ PackedX prepare_x(const XT* x, int64_t T, int64_t K, bool int8) {
   p.nb = K / QK;
   p.int8 = int8;
   if (!int8) {  // the values, and each block's sum (Q4_1's offset term) in a fixed order
-    p.f.resize(T * K);
+    if constexpr (std::is_same_v<XT, float>) {
+      p.f = x;
+    } else {
+      p.fbuf.resize(T * K);
+      for (int64_t i = 0; i < T * K; ++i) p.fbuf[i] = static_cast<float>(x[i]);
+      p.f = p.fbuf.data();
+    }
     p.scale.resize(T * p.nb);
-    for (int64_t i = 0; i < T * K; ++i) p.f[i] = static_cast<float>(x[i]);
     for (int64_t i = 0; i < T * p.nb; ++i) {
       float s = 0.f;
       for (int k = 0; k < QK; ++k) s += p.f[i * QK + k];
@@ -493,7 +499,7 @@ inline void packed_group_f32(const uint8_t* group, const PackedX& x, int64_t t0,
           w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8 * i + 4), tbl);
         }
         for (int t = 0; t < NT; ++t) {
-          const float* xb = x.f.data() + (t0 + t) * K + b * QK;
+          const float* xb = x.f + (t0 + t) * K + b * QK;
           if constexpr (QT == Q8_0) {
             acc[t][i & 1] = _mm512_fmadd_ps(w0, _mm512_set1_ps(xb[j]), acc[t][i & 1]);
           } else {
@@ -560,8 +566,6 @@ void packed_linear_impl(const PackedX& x, int64_t T, const uint8_t* w, int64_t N
   }
 }
 #endif
-
-template <int QT> constexpr bool known() { return QT == Q4_0 || QT == Q4_1 || QT == Q8_0; }
 
 // dispatch (qtype, output dtype) to a template instance
 template <template <int, typename> class F, typename... A>
@@ -645,8 +649,9 @@ void quant_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, torch::Tensor
 #else
     const bool int8 = false;
 #endif
+    const torch::Tensor xf = x.scalar_type() == torch::kBFloat16 ? xc : xc.to(torch::kFloat);  // outlives px
     const PackedX px = x.scalar_type() == torch::kBFloat16 ? prepare_x(xc.data_ptr<c10::BFloat16>(), T, K, int8)
-                                                            : prepare_x(xc.to(torch::kFloat).data_ptr<float>(), T, K, false);
+                                                            : prepare_x(xf.data_ptr<float>(), T, K, false);
     dispatch<PackedLinear>(qtype & ~PACKED, out, &px, T, w.data_ptr<uint8_t>(), N, w.size(1), out.stride(0));
     return;
 #else
