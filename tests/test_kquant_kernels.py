@@ -130,6 +130,113 @@ def test_embedding_dequantizes_the_rows_it_reads(kernels):
     assert torch.equal(QuantEmbedding(table, kernels, torch.bfloat16)(ids), table.dequantize()[ids].bfloat16())
 
 
+def packed(w: QuantTensor, kernels) -> QuantTensor:
+    p = w.packed_for(kernels)
+    if not p.packed:
+        pytest.skip("this build has no packed layout (AVX-512 only)")
+    return p
+
+
+def int8_rounding_bound(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
+    """[tokens, rows]: the most that rounding x to int8 per 32-block (scale absmax / 127, to nearest)
+    can move x W^T: half a step, absmax / 254, an element, times the weights' |sum| over the block."""
+    xb = x.double().view(x.shape[0], -1, 32)
+    wb = w.dequantize().double().abs().view(w.shape[0], -1, 32).sum(-1)
+    return torch.einsum("tb,nb->tn", xb.abs().amax(-1) / 254, wb)
+
+
+@pytest.mark.parametrize("name", list(TYPES))
+@pytest.mark.parametrize("rows,cols", [(1, 256), (37, 768), (130, 1280)])
+@pytest.mark.parametrize("tokens", [1, 5, 8, 13, 261])  # 13: a pass of 8 then 5; 261: two sweeps of 256
+def test_packed_matches_dequantize_then_matmul(kernels, name, rows, cols, tokens):
+    w = kq(rows, cols, TYPES[name], seed=rows + tokens)
+    p = packed(w, kernels)
+    x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens))
+    want = reference(x, w)
+    lin = QuantLinear([p], kernels, Scratch())
+    assert lin.max_kernel_rows >= tokens or kernels.gemm_prefill()
+    got = lin(x)  # fp32: exact products, summation-order noise
+    assert (got.double() - want).abs().max().item() <= 2e-6 * (want.abs().max().item() + 1e-6) * cols ** 0.5
+    xb = x.bfloat16()
+    want16 = reference(xb, w)
+    got16 = lin(xb)
+    if kernels.int8_activations(TYPES[name]) and tokens <= lin.max_kernel_rows:
+        # int8 activations: within half a step an element, plus the output's bf16 rounding, every element
+        bound = int8_rounding_bound(xb, w) + 2 ** -8 * want16.abs() + 1e-6
+        assert ((got16.double() - want16).abs() <= bound).all()
+        assert (got16.double() - want16).abs().max().item() > 0  # not exact: the activations were rounded
+    else:
+        assert (got16.double() - want16).abs().max().item() <= 2 ** -7 * want16.abs().max().item()
+
+
+@pytest.mark.parametrize("name", list(TYPES))
+def test_packed_int8_activations_are_the_rounded_blocks_exactly(kernels, name):
+    """The integer path computes sum d_x dot(q_w, q_x) exactly: reproduce it from the int8 rounding."""
+    if not kernels.int8_activations(TYPES[name]):
+        pytest.skip("no int8 activation path in this build (AVX512_VNNI)")
+    w = kq(21, 512, TYPES[name], seed=5)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(TYPES[name])).bfloat16()
+    xb = x.float().view(3, -1, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    # the kernel's arithmetic, in fp32 (`127 / amax` would be 127 * (1 / amax): an ulp off at near-ties)
+    xq = torch.round(xb * torch.full_like(amax, 127).div(amax)).clamp(-127, 127) * (amax / 127)
+    want = xq.view(3, 512).double() @ w.dequantize().double().T
+    out = torch.empty(3, 21)
+    p = packed(w, kernels)
+    kernels.quant_linear(x, p.data, p.kernel_type, out)
+    assert (out.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+@pytest.mark.parametrize("name", list(TYPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_rows_get_the_same_bits_whatever_rows_share_their_pass(kernels, name, dtype):
+    p = packed(kq(37, 512, TYPES[name], seed=7), kernels)
+    x = torch.randn(13, 512, generator=torch.Generator().manual_seed(3)).to(dtype)
+    together = torch.empty(13, 37, dtype=dtype)
+    kernels.quant_linear(x, p.data, p.kernel_type, together)
+    for t in range(13):
+        alone = torch.empty(1, 37, dtype=dtype)
+        kernels.quant_linear(x[t:t + 1], p.data, p.kernel_type, alone)
+        assert torch.equal(alone, together[t:t + 1]), (name, dtype, t)
+    some = torch.empty(6, 37, dtype=dtype)
+    kernels.quant_linear(x[5:11], p.data, p.kernel_type, some)
+    assert torch.equal(some, together[5:11])
+
+
+@pytest.mark.parametrize("name", list(TYPES))
+@pytest.mark.parametrize("rows,cols", [(1, 256), (37, 768), (48, 512)])
+def test_packing_keeps_every_bit(kernels, name, rows, cols):
+    """pack -> dequantize is the block dequantization exactly; quant_rows reads single rows of it."""
+    w = kq(rows, cols, TYPES[name], seed=rows * cols)
+    p = packed(w, kernels)
+    per_block = {Q4_K: 148, Q6_K: 210}[TYPES[name]]
+    assert tuple(p.data.shape) == (-(-rows // 16), cols // 256 * per_block * 16)
+    want = w.dequantize()
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        out = torch.empty(rows, cols, dtype=dtype)
+        kernels.quant_dequantize(p.data, p.kernel_type, out)
+        assert torch.equal(out, want.to(dtype)), dtype
+    ids = torch.tensor([rows - 1, 0, rows // 2, rows - 1])
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(QuantEmbedding(p, kernels, dtype)(ids), want[ids].to(dtype))
+    with pytest.raises(RuntimeError, match="out of"):
+        QuantEmbedding(p, kernels, torch.float32)(torch.tensor([rows]))
+
+
+def test_packed_parts_stack_and_prefill_in_chunks(kernels, monkeypatch):
+    from nanoserve.layers import quant_linear
+    parts = [packed(kq(32, 512, Q4_K, 1), kernels), packed(kq(16, 512, Q6_K, 2), kernels), packed(kq(16, 512, Q4_K, 3), kernels)]
+    lin = QuantLinear(parts, kernels, Scratch())
+    assert len(lin.parts) == 3  # Q4_K, Q6_K, Q4_K: no two neighbours of one type
+    x = torch.randn(9, 512)
+    want = torch.cat([reference(x, w) for w in (kq(32, 512, Q4_K, 1), kq(16, 512, Q6_K, 2), kq(16, 512, Q4_K, 3))], dim=1)
+    assert (lin(x).double() - want).abs().max().item() < 1e-4
+    assert len(QuantLinear(parts[:1] + parts[2:], kernels, Scratch()).parts) == 1
+    monkeypatch.setattr(quant_linear, "DEQUANT_CHUNK", 16 * 512)  # the GEMM path (as with AMX), 16 rows a chunk
+    lin.max_kernel_rows = 4
+    assert (lin(x).double() - want).abs().max().item() < 1e-4
+
+
 def test_bad_shapes_and_types_are_refused(kernels):
     w = kq(4, 512, Q4_K)
     with pytest.raises(ValueError, match="block matrix"):
@@ -152,7 +259,9 @@ def test_bad_shapes_and_types_are_refused(kernels):
 
 def test_router_sends_each_type_to_its_module_and_forwards_the_rest(kernels):
     assert kernels.isa() == kernels.blocks.isa()  # any other attribute: the blocks module's
+    assert kernels.packs(Q4_K) == kernels.kquants.packs() and kernels.packs() == kernels.blocks.packs()
     crippled = cpu_kernels.QuantKernels(kernels.blocks, None)
+    assert not crippled.packs(Q6_K) and kq(16, 256, Q6_K).packed_for(crippled).packed is False
     w = kq(4, 256, Q6_K)
     with pytest.raises(RuntimeError, match="did not build"):
         crippled.quant_linear(torch.randn(1, 256), w.data, Q6_K, torch.empty(1, 4))
@@ -190,6 +299,16 @@ for qt in (Q4_K, Q6_K):
             alone = torch.empty(1, 9, dtype=dt)
             k.quant_linear(x[t:t + 1], w.data, qt, alone)
             assert torch.equal(alone, got[t:t + 1]), (qt, dt, t)
+    if k.packs():  # AVX-512 without VNNI: the packed fp32 path, bf16 x widened
+        p = k.quant_pack(w.data, qt)
+        out = torch.empty(9, 768)
+        k.quant_dequantize(p, qt + 256, out)
+        assert torch.equal(out, w.dequantize()), qt
+        x = torch.randn(GEMV, 768)
+        got = torch.empty(GEMV, 9)
+        k.quant_linear(x.bfloat16(), p, qt + 256, got)
+        want = x.bfloat16().double() @ w.dequantize().double().T
+        assert (got.double() - want).abs().max().item() < (1e-4 if not k.int8_activations() else 1e-2), qt
 """.replace("GEMV", str(GEMV_MAX_ROWS))
 
 

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -304,18 +305,400 @@ void dequant_impl(const uint8_t* w, int64_t N, int64_t K, int64_t ldw, O* out, i
   });
 }
 
-int64_t block_bytes_of(int64_t qtype) {
-  TORCH_CHECK(qtype == Q4_K || qtype == Q6_K, "quantized type ", qtype, " has no K-quant kernel (Q4_K=12, Q6_K=14)");
-  return qtype == Q4_K ? 144 : 210;
+// ---- the packed layout (AVX-512 builds): 16 rows interleaved ---------------------------------------
+// As quant_kernels.cpp's PACKED: one 64-byte vector holds four consecutive quant bytes of each of 16
+// rows (qs_index), so a GEMV needs no horizontal sums and vpdpbusd multiplies 16 rows at once. Per
+// group of 16 rows and super-block (rows padded to a multiple of 16 with zero blocks):
+//   Q4_K (2368 bytes = 16 x 148, 0.578 bytes a weight): d[16] fp16 | dmin[16] fp16 | sc[8][16] |
+//     m[8][16] (the 6-bit scales and mins unpacked, a byte each, sub-block-major) | qs[32][16][4]
+//     with qs[c][r][i] = byte 4c+i of row r's 128 nibble bytes (the GGUF nibble order: byte 32p+k
+//     holds weight 64p+k in its low nibble, 64p+32+k in its high one)
+//   Q6_K (3360 bytes = 16 x 210, as GGUF: 0.820 bytes a weight): d[16] fp16 | sc[16][16] int8 |
+//     per 32 weights a: ql[4][16][4] | qh[2][16][4]: ql byte (c, r, i) holds the low 4 bits of weight
+//     32a+4c+i (low nibble) and 32a+16+4c+i (high nibble); qh byte (h, r, i) the high 2 bits of
+//     32a+8h+i, 32a+16+8h+i, 32a+8h+4+i, 32a+16+8h+4+i in bits 0-1, 2-3, 4-5, 6-7
+// Two ways to compute, as in quant_kernels.cpp, by the activations' dtype:
+// - fp32: exact products in FMAs; Q4_K: per sub-block (d sc) * sum(q x) - (dmin m) * sum(x), Q6_K:
+//   per 16 weights (d sc) * sum((q - 32) x): the reference's value up to fp32 rounding and order;
+// - bf16 (AVX512_VNNI): each 32-activation block rounded to int8 with its own scale (absmax / 127,
+//   round to nearest even: at most absmax / 254 off an element, exactly quant_kernels.cpp's rounding),
+//   integer dot products per sub-block (Q4_K: 32 weights) or per 16 weights (Q6_K: q - 32 via the
+//   block's int8 sum, times the int8 scale, exact in int32), then fp32 scaling in a fixed order.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr int64_t PACKED = 256;  // qtype | PACKED names a packed matrix
+constexpr int G = 16;            // rows per group
+constexpr int XB = 32;           // activations per int8 block
+template <int QT> constexpr int64_t packed_bytes() { return QT == Q4_K ? 2368 : 3360; }
+constexpr int qs_index(int j, int r) { return (j / 4) * 64 + r * 4 + (j % 4); }
+constexpr int Q6_QL = 288, Q6_A = 384;  // Q6_K: where the quants start; bytes per 32 weights
+// Q6_K: the qh byte (of vector h) and bit shift holding weight k's (0..31 within its block) high bits
+inline void q6_qh_slot(int k, int& h, int& shift) {
+  const int hi = k / 16, c = (k % 16) / 4;
+  h = c / 2;
+  shift = 4 * (c % 2) + 2 * hi;
 }
 
-void check_weight(const torch::Tensor& w, int64_t qtype, int64_t K) {
+// row r's GGUF super-block -> its place in a packed group's super-block, and back
+template <int QT>
+void pack_superblock(const uint8_t* b, int r, uint8_t* p) {
+  if constexpr (QT == Q4_K) {
+    std::memcpy(p + 2 * r, b, 2);
+    std::memcpy(p + 32 + 2 * r, b + 2, 2);
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t* s = b + 4;
+      p[64 + 16 * j + r] = j < 4 ? s[j] & 63 : (s[j + 4] & 0x0F) | ((s[j - 4] >> 2) & 0x30);
+      p[192 + 16 * j + r] = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
+    }
+    for (int c = 0; c < 32; ++c) std::memcpy(p + 320 + qs_index(4 * c, r), b + 16 + 4 * c, 4);
+  } else {
+    std::memcpy(p + 2 * r, b + 208, 2);
+    for (int g = 0; g < 16; ++g) p[32 + 16 * g + r] = b[192 + g];
+    for (int e = 0; e < QK; ++e) {
+      const int a = e / 32, k = e % 32, q = q6k_value(b, e) + 32;
+      uint8_t* blk = p + Q6_QL + Q6_A * a;
+      blk[qs_index(k % 16, r)] |= (q & 15) << (4 * (k / 16));
+      int h, shift;
+      q6_qh_slot(k, h, shift);
+      blk[256 + 64 * h + 4 * r + k % 4] |= (q >> 4) << shift;
+    }
+  }
+}
+
+template <int QT>
+void unpack_superblock(const uint8_t* p, int r, uint8_t* b) {
+  std::memset(b, 0, block_bytes<QT>());
+  if constexpr (QT == Q4_K) {
+    std::memcpy(b, p + 2 * r, 2);
+    std::memcpy(b + 2, p + 32 + 2 * r, 2);
+    uint8_t sc[8], m[8], *s = b + 4;
+    for (int j = 0; j < 8; ++j) sc[j] = p[64 + 16 * j + r], m[j] = p[192 + 16 * j + r];
+    for (int j = 0; j < 4; ++j) {  // get_scale_min's packing, inverted: all 96 bits are used
+      s[j] = sc[j] | ((sc[j + 4] >> 4) << 6);
+      s[j + 4] = m[j] | ((m[j + 4] >> 4) << 6);
+      s[j + 8] = (sc[j + 4] & 0x0F) | ((m[j + 4] & 0x0F) << 4);
+    }
+    for (int c = 0; c < 32; ++c) std::memcpy(b + 16 + 4 * c, p + 320 + qs_index(4 * c, r), 4);
+  } else {
+    std::memcpy(b + 208, p + 2 * r, 2);
+    for (int g = 0; g < 16; ++g) b[192 + g] = p[32 + 16 * g + r];
+    for (int e = 0; e < QK; ++e) {
+      const int a = e / 32, k = e % 32;
+      const uint8_t* blk = p + Q6_QL + Q6_A * a;
+      int h, shift;
+      q6_qh_slot(k, h, shift);
+      const int q = ((blk[qs_index(k % 16, r)] >> (4 * (k / 16))) & 15) | (((blk[256 + 64 * h + 4 * r + k % 4] >> shift) & 3) << 4);
+      const int hh = e / 128, rr = e % 128;
+      b[hh * 64 + rr % 64] |= (q & 15) << (4 * (rr / 64));
+      b[128 + hh * 32 + rr % 32] |= (q >> 4) << (2 * (rr / 32));
+    }
+  }
+}
+
+template <int QT>
+void pack_impl(const uint8_t* w, int64_t N, int64_t nb, uint8_t* out) {
+  constexpr int64_t pb = packed_bytes<QT>(), bb = block_bytes<QT>();
+  at::parallel_for(0, (N + G - 1) / G, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t s = 0; s < nb; ++s) {
+        uint8_t* dst = out + (g * nb + s) * pb;
+        std::memset(dst, 0, pb);
+        for (int r = 0; r < G && g * G + r < N; ++r) pack_superblock<QT>(w + (g * G + r) * nb * bb + s * bb, r, dst);
+      }
+  });
+}
+
+// out[i, :] = weight row rows[i] (all rows when null) of a packed matrix: each super-block back in GGUF
+// form, then the block layout's dequantization (so the reference's values bit for bit)
+template <int QT, typename O>
+void dequant_packed_impl(const uint8_t* w, int64_t ldw, const int64_t* rows, int64_t n_out, int64_t K, O* out, int64_t ldo) {
+  const int64_t nb = K / QK;
+  at::parallel_for(0, n_out, 16, [&](int64_t begin, int64_t end) {
+    alignas(64) uint8_t blk[block_bytes<QT>()];
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t n = rows ? rows[i] : i;
+      for (int64_t s = 0; s < nb; ++s) {
+        unpack_superblock<QT>(w + n / G * ldw + s * packed_bytes<QT>(), static_cast<int>(n % G), blk);
+        O* ob = out + i * ldo + s * QK;
+        Simd::superblock<QT>(blk, [&](int j, V v) { Simd::store(ob + j * Simd::W, v); });
+      }
+    }
+  });
+}
+
+// Activations as the packed kernels read them, per x row: fp32 values and each 32-block's sum (Q4_K's
+// min term), or (int8) each 32-block rounded to int8, its scale, and the sums of its two 16-halves'
+// int8 values; a row's values depend on that row alone (batch invariance)
+struct PackedX {
+  const float* f = nullptr;
+  std::vector<float> fbuf, scale;
+  std::vector<int8_t> q;
+  std::vector<int32_t> qsum;  // [T * K / 16]
+  int64_t K = 0;
+  bool int8 = false;
+};
+
+PackedX prepare_x(const torch::Tensor& x, bool int8) {
+  PackedX p;
+  const int64_t T = x.size(0), K = x.size(1), nb = K / XB;
+  p.K = K;
+  p.int8 = int8;
+  p.scale.resize(T * nb);
+  if (!int8) {
+    if (x.scalar_type() == torch::kFloat) {
+      p.f = x.data_ptr<float>();
+    } else {
+      p.fbuf.resize(T * K);
+      const c10::BFloat16* xb = x.data_ptr<c10::BFloat16>();
+      for (int64_t i = 0; i < T * K; ++i) p.fbuf[i] = static_cast<float>(xb[i]);
+      p.f = p.fbuf.data();
+    }
+    for (int64_t i = 0; i < T * nb; ++i) {
+      float s = 0.f;
+      for (int k = 0; k < XB; ++k) s += p.f[i * XB + k];
+      p.scale[i] = s;
+    }
+    return p;
+  }
+  p.q.resize(T * K);
+  p.qsum.resize(T * K / 16);
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  for (int64_t i = 0; i < T * nb; ++i) {  // quant_kernels.cpp's rounding, the same instructions
+    const __m512i raw = _mm512_loadu_si512(xp + i * XB);
+    const __m512 f0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
+    const __m512 f1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(f0), _mm512_abs_ps(f1)));
+    const __m512 id = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    const __m512i lim = _mm512_set1_epi32(127), nlim = _mm512_set1_epi32(-127);
+    const __m512i q0 = _mm512_max_epi32(nlim, _mm512_min_epi32(lim, _mm512_cvtps_epi32(_mm512_mul_ps(f0, id))));
+    const __m512i q1 = _mm512_max_epi32(nlim, _mm512_min_epi32(lim, _mm512_cvtps_epi32(_mm512_mul_ps(f1, id))));
+    _mm_storeu_si128((__m128i*)(p.q.data() + i * XB), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128((__m128i*)(p.q.data() + i * XB + 16), _mm512_cvtepi32_epi8(q1));
+    p.scale[i] = amax / 127.f;
+    p.qsum[2 * i] = _mm512_reduce_add_epi32(q0);
+    p.qsum[2 * i + 1] = _mm512_reduce_add_epi32(q1);
+  }
+  return p;
+}
+
+inline __m512 load_h(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+inline __m512 load_u8(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p))); }
+inline __m512i load_i8(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)); }
+
+// Q6_K: the 6-bit values of 32a+4c+i (lo) and 32a+16+4c+i (hi) of 16 rows, a byte each
+inline void q6_bytes(const uint8_t* blk, int c, __m512i& lo, __m512i& hi) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+  const __m512i ql = _mm512_loadu_si512(blk + 64 * c), qh = _mm512_loadu_si512(blk + 256 + 64 * (c / 2));
+  // the high bits moved to bits 4-5 (16-bit shifts: the bits kept come from the same byte)
+  const __m512i hlo = _mm512_and_si512(c % 2 ? qh : _mm512_slli_epi16(qh, 4), m30);
+  const __m512i hhi = _mm512_and_si512(c % 2 ? _mm512_srli_epi16(qh, 2) : _mm512_slli_epi16(qh, 2), m30);
+  lo = _mm512_ternarylogic_epi32(ql, hlo, m4, 0xE4);  // m4 ? ql : h, bit by bit
+  hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(ql, 4), hhi, m4, 0xE4);
+}
+
+#if defined(__AVX512VNNI__)
+// one group of 16 rows against NT int8 x rows; integer sums per sub-block are exact (their order and
+// NA, the chains per row, are free), the fp32 steps per row fixed
+template <int QT, int NT>
+inline void group_int8(const uint8_t* group, const PackedX& x, int64_t t0, __m512* res) {
+  constexpr int NA = NT <= 2 ? 2 : 1;
+  const int64_t K = x.K, nsb = K / QK;
+  __m512 tot[NT];
+  for (int t = 0; t < NT; ++t) tot[t] = _mm512_setzero_ps();
+  auto xd = [&](int t, int64_t k) {  // four int8 activations k..k+3, broadcast
+    int32_t v;
+    std::memcpy(&v, x.q.data() + (t0 + t) * K + k, 4);
+    return _mm512_set1_epi32(v);
+  };
+  for (int64_t s = 0; s < nsb; ++s) {
+    const uint8_t* p = group + s * packed_bytes<QT>();
+    const __m512 d = load_h(p);
+    if constexpr (QT == Q4_K) {
+      const __m512 dmin = load_h(p + 32);
+      const __m512i m4 = _mm512_set1_epi8(0x0F);
+      for (int pp = 0; pp < 4; ++pp) {
+        __m512i acc[NT][2][NA];
+        for (int t = 0; t < NT; ++t)
+          for (int a = 0; a < NA; ++a) acc[t][0][a] = acc[t][1][a] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int v = 0; v < 8; ++v) {
+          const __m512i wv = _mm512_loadu_si512(p + 320 + (8 * pp + v) * 64);
+          const __m512i lo = _mm512_and_si512(wv, m4), hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), m4);
+          for (int t = 0; t < NT; ++t) {
+            const int64_t k = s * QK + 64 * pp + 4 * v;
+            acc[t][0][v % NA] = _mm512_dpbusd_epi32(acc[t][0][v % NA], lo, xd(t, k));
+            acc[t][1][v % NA] = _mm512_dpbusd_epi32(acc[t][1][v % NA], hi, xd(t, k + 32));
+          }
+        }
+        for (int h = 0; h < 2; ++h) {
+          const int j = 2 * pp + h;
+          const __m512 dsc = _mm512_mul_ps(d, load_u8(p + 64 + 16 * j)), dm = _mm512_mul_ps(dmin, load_u8(p + 192 + 16 * j));
+          for (int t = 0; t < NT; ++t) {
+            const int64_t xi = (t0 + t) * (K / XB) + s * 8 + j;
+            __m512i dot = acc[t][h][0];
+            if constexpr (NA == 2) dot = _mm512_add_epi32(dot, acc[t][h][NA - 1]);
+            const float dx = x.scale[xi];
+            tot[t] = _mm512_fmadd_ps(_mm512_mul_ps(dsc, _mm512_set1_ps(dx)), _mm512_cvtepi32_ps(dot), tot[t]);
+            tot[t] = _mm512_fnmadd_ps(dm, _mm512_set1_ps(dx * static_cast<float>(x.qsum[2 * xi] + x.qsum[2 * xi + 1])), tot[t]);
+          }
+        }
+      }
+    } else {
+      for (int a = 0; a < 8; ++a) {
+        const uint8_t* blk = p + Q6_QL + Q6_A * a;
+        __m512i acc[NT][2];
+        for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) {
+          __m512i lo, hi;
+          q6_bytes(blk, c, lo, hi);
+          for (int t = 0; t < NT; ++t) {
+            const int64_t k = s * QK + 32 * a + 4 * c;
+            acc[t][0] = _mm512_dpbusd_epi32(acc[t][0], lo, xd(t, k));
+            acc[t][1] = _mm512_dpbusd_epi32(acc[t][1], hi, xd(t, k + 16));
+          }
+        }
+        const __m512i sc0 = load_i8(p + 32 + 16 * (2 * a)), sc1 = load_i8(p + 32 + 16 * (2 * a + 1));
+        for (int t = 0; t < NT; ++t) {
+          const int64_t xi = (t0 + t) * (K / XB) + s * 8 + a;
+          // sc * (sum q x - 32 sum x) per 16 weights, in int32 (|.| < 2^24 each)
+          const __m512i v = _mm512_add_epi32(
+              _mm512_mullo_epi32(sc0, _mm512_sub_epi32(acc[t][0], _mm512_set1_epi32(32 * x.qsum[2 * xi]))),
+              _mm512_mullo_epi32(sc1, _mm512_sub_epi32(acc[t][1], _mm512_set1_epi32(32 * x.qsum[2 * xi + 1]))));
+          tot[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x.scale[xi])), _mm512_cvtepi32_ps(v), tot[t]);
+        }
+      }
+    }
+  }
+  for (int t = 0; t < NT; ++t) res[t] = tot[t];
+}
+#endif
+
+// one group of 16 rows against NT fp32 x rows: two FMA chains per x row and scale (by weight parity)
+template <int QT, int NT>
+inline void group_f32(const uint8_t* group, const PackedX& x, int64_t t0, __m512* res) {
+  const int64_t K = x.K, nsb = K / QK;
+  const __m512 tbl = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 tot[NT];
+  for (int t = 0; t < NT; ++t) tot[t] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < nsb; ++s) {
+    const uint8_t* p = group + s * packed_bytes<QT>();
+    const __m512 d = load_h(p);
+    for (int u = 0; u < (QT == Q4_K ? 4 : 8); ++u) {  // Q4_K: sub-block pairs; Q6_K: 32-weight blocks
+      __m512 acc[NT][2][2];
+      for (int t = 0; t < NT; ++t) acc[t][0][0] = acc[t][0][1] = acc[t][1][0] = acc[t][1][1] = _mm512_setzero_ps();
+      const int64_t k0 = s * QK + (QT == Q4_K ? 64 : 32) * u, kh = QT == Q4_K ? 32 : 16;  // x of lo / hi weights
+      for (int c = 0; c < (QT == Q4_K ? 8 : 4); ++c) {
+        __m512i lo, hi;
+        if constexpr (QT == Q4_K) {
+          lo = _mm512_loadu_si512(p + 320 + (8 * u + c) * 64);
+          hi = _mm512_srli_epi32(lo, 4);
+        } else {
+          q6_bytes(p + Q6_QL + Q6_A * u, c, lo, hi);
+          lo = _mm512_sub_epi8(lo, _mm512_set1_epi8(32));
+          hi = _mm512_sub_epi8(hi, _mm512_set1_epi8(32));
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) {
+          __m512 wl, wh;
+          if constexpr (QT == Q4_K) {  // vpermps reads the low 4 bits of each lane
+            wl = _mm512_permutexvar_ps(_mm512_srli_epi32(lo, 8 * i), tbl);
+            wh = _mm512_permutexvar_ps(_mm512_srli_epi32(hi, 8 * i), tbl);
+          } else {
+            wl = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(lo, 24 - 8 * i), 24));
+            wh = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(hi, 24 - 8 * i), 24));
+          }
+          for (int t = 0; t < NT; ++t) {
+            const float* xb = x.f + (t0 + t) * K + k0 + 4 * c + i;
+            acc[t][0][i & 1] = _mm512_fmadd_ps(wl, _mm512_set1_ps(xb[0]), acc[t][0][i & 1]);
+            acc[t][1][i & 1] = _mm512_fmadd_ps(wh, _mm512_set1_ps(xb[kh]), acc[t][1][i & 1]);
+          }
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
+        if constexpr (QT == Q4_K) {
+          const int j = 2 * u + h;
+          const __m512 dsc = _mm512_mul_ps(d, load_u8(p + 64 + 16 * j)), dm = _mm512_mul_ps(load_h(p + 32), load_u8(p + 192 + 16 * j));
+          for (int t = 0; t < NT; ++t) {
+            tot[t] = _mm512_fmadd_ps(dsc, _mm512_add_ps(acc[t][h][0], acc[t][h][1]), tot[t]);
+            tot[t] = _mm512_fnmadd_ps(dm, _mm512_set1_ps(x.scale[(t0 + t) * (K / XB) + s * 8 + j]), tot[t]);
+          }
+        } else {
+          const __m512 dsc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(load_i8(p + 32 + 16 * (2 * u + h))));
+          for (int t = 0; t < NT; ++t) tot[t] = _mm512_fmadd_ps(dsc, _mm512_add_ps(acc[t][h][0], acc[t][h][1]), tot[t]);
+        }
+      }
+    }
+  }
+  for (int t = 0; t < NT; ++t) res[t] = tot[t];
+}
+
+template <int QT, int NT>
+inline void group_tile(const uint8_t* group, const PackedX& x, int64_t t0, int64_t nt, __m512* res) {
+  if constexpr (NT > 1) {
+    if (nt < NT) return group_tile<QT, NT - 1>(group, x, t0, nt, res);
+  }
+#if defined(__AVX512VNNI__)
+  if (x.int8) return group_int8<QT, NT>(group, x, t0, res);
+#endif
+  if constexpr (NT <= 4) group_f32<QT, NT>(group, x, t0, res);
+  else for (int64_t t = 0; t < NT; t += 4) group_tile<QT, 4>(group, x, t0 + t, std::min<int64_t>(4, NT - t), res + t);
+}
+
+constexpr int PTILE = 8;  // x rows per pass over a group (fp32: in passes of 4)
+
+template <int QT, typename O>
+void packed_linear_impl(const PackedX& x, int64_t T, const uint8_t* w, int64_t N, int64_t ldw, O* out, int64_t ldo) {
+  const int64_t groups = (N + G - 1) / G;
+  constexpr int64_t XBLOCK = 256;  // prefill: the weights swept once per 256 x rows (theirs stay in L2)
+  for (int64_t x0 = 0; x0 < T; x0 += XBLOCK) {
+    const int64_t x1 = std::min<int64_t>(T, x0 + XBLOCK);
+    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+      __m512 res[PTILE];
+      alignas(64) float lane[G];
+      for (int64_t g = begin; g < end; ++g) {
+        const int rows = static_cast<int>(std::min<int64_t>(G, N - g * G));
+        for (int64_t t0 = x0; t0 < x1; t0 += PTILE) {
+          const int64_t nt = std::min<int64_t>(PTILE, x1 - t0);
+          group_tile<QT, PTILE>(w + g * ldw, x, t0, nt, res);
+          for (int64_t t = 0; t < nt; ++t) {
+            _mm512_store_ps(lane, res[t]);
+            O* o = out + (t0 + t) * ldo + g * G;
+            for (int r = 0; r < rows; ++r) o[r] = static_cast<O>(lane[r]);
+          }
+        }
+      }
+    });
+  }
+}
+#endif
+
+#if !(defined(__AVX512F__) && defined(__AVX512BW__))
+constexpr int64_t PACKED = 256;
+constexpr int G = 16;
+#endif
+
+// bytes a [N, K] matrix's row (block layout) or group of 16 rows (packed) holds per super-block
+int64_t block_bytes_of(int64_t qtype) {
+  const int64_t base = qtype & ~PACKED;
+  TORCH_CHECK((base == Q4_K || base == Q6_K) && (qtype == base || qtype == (base | PACKED)), "quantized type ", qtype,
+              " has no K-quant kernel (Q4_K=12, Q6_K=14, each + 256 packed)");
+  if (qtype & PACKED) return base == Q4_K ? 2368 : 3360;
+  return base == Q4_K ? 144 : 210;
+}
+
+// a block matrix [N, K/256 * block bytes], or a packed one [ceil(N / 16), K/256 * packed bytes]
+void check_weight(const torch::Tensor& w, int64_t qtype, int64_t K, int64_t N) {
   const int64_t bb = block_bytes_of(qtype);
   TORCH_CHECK(w.device().is_cpu() && w.dtype() == torch::kUInt8 && w.dim() == 2 && w.stride(1) == 1,
               "weight: 2-D uint8 CPU blocks, rows contiguous");
   TORCH_CHECK(K % QK == 0, "the input size must be a multiple of 256 for K-quants, got ", K);
   TORCH_CHECK(w.size(1) == K / QK * bb, "weight rows hold ", w.size(1), " bytes; type ", qtype, " with ", K,
               " inputs needs ", K / QK * bb);
+  const int64_t want = qtype & PACKED ? (N + G - 1) / G : N;
+  TORCH_CHECK(w.size(0) == want, "weight has ", w.size(0), " rows; ", N, " outputs need ", want);
+#if !(defined(__AVX512F__) && defined(__AVX512BW__))
+  TORCH_CHECK(!(qtype & PACKED), "packed matrices need an AVX-512 build (see packs())");
+#endif
 }
 
 void check_out(const torch::Tensor& out, int64_t rows, int64_t cols) {
@@ -335,45 +718,118 @@ void dispatch(int64_t qtype, const torch::Tensor& out, Run&& run) {
       default: TORCH_CHECK(false, "output dtype must be float32, bfloat16 or float16, got ", out.scalar_type());
     }
   };
-  if (qtype == Q4_K) by_out(std::integral_constant<int, Q4_K>());
+  if ((qtype & ~PACKED) == Q4_K) by_out(std::integral_constant<int, Q4_K>());
   else by_out(std::integral_constant<int, Q6_K>());
 }
 
 }  // namespace
 
-// out[t, n] = sum_k x[t, k] * W[n, k], W given as K-quant super-blocks [N, K/256 * block bytes]; `out`
-// may be a column slice of a wider tensor (fused parts of different types each write their columns).
+// out[t, n] = sum_k x[t, k] * W[n, k], W given as K-quant super-blocks [N, K/256 * block bytes] or
+// packed (qtype + 256, see PACKED); `out` may be a column slice of a wider tensor (fused parts of
+// different types each write their columns).
 void quant_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, torch::Tensor out) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "x must be a 2-D CPU tensor");
   TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kHalf,
               "x must be float32, bfloat16 or float16, got ", x.scalar_type());
-  const int64_t T = x.size(0), K = x.size(1), N = w.size(0);
-  check_weight(w, qtype, K);
+  const int64_t T = x.size(0), K = x.size(1), N = qtype & PACKED ? out.size(-1) : w.size(0);
+  check_weight(w, qtype, K, N);
   check_out(out, T, N);
   if (T == 0 || N == 0) return;
-  const torch::Tensor xf = x.to(torch::kFloat).contiguous();  // bf16 / fp16 widen exactly, once per call
-  const float* xp = xf.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const int64_t ldw = w.stride(0), ldo = out.stride(0);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if (qtype & PACKED) {
+    // bf16 activations meet the weights as int8 where the CPU has VNNI; fp32 ones stay exact
+#if defined(__AVX512VNNI__)
+    const bool int8 = x.scalar_type() == torch::kBFloat16;
+#else
+    const bool int8 = false;
+#endif
+    const torch::Tensor xc = x.scalar_type() == torch::kHalf ? x.to(torch::kFloat).contiguous() : x.contiguous();
+    const PackedX px = prepare_x(xc, int8);
+    dispatch(qtype, out, [&](auto qt, auto* o) { packed_linear_impl<decltype(qt)::value>(px, T, wp, N, ldw, o, ldo); });
+    return;
+  }
+#endif
+  const torch::Tensor xf = x.to(torch::kFloat).contiguous();  // bf16 / fp16 widen exactly, once per call
+  const float* xp = xf.data_ptr<float>();
   dispatch(qtype, out, [&](auto qt, auto* o) {
     linear_impl<decltype(qt)::value>(xp, T, K, wp, N, ldw, o, ldo);
   });
 }
 
+// out[i, :] = the dequantized weight row ids[i] (all rows when ids is null), bit for bit gguf's
+void dequantize_rows(const torch::Tensor& w, int64_t qtype, int64_t N, const int64_t* ids, int64_t n, torch::Tensor& out) {
+  const int64_t K = out.size(1);
+  check_weight(w, qtype, K, N);
+  check_out(out, n, K);
+  if (n == 0 || K == 0) return;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const int64_t ldw = w.stride(0), ldo = out.stride(0);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if (qtype & PACKED) {
+    dispatch(qtype, out, [&](auto qt, auto* o) { dequant_packed_impl<decltype(qt)::value>(wp, ldw, ids, n, K, o, ldo); });
+    return;
+  }
+#endif
+  TORCH_CHECK(!ids, "row lookups of a block-layout matrix: index_select its rows, then quant_dequantize");
+  dispatch(qtype, out, [&](auto qt, auto* o) { dequant_impl<decltype(qt)::value>(wp, n, K, ldw, o, ldo); });
+}
+
 // out[n, :] = the dequantized weight row n, bit for bit gguf's (prefill GEMMs, embedding rows)
 void quant_dequantize(torch::Tensor w, int64_t qtype, torch::Tensor out) {
   TORCH_CHECK(out.dim() == 2, "out must be 2-D");
-  const int64_t N = w.size(0), K = out.size(1);
-  check_weight(w, qtype, K);
-  check_out(out, N, K);
-  if (N == 0 || K == 0) return;
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const int64_t ldw = w.stride(0), ldo = out.stride(0);
-  dispatch(qtype, out, [&](auto qt, auto* o) { dequant_impl<decltype(qt)::value>(wp, N, K, ldw, o, ldo); });
+  dequantize_rows(w, qtype, qtype & PACKED ? out.size(0) : w.size(0), nullptr, out.size(0), out);
+}
+
+// out[i, :] = the dequantized row ids[i] of a packed [N, K] matrix (embedding lookups read only those)
+void quant_rows(torch::Tensor w, int64_t qtype, int64_t N, torch::Tensor ids, torch::Tensor out) {
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong, "ids: 1-D int64");
+  TORCH_CHECK(out.dim() == 2, "out must be 2-D");
+  TORCH_CHECK(qtype & PACKED, "quant_rows reads packed matrices");
+  const torch::Tensor idc = ids.contiguous();
+  const int64_t* id = idc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < ids.size(0); ++i) TORCH_CHECK(id[i] >= 0 && id[i] < N, "row id ", id[i], " out of [0, ", N, ")");
+  dequantize_rows(w, qtype, N, id, ids.size(0), out);
+}
+
+// the packed form of a block matrix [N, K/256 * block bytes]: [ceil(N / 16), K/256 * packed bytes]
+torch::Tensor quant_pack(torch::Tensor w, int64_t qtype) {
+  TORCH_CHECK(!(qtype & PACKED), "already packed");
+  TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(), "weight: 2-D contiguous uint8 blocks");
+  const int64_t N = w.size(0), bb = block_bytes_of(qtype);
+  TORCH_CHECK(w.size(1) % bb == 0, "weight rows of ", w.size(1), " bytes are not whole super-blocks of type ", qtype);
+  const int64_t nb = w.size(1) / bb;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  torch::Tensor out = torch::empty({(N + G - 1) / G, nb * block_bytes_of(qtype | PACKED)}, w.options());
+  if (qtype == Q4_K) pack_impl<Q4_K>(w.data_ptr<uint8_t>(), N, nb, out.data_ptr<uint8_t>());
+  else pack_impl<Q6_K>(w.data_ptr<uint8_t>(), N, nb, out.data_ptr<uint8_t>());
+  return out;
+#else
+  TORCH_CHECK(false, "packed matrices need an AVX-512 build (see packs())");
+#endif
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("out"));
   m.def("quant_dequantize", &quant_dequantize, py::arg("w"), py::arg("qtype"), py::arg("out"));
+  m.def("quant_rows", &quant_rows, py::arg("w"), py::arg("qtype"), py::arg("rows"), py::arg("ids"), py::arg("out"));
+  m.def("quant_pack", &quant_pack, py::arg("w"), py::arg("qtype"));
+  // whether quant_linear takes packed matrices (the layer packs its weights at load where it does)
+  m.def("packs", []() {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    return true;
+#else
+    return false;
+#endif
+  });
+  // whether bf16 activations meet packed weights as int8 (AVX512_VNNI), not exact (see PACKED)
+  m.def("int8_activations", []() {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    return true;
+#else
+    return false;
+#endif
+  });
   m.def("isa", []() { return std::string(Simd::name()); });
 }

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from nanoserve.layers.quant_linear import BLOCKS, Q4_K, Q6_K
+from nanoserve.layers.quant_linear import BLOCKS, PACKED, Q4_K, Q6_K
 
 log = logging.getLogger("nanoserve")
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_kernels.cpp"
@@ -42,13 +42,14 @@ K_TYPES = frozenset({Q4_K, Q6_K})  # served by the K-quant module, every other k
 
 @dataclass(frozen=True)
 class QuantKernels:
-    """The quantized-weight kernels as one module: `quant_linear` / `quant_dequantize` go to the module
-    of the weight's type; any other attribute is the blocks module's (its packing helpers)."""
+    """The quantized-weight kernels as one module: `quant_linear` / `quant_dequantize` / `quant_rows` /
+    `quant_pack` go to the module of the weight's type (qtype, + PACKED for a packed matrix), as do
+    `packs` / `int8_activations` given a type; any other attribute is the blocks module's."""
     blocks: Any
     kquants: Any | None  # None: its build failed, and K-quant weights are dequantized at load
 
     def _module(self, qtype: int) -> Any:
-        if qtype not in K_TYPES:
+        if qtype & ~PACKED not in K_TYPES:
             return self.blocks
         if self.kquants is None:
             raise RuntimeError(f"quantized type {qtype} has no kernel (the K-quant kernels did not build)")
@@ -59,6 +60,21 @@ class QuantKernels:
 
     def quant_dequantize(self, w: torch.Tensor, qtype: int, out: torch.Tensor) -> None:
         self._module(qtype).quant_dequantize(w, qtype, out)
+
+    def quant_rows(self, w: torch.Tensor, qtype: int, rows: int, ids: torch.Tensor, out: torch.Tensor) -> None:
+        self._module(qtype).quant_rows(w, qtype, rows, ids, out)
+
+    def quant_pack(self, w: torch.Tensor, qtype: int) -> torch.Tensor:
+        return self._module(qtype).quant_pack(w, qtype)
+
+    def packs(self, qtype: int | None = None) -> bool:
+        """Whether matrices of `qtype` (default: the blocks module's types) have a packed layout here."""
+        if (qtype or 0) & ~PACKED not in K_TYPES:
+            return self.blocks.packs()
+        return self.kquants is not None and self.kquants.packs()
+
+    def int8_activations(self, qtype: int | None = None) -> bool:
+        return self._module(qtype or 0).int8_activations()
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name in ("blocks", "kquants"):  # copy / pickle probing a half-built one

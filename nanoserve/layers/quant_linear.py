@@ -5,7 +5,8 @@ kernels (csrc/quant_kernels.cpp) read the blocks and dequantize them in register
 products, so results equal "dequantize, then matmul in fp32" up to rounding and summation order.
 Where the kernels have an AVX-512 build (`packs()`), Q4_0/Q4_1/Q8_0 matrices are rearranged once at
 load into groups of 16 interleaved rows (the same bytes; csrc/quant_kernels.cpp, PACKED): one vector
-then holds one weight of 16 rows, and the GEMV runs at about the memory's speed.
+then holds one weight of 16 rows, and the GEMV runs at about the memory's speed. Q4_K/Q6_K likewise
+(csrc/kquant_kernels.cpp, PACKED; Q4_K's scales unpacked: 148 bytes a 256 weights, not 144).
 
 Packed matrices take every step on the kernel (beyond PACKED_MAX_ROWS rows only where the GEMM has
 AMX); block-layout ones up to GEMV_MAX_ROWS rows (decode). Larger steps dequantize the weight (in row
@@ -36,7 +37,10 @@ PACKED_MAX_ROWS = 64
 # A prefill GEMM dequantizes at most this many weights (elements) at a time: larger weights (a 1B
 # model's gate/up, 33M) go through in row chunks, so the scratch stays a few MB
 DEQUANT_CHUNK = 4 << 20
-PACKABLE = (Q4_0, Q4_1, Q8_0)  # types with a packed layout
+PACKABLE = (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)  # types with a packed layout (where their module `packs`)
+# bytes of one block's share of a packed group, where not the block's own (Q4_K's scales and mins
+# unpacked to a byte each: csrc/kquant_kernels.cpp, PACKED)
+PACKED_BYTES = {Q4_K: 148}
 PACKED = 256  # qtype + PACKED names a packed matrix to the kernels
 GROUP = 16  # rows per packed group
 
@@ -54,7 +58,8 @@ class QuantTensor:
     def __post_init__(self) -> None:
         rows, cols = self.shape
         qk, nbytes = BLOCKS.get(self.qtype, (0, 0))
-        want = (-(-rows // GROUP), cols // qk * nbytes * GROUP) if self.packed and qk else (rows, cols // (qk or 1) * nbytes)
+        packed_bytes = PACKED_BYTES.get(self.qtype, nbytes)
+        want = (-(-rows // GROUP), cols // qk * packed_bytes * GROUP) if self.packed and qk else (rows, cols // (qk or 1) * nbytes)
         if not qk or cols % qk or tuple(self.data.shape) != want or (self.packed and self.qtype not in PACKABLE):
             raise ValueError(f"not a {TYPE_NAMES.get(self.qtype, self.qtype)} [{rows}, {cols}] "
                              f"{'packed ' if self.packed else ''}block matrix: data {tuple(self.data.shape)}")
@@ -73,7 +78,9 @@ class QuantTensor:
 
     def packed_for(self, kernels: Any) -> QuantTensor:
         """This matrix in the layout `kernels` computes on fastest (itself where that is the blocks')."""
-        if self.packed or self.qtype not in PACKABLE or not callable(getattr(kernels, "packs", None)) or not kernels.packs():
+        packs = getattr(kernels, "packs", None)
+        if self.packed or self.qtype not in PACKABLE or not callable(packs) or \
+                not (packs(self.qtype) if self.qtype in (Q4_K, Q6_K) else packs()):
             return self
         return QuantTensor(kernels.quant_pack(self.data.contiguous(), self.qtype), self.qtype, self.shape, packed=True)
 
