@@ -8,8 +8,10 @@ import importlib
 import os
 import typing
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a device or dtype is resolved: the API process never does
+    import torch
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # formats server/tools.py reads tool calls in
@@ -112,12 +114,8 @@ class EngineConfig:
             raise ValueError(f"load_format must be auto|dummy, got {self.load_format!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto|cpu|cuda, got {self.device!r}")
-        if self.max_num_batched_tokens is None:
-            # CPU, serving the embedded model (2 cores): 1024 against 2048 cut the mean TTFT to ~0.7x at
-            # concurrency 8 and 32 at the same or better output tok/s, and left cold prefill unchanged
-            self.max_num_batched_tokens = STEP_TOKENS[self.resolved_device().type]
         for name in ("max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
+            if (getattr(self, name) or 1) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.host_cache_gb < 0:
             raise ValueError("host_cache_gb must be >= 0")
@@ -135,12 +133,20 @@ class EngineConfig:
         if self.quantization == "fp8" and (device := self.resolved_device()).type != "cuda":
             raise ValueError("--quantization fp8 needs a CUDA GPU: this run is on the CPU (GGUF Q8_0/Q4_0/Q4_1 "
                              "weights stay quantized there)")
-        if self.quantization == "fp8" and self.resolved_dtype(device) == torch.float32:
+        if self.quantization == "fp8" and str(self.resolved_dtype(device)) == "torch.float32":
             raise ValueError("--quantization fp8 computes in bf16 or fp16: drop --dtype float32")
         if self.host_cache_gb and not self.enable_prefix_caching:
             raise ValueError("--host-cache-gb needs prefix caching; drop --no-prefix-caching")
 
+    @property
+    def step_tokens(self) -> int:
+        """max_num_batched_tokens, or the device's default. CPU, serving the embedded model (2 cores): 1024
+        against 2048 cut the mean TTFT to ~0.7x at concurrency 8 and 32 at the same or better output tok/s,
+        and left cold prefill unchanged. Resolved on use: the API process never decides the device."""
+        return self.max_num_batched_tokens or STEP_TOKENS[self.resolved_device().type]
+
     def resolved_device(self) -> torch.device:
+        import torch
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -150,6 +156,7 @@ class EngineConfig:
     def resolved_dtype(self, device: torch.device) -> torch.dtype:
         """An explicit dtype wins; `auto` honours $NANOSERVE_DTYPE (so a whole test suite or a
         deployment can force one), else picks by hardware."""
+        import torch
         dtype = self.dtype if self.dtype != "auto" else os.environ.get("NANOSERVE_DTYPE", "auto")
         if dtype not in DTYPES:
             raise ValueError(f"$NANOSERVE_DTYPE must be auto|float32|bfloat16|float16, got {dtype!r}")
@@ -214,6 +221,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.api_key is None:
             self.api_key = os.environ.get("NANOSERVE_API_KEY") or None
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
         if self.max_queue is not None and self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:

@@ -12,11 +12,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from nanoserve.outputs import TokenLogprob
 from nanoserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the API process renders TokenLogprob from here and stays torch-free
+    import torch
 
 
 class SeqStatus(enum.Enum):

@@ -106,3 +106,19 @@ def test_weight_table_refuses_incomplete_unknown_and_misshapen_checkpoints():
         model.load_weights([("model.layers.0.mlp.extra.weight", torch.zeros(1))])
     with pytest.raises(ValueError, match="has shape"):
         model.load_weights([("model.norm.weight", torch.zeros(3))])
+
+
+def test_generic_tokenizer_loads_as_autotokenizer_would(embedded_dir):
+    """load_tokenizer skips AutoTokenizer (it imports torch) where the folder names the generic fast
+    class: the result must be the tokenizer AutoTokenizer gives, token for token and template for template."""
+    from transformers import AutoTokenizer
+    from nanoserve.models.loader import GENERIC_TOKENIZERS, ModelSource, load_tokenizer
+    assert json.loads((embedded_dir / "tokenizer_config.json").read_text())["tokenizer_class"] in GENERIC_TOKENIZERS
+    ours, auto = load_tokenizer(ModelSource("embedded", embedded_dir)), AutoTokenizer.from_pretrained(embedded_dir)
+    assert type(ours) is type(auto)
+    for text in ("Hello, world!", "<|im_start|>user\nünïcode 😀 code:\n\tdef f(): pass<|im_end|>", ""):
+        assert ours(text)["input_ids"] == auto(text)["input_ids"]
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert (ours.eos_token_id, ours.bos_token_id, len(ours)) == (auto.eos_token_id, auto.bos_token_id, len(auto))

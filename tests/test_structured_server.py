@@ -183,3 +183,18 @@ def test_bad_constraints_are_400_naming_the_field(server, client, model, body, p
     assert_error(r, 400, param)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=model, messages=ASK, max_tokens=4, extra_body=body)
+
+
+def test_api_process_runs_without_torch(server, client, model):
+    """The API process (HTTP, tokenization, chat templates, tool and grammar checks) runs no model, so it
+    never loads torch (~250 MB resident); the engine process does. Checked after it served a constrained
+    chat, a tool call and a bad constraint."""
+    client.chat.completions.create(model=model, messages=ASK, max_tokens=20, response_format=_fmt(PERSON))
+    client.chat.completions.create(model=model, messages=ASK, max_tokens=30, tools=TOOLS, tool_choice="required")
+    bad = httpx.post(server.base_url + "/chat/completions", timeout=60, json={
+        "model": model, "messages": ASK, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}})
+    assert_error(bad, 400, "response_format")
+    with open(f"/proc/{server.proc.pid}/maps") as f:
+        assert "libtorch" not in f.read()
+    engines = [open(f"/proc/{pid}/maps").read() for pid in server.children]
+    assert engines and all("libtorch" in maps for maps in engines)

@@ -23,7 +23,7 @@ from typing import Any
 from nanoserve.config import EngineConfig
 from nanoserve.engine.core_handle import CoreHandle
 from nanoserve.engine.output_processor import OutputProcessor
-from nanoserve.engine.placement import CpuPlacement
+from nanoserve.engine.placement import CpuPlacement, PlacementRequest
 from nanoserve.engine.protocol import (Abort, Add, Batch, EngineDead, EngineError, EngineSnapshot, FailAll, Finish,
                                        MetricsObserver, ModelInfo, PromptRequest, SnapshotAsk, Stop,
                                        decode_from_engine, make_prompt_request)
@@ -63,7 +63,7 @@ class _Stream:
 
 class EngineClient:
     def __init__(self, config: EngineConfig, observer: MetricsObserver | None = None,
-                 placement: CpuPlacement | None = None, log_level: str = "info",
+                 placement: PlacementRequest | None = None, log_level: str = "info",
                  on_dead: Callable[[str], None] | None = None, in_process: bool = False,
                  make_engine: str | None = None) -> None:
         """`in_process`: the core runs in a thread of this process, else in its own process.
@@ -74,7 +74,7 @@ class EngineClient:
         self.frontend: Frontend | None = None
         self.exit_reason: str | None = None         # set when the engine core died unasked
         self._lock = threading.Lock()               # guards the input socket and the fields below
-        self.core = CoreHandle(config, placement or CpuPlacement(), log_level, in_process, make_engine, self._lock)
+        self.core = CoreHandle(config, placement, log_level, in_process, make_engine, self._lock)
         self._streams: dict[str, _Stream] = {}
         self._snap_waiters: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._tokens = itertools.count()
@@ -124,6 +124,11 @@ class EngineClient:
     @property
     def alive(self) -> bool:
         return self.core.started and self.frontend is not None and not self._dead and not self._stopping
+
+    @property
+    def placement(self) -> CpuPlacement:
+        """Where the engine computes, as it planned that (known once started)."""
+        return self.core.placement
 
     @property
     def pid(self) -> int:

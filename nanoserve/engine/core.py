@@ -24,7 +24,8 @@ from concurrent.futures import FIRST_COMPLETED, wait
 import zmq
 
 from nanoserve.config import EngineConfig, import_by_name
-from nanoserve.engine.placement import CpuPlacement, apply_engine_placement, die_with_parent
+from nanoserve.engine.placement import (CpuPlacement, PlacementRequest, apply_engine_placement, die_with_parent,
+                                       engine_placement)
 from nanoserve.engine.requests import Request
 from nanoserve.engine.protocol import (Abort, Add, Batch, DeltaEncoder, EngineDead, EngineSnapshot, FailAll,
                                        Finish, OutputDelta, Ready, RequestError, SnapshotAsk, SnapshotReply,
@@ -248,7 +249,7 @@ class EngineCore:
 
 
 def serve(config: EngineConfig, ctx: zmq.Context, input_addr: str, output_addr: str, parent_pid: int | None,
-          make_engine: str | None = None) -> int:
+          make_engine: str | None = None, placement: CpuPlacement = CpuPlacement()) -> int:
     """Load the model, answer the handshake (Ready or StartFailed), then run the loop until Stop."""
     inp, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     for s in (inp, out):
@@ -272,7 +273,7 @@ def serve(config: EngineConfig, ctx: zmq.Context, input_addr: str, output_addr: 
         except Exception as e:  # then only constrained requests fail, with this error
             log.warning("llguidance cannot read this tokenizer: %s", e)
         log.info("engine core ready in %.1fs (pid %d)", time.monotonic() - t0, os.getpid())
-        out.send(encode(Ready(engine.info)))
+        out.send(encode(Ready(engine.info, placement)))
         EngineCore(engine, inp, out, parent_pid).run()
         return 0
     finally:
@@ -287,13 +288,14 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=spec["log_level"].upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s [engine-core]: %(message)s")
-    placement = CpuPlacement(**{k: tuple(v) if isinstance(v, list) else v for k, v in spec["placement"].items()})
+    config = EngineConfig(**spec["config"])
+    asked = spec["placement"] and PlacementRequest(**spec["placement"])
+    placement = engine_placement(config, asked, engine_process=True)
     apply_engine_placement(placement)
     log.info("CPU placement: %s", placement.describe())
     ctx = zmq.Context()
     try:
-        return serve(EngineConfig(**spec["config"]), ctx, spec["input"], spec["output"], spec["parent_pid"],
-                     spec["make_engine"])
+        return serve(config, ctx, spec["input"], spec["output"], spec["parent_pid"], spec["make_engine"], placement)
     finally:
         ctx.term()
 

@@ -16,7 +16,7 @@ import threading
 import zmq
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.placement import CpuPlacement, apply_engine_placement
+from nanoserve.engine.placement import CpuPlacement, PlacementRequest, apply_engine_placement, engine_placement
 from nanoserve.engine.protocol import EngineStartError, ModelInfo, Ready, decode_from_engine, encode
 
 log = logging.getLogger("nanoserve.client")
@@ -25,10 +25,12 @@ POLL_MS = 100  # how quickly a dead engine core is noticed
 
 
 class CoreHandle:
-    def __init__(self, config: EngineConfig, placement: CpuPlacement, log_level: str, in_process: bool,
+    def __init__(self, config: EngineConfig, placement: PlacementRequest | None, log_level: str, in_process: bool,
                  make_engine: str | None, lock: threading.Lock) -> None:
-        """`lock`: the caller's, held around every send (zmq sockets are not thread-safe)."""
-        self.config, self.placement, self.log_level = config, placement, log_level
+        """`lock`: the caller's, held around every send (zmq sockets are not thread-safe). `placement`: None
+        leaves affinity and threads as they are."""
+        self.config, self.asked, self.log_level = config, placement, log_level
+        self.placement = CpuPlacement()  # what the engine planned: known once started
         self.in_process, self.make_engine, self.lock = in_process, make_engine, lock
         self.proc: subprocess.Popen | None = None
         self.thread: threading.Thread | None = None
@@ -72,10 +74,12 @@ class CoreHandle:
     def _start_core(self, input_addr: str, output_addr: str) -> None:
         if self.in_process:
             from nanoserve.engine.core import serve
-            apply_engine_placement(self.placement)
+            placement = engine_placement(self.config, self.asked, engine_process=False)
+            apply_engine_placement(placement)
 
             def run() -> None:  # an exception leaves thread_exit at 1
-                self.thread_exit = serve(self.config, self._ctx, input_addr, output_addr, None, self.make_engine)
+                self.thread_exit = serve(self.config, self._ctx, input_addr, output_addr, None, self.make_engine,
+                                         placement)
 
             self.thread = threading.Thread(target=run, name="nanoserve-engine-core", daemon=True)
             self.thread.start()
@@ -83,7 +87,7 @@ class CoreHandle:
             return
         spec = {"config": dataclasses.asdict(self.config), "input": input_addr, "output": output_addr,
                 "parent_pid": os.getpid(), "log_level": self.log_level, "make_engine": self.make_engine,
-                "placement": dataclasses.asdict(self.placement)}
+                "placement": self.asked and dataclasses.asdict(self.asked)}
         self.proc = subprocess.Popen([sys.executable, "-m", "nanoserve.engine.core", json.dumps(spec)])
         log.info("engine process started (pid %d)", self.proc.pid)
 
@@ -97,6 +101,7 @@ class CoreHandle:
             if self._out.poll(POLL_MS):
                 msg = decode_from_engine(self._out.recv())
                 if isinstance(msg, Ready):
+                    self.placement = msg.placement
                     return msg.info
                 raise EngineStartError(msg.message)
             if (code := self.exit_code()) is not None:

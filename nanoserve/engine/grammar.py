@@ -62,7 +62,6 @@ class GrammarMatchers:
 
     def _build_tokenizer(self):
         import llguidance.hf
-        import llguidance.torch  # noqa: F401 -- imported here, not by the first constrained step's bitmask()
         t0 = time.perf_counter()
         tok = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size)
         log.debug("llguidance tokenizer built in %.2fs", time.perf_counter() - t0)
@@ -127,10 +126,12 @@ class GrammarMatchers:
             self._bitmask = torch.empty(len(rows), self._words, dtype=torch.int32)
         mask = self._bitmask[:len(rows)]
         # on this thread, one row at a time: llguidance's parallel fill (LLExecutor) competes with torch's
-        # spinning OpenMP threads for the cores and measured 0.3-2.9 ms per step instead of ~0.3 ms
-        from llguidance.torch import fill_next_token_bitmask
+        # spinning OpenMP threads for the cores and measured 0.3-2.9 ms per step instead of ~0.3 ms. The
+        # matcher writes the row itself, as llguidance.torch's fill does: importing that module costs the
+        # engine ~150 MB resident (its torch.compile decorator pulls in inductor and triton)
+        row_bytes = self._words * 4
         for j, r in enumerate(rows):
-            fill_next_token_bitmask(self._matchers[seqs[r].seq_id], mask, j)
+            self._matchers[seqs[r].seq_id].unsafe_compute_mask_ptr(mask[j].data_ptr(), row_bytes)
         return rows, mask
 
     def accept(self, seq: Sequence, token: int) -> str | None:

@@ -80,7 +80,7 @@ class LLMEngine:
         # the cleaner sizes its target from demand; a watermark only overrides it
         self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching, host,
                                  config.host_offload_watermark)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.step_tokens,
                                    inline_loads=self.device.type == "cpu")
         self.sampler = Sampler(config.seed, self.device)
         self.grammars = GrammarMatchers(self.tokenizer, self.model.vocab_size)  # constrained sequences

@@ -47,7 +47,7 @@ def build_shard(config: EngineConfig, source: ModelSource, hf_config, device: to
     backend, flash, block_size = resolve_attention(config.attention_backend, device, dtype,
                                                    config.block_size, config.flash_attn_module)
     layout = KVLayout(model.num_layers, block_size, model.num_kv_heads, model.head_dim, dtype, backend)
-    opts = RunnerOptions(flash, config.max_num_seqs, config.max_num_batched_tokens,
+    opts = RunnerOptions(flash, config.max_num_seqs, config.step_tokens,
                          max_model_len=config.max_model_len or 0, cuda_graphs=not config.enforce_eager)
     num_blocks = tp.min_over_ranks(_num_device_blocks(config, model, layout, device, opts, tp.size))
     max_model_len = _max_model_len(config, hf_config.max_position_embeddings, num_blocks * block_size)

@@ -14,6 +14,10 @@ import logging
 import os
 import signal
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from nanoserve.config import EngineConfig
 
 log = logging.getLogger("nanoserve.placement")
 
@@ -32,6 +36,24 @@ class CpuPlacement:
                  if self.engine_cpus is not None else "no CPU affinity set")
         threads = self.engine_threads if self.engine_threads is not None else "torch default"
         return f"{where}; engine compute threads: {threads}"
+
+
+@dataclass(frozen=True)
+class PlacementRequest:
+    """What the server asks for. The engine side plans it (`engine_placement`): only there is the device
+    known, since deciding it imports torch, which the API process never does."""
+    cpu_threads: int | None = None
+
+
+def engine_placement(config: EngineConfig, request: PlacementRequest | None, engine_process: bool) -> CpuPlacement:
+    """The plan for an engine about to load its model; None asks for none (affinity and threads unchanged)."""
+    if request is None:
+        return CpuPlacement()
+    try:
+        device = config.resolved_device().type
+    except ValueError:  # no such device: the engine's start reports it to the client
+        return CpuPlacement(request.cpu_threads)
+    return plan_placement(device, request.cpu_threads, engine_process)
 
 
 def plan_placement(device: str, cpu_threads: int | None, engine_process: bool,

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Union
 
+from nanoserve.engine.placement import CpuPlacement
 from nanoserve.kvcache.report import TierReport
 from nanoserve.outputs import RequestOutput, TokenLogprob
 from nanoserve.sampling_params import InvalidRequest, SamplingParams
@@ -170,6 +171,7 @@ ToEngine = Union[Add, Abort, Finish, FailAll, SnapshotAsk, Stop]
 @dataclass
 class Ready:
     info: ModelInfo
+    placement: CpuPlacement  # as the engine process planned it: the API process takes its own part
 
 
 @dataclass

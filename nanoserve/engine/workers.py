@@ -208,7 +208,7 @@ def shm_slot_bytes(config: EngineConfig, hf_config, device: torch.device) -> int
     through gloo). 0 otherwise."""
     if config.nnodes > 1 or device.type != "cpu":
         return 0
-    rows = max(config.max_num_batched_tokens, config.max_num_seqs)
+    rows = max(config.step_tokens, config.max_num_seqs)
     shard = -(-hf_config.vocab_size // config.tensor_parallel_size)
     return min(4 * max(rows * hf_config.hidden_size, config.max_num_seqs * shard), 64 << 20)
 

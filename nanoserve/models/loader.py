@@ -8,12 +8,15 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from tqdm import tqdm
 
 from nanoserve.sampling_params import InvalidRequest
 from nanoserve.models.hub import HubOptions, HubUnreachable, RepoRef, download, find_cached, offline, parse_repo
+
+if TYPE_CHECKING:  # the API process reads its tokenizer through here and never imports torch
+    import torch
 
 SUPPORTED_ARCHS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -144,7 +147,21 @@ def _gguf_config(path: Path):
     return cfg
 
 
+GENERIC_TOKENIZERS = ("PreTrainedTokenizerFast", "TokenizersBackend")  # one class (v5 names it the latter)
+
+
 def load_tokenizer(src: ModelSource, tokenizer: str | None = None):
+    """AutoTokenizer's choice. Where a local folder names the generic fast class (GGUF-made folders, Llama 3)
+    that class is loaded directly: AutoTokenizer would pick the same one, but importing it imports torch
+    (transformers' config machinery), ~200 MB the API process that reads its tokenizer here does not need."""
+    where = Path(tokenizer) if tokenizer else src.path
+    try:
+        named = json.loads((where / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        named = None
+    if named in GENERIC_TOKENIZERS:
+        from transformers import PreTrainedTokenizerFast
+        return PreTrainedTokenizerFast.from_pretrained(where)
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(tokenizer or src.path)
 
@@ -206,6 +223,7 @@ def iter_weights(src: ModelSource, progress: bool = True) -> Iterator[tuple[str,
 def _gguf_names(cfg) -> dict[str, str]:
     """GGUF tensor name -> HF name, through the gguf package's own name map, for exactly the
     tensors our model loads (its weight table, built on the meta device)."""
+    import torch
     from gguf import MODEL_ARCH, get_tensor_name_map
     from nanoserve.models.llama import LlamaModel
     model = LlamaModel(cfg, torch.float32, torch.device("meta"))
@@ -216,6 +234,7 @@ def _gguf_names(cfg) -> dict[str, str]:
 
 def _gguf_weights(path: Path, cfg) -> Iterator[tuple[str, torch.Tensor]]:
     import numpy as np
+    import torch
     from gguf import GGUFReader
     from gguf.quants import dequantize
     reader = GGUFReader(str(path))

@@ -34,14 +34,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _start_engine(config: EngineConfig, opts: ServerConfig, on_dead):
     """The engine core in its own process (the API process then keeps one core), or in a thread."""
     from nanoserve.engine.client import EngineClient
-    from nanoserve.engine.placement import apply_api_placement, plan_placement
-    placement = plan_placement(config.resolved_device().type, opts.cpu_threads, opts.engine_process)
-    log.info("CPU placement: %s", placement.describe())
-    client = EngineClient(config, placement=placement, log_level=opts.log_level, on_dead=on_dead,
-                          in_process=not opts.engine_process)
+    from nanoserve.engine.placement import PlacementRequest, apply_api_placement
+    client = EngineClient(config, placement=PlacementRequest(opts.cpu_threads), log_level=opts.log_level,
+                          on_dead=on_dead, in_process=not opts.engine_process)
     client.start()
+    log.info("CPU placement: %s", client.placement.describe())
     if opts.engine_process:
-        apply_api_placement(placement)
+        apply_api_placement(client.placement)
     return client
 
 
