@@ -8,13 +8,24 @@ request.
     python bench/memory.py --kv-cache-gb 0.25                      # GGUF kept in its blocks
     python bench/memory.py --kv-cache-gb 0.25 --gguf-dequantize
     python bench/memory.py --kv-cache-gb 0.25 --stock-reader       # the gguf package's reader as it is
+
+`--servers` measures whole servers instead, side by side in one run: `nanoserve` with the GGUF kept and
+with --gguf-dequantize (and llama.cpp's llama-server where --llama-server finds one), each started fresh,
+sent one 256-token completion of 32 tokens, then read: VmRSS summed over its process group (the API
+process and the engine process for nanoserve), each process listed.
+
+    python bench/memory.py --servers --kv-cache-gb 0.25 [--llama-server PATH]
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
+import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 
 
@@ -60,6 +71,56 @@ def wrap(owner, name: str, label: str, stages: Stages) -> None:
     setattr(owner, name, marked)
 
 
+def group_rss(leader: int) -> list[tuple[int, float, str]]:
+    """(pid, VmRSS MB, command) of every process in the leader's process group."""
+    pids = subprocess.run(["pgrep", "-g", str(os.getpgid(leader))], capture_output=True, text=True).stdout.split()
+    rows = []
+    for pid in map(int, pids):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+            with open(f"/proc/{pid}/cmdline") as f:
+                cmd = f.read().replace("\0", " ")
+        except (FileNotFoundError, StopIteration):  # gone, or a zombie
+            continue
+        rows.append((pid, rss, cmd))
+    return rows
+
+
+def servers(args: argparse.Namespace) -> int:
+    from common import auto_dtype, cpu_name
+    from peers import PeerConfig, ServerSpec, start
+    dtype = auto_dtype() if args.dtype == "auto" else args.dtype
+    cfg = PeerConfig(dtype, args.kv_cache_gb, llama_server=args.llama_server, llamacpp_ctx=4096, llamacpp_slots=4)
+    specs = ["kept=nanoserve", "dequantized=nanoserve --gguf-dequantize"]
+    if os.access(args.llama_server, os.X_OK):
+        specs.append("llamacpp")
+    prompt = [random.Random(0).randrange(100, 40000) for _ in range(256)]
+    totals = {}
+    print(f"{cpu_name()}; dtype {dtype}; kv-cache-gb {args.kv_cache_gb}")
+    for spec in map(ServerSpec.parse, specs):
+        srv = start(spec, cfg)
+        try:
+            body = {"model": "smollm2" if spec.kind == "llamacpp" else None, "prompt": prompt, "max_tokens": 32}
+            if spec.kind == "nanoserve":
+                with urllib.request.urlopen(srv.base_url + "/models") as r:
+                    body["model"] = json.load(r)["data"][0]["id"]
+            req = urllib.request.Request(srv.base_url + "/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=300) as r:
+                assert r.status == 200
+            time.sleep(1)
+            rows = group_rss(srv.proc.pid)
+        finally:
+            srv.stop()
+        totals[spec.label] = sum(r[1] for r in rows)
+        print(f"{spec.label}: {totals[spec.label]:.0f} MB over {len(rows)} process(es)")
+        for pid, rss, cmd in rows:
+            print(f"    {rss:7.0f} MB  {cmd[:90]}")
+    print(f"dequantized / kept: {totals['dequantized'] / totals['kept']:.2f}x")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
@@ -69,7 +130,11 @@ def main() -> int:
     ap.add_argument("--stock-reader", action="store_true",
                     help="load GGUF blocks with the gguf package's reader unchanged (every array element parsed, "
                          "no page released): the A/B of models/gguf_reader.py")
+    ap.add_argument("--servers", action="store_true", help="whole servers' resident memory (see above)")
+    ap.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER", "llama-server"))
     args = ap.parse_args()
+    if args.servers:
+        return servers(args)
     stages = Stages()
     stages.mark("python")
     import torch  # noqa: F401
