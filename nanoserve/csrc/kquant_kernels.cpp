@@ -488,9 +488,19 @@ inline __m512i load_i8(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu
 inline void q6_bytes(const uint8_t* blk, int c, __m512i& lo, __m512i& hi) {
   const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
   const __m512i ql = _mm512_loadu_si512(blk + 64 * c), qh = _mm512_loadu_si512(blk + 256 + 64 * (c / 2));
-  // the high bits moved to bits 4-5 (16-bit shifts: the bits kept come from the same byte)
+  // the high bits moved to bits 4-5, the rest cleared
+#if defined(__GFNI__)
+  // one affine map a byte: output bit i is the parity of (matrix byte 7-i & input), so bits 4 and 5
+  // take input bits s and s+1
+  auto bits45 = [&](int s) {
+    return _mm512_gf2p8affine_epi64_epi8(qh, _mm512_set1_epi64((int64_t{1} << s << 24) | (int64_t{2} << s << 16)), 0);
+  };
+  const __m512i hlo = bits45(4 * (c % 2)), hhi = bits45(4 * (c % 2) + 2);
+  (void)m30;
+#else  // 16-bit shifts: the bits kept come from the same byte
   const __m512i hlo = _mm512_and_si512(c % 2 ? qh : _mm512_slli_epi16(qh, 4), m30);
   const __m512i hhi = _mm512_and_si512(c % 2 ? _mm512_srli_epi16(qh, 2) : _mm512_slli_epi16(qh, 2), m30);
+#endif
   lo = _mm512_ternarylogic_epi32(ql, hlo, m4, 0xE4);  // m4 ? ql : h, bit by bit
   hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(ql, 4), hhi, m4, 0xE4);
 }

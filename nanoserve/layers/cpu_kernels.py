@@ -71,7 +71,7 @@ class QuantKernels:
         """Whether matrices of `qtype` (default: the blocks module's types) have a packed layout here."""
         if (qtype or 0) & ~PACKED not in K_TYPES:
             return self.blocks.packs()
-        return self.kquants is not None and self.kquants.packs()
+        return callable(getattr(self.kquants, "packs", None)) and self.kquants.packs()
 
     def int8_activations(self, qtype: int | None = None) -> bool:
         return self._module(qtype or 0).int8_activations()
