@@ -331,11 +331,16 @@ constexpr int XB = 32;           // activations per int8 block
 template <int QT> constexpr int64_t packed_bytes() { return QT == Q4_K ? 2368 : 3360; }
 constexpr int qs_index(int j, int r) { return (j / 4) * 64 + r * 4 + (j % 4); }
 constexpr int Q6_QL = 288, Q6_A = 384;  // Q6_K: where the quants start; bytes per 32 weights
-// Q6_K: the qh byte (of vector h) and bit shift holding weight k's (0..31 within its block) high bits
-inline void q6_qh_slot(int k, int& h, int& shift) {
-  const int hi = k / 16, c = (k % 16) / 4;
-  h = c / 2;
-  shift = 4 * (c % 2) + 2 * hi;
+// Q6_K: a super-block's 256 6-bit values (0..63), as q6k_value reads them, 32 bytes of each at a time
+inline void q6_values(const uint8_t* b, uint8_t* q) {
+  for (int h = 0; h < 2; ++h)
+    for (int l = 0; l < 32; ++l) {
+      const uint8_t *ql = b + 64 * h + l, qh = b[128 + 32 * h + l];
+      q[128 * h + l] = (ql[0] & 15) | ((qh & 3) << 4);
+      q[128 * h + l + 32] = (ql[32] & 15) | (((qh >> 2) & 3) << 4);
+      q[128 * h + l + 64] = (ql[0] >> 4) | (((qh >> 4) & 3) << 4);
+      q[128 * h + l + 96] = (ql[32] >> 4) | (((qh >> 6) & 3) << 4);
+    }
 }
 
 // row r's GGUF super-block -> its place in a packed group's super-block, and back
@@ -353,13 +358,16 @@ void pack_superblock(const uint8_t* b, int r, uint8_t* p) {
   } else {
     std::memcpy(p + 2 * r, b + 208, 2);
     for (int g = 0; g < 16; ++g) p[32 + 16 * g + r] = b[192 + g];
-    for (int e = 0; e < QK; ++e) {
-      const int a = e / 32, k = e % 32, q = q6k_value(b, e) + 32;
+    uint8_t q[QK];
+    q6_values(b, q);
+    for (int a = 0; a < 8; ++a) {
       uint8_t* blk = p + Q6_QL + Q6_A * a;
-      blk[qs_index(k % 16, r)] |= (q & 15) << (4 * (k / 16));
-      int h, shift;
-      q6_qh_slot(k, h, shift);
-      blk[256 + 64 * h + 4 * r + k % 4] |= (q >> 4) << shift;
+      const uint8_t* qa = q + 32 * a;
+      for (int k = 0; k < 16; ++k) blk[qs_index(k, r)] = (qa[k] & 15) | ((qa[k + 16] & 15) << 4);
+      for (int h = 0; h < 2; ++h)
+        for (int i = 0; i < 4; ++i)
+          blk[256 + 64 * h + 4 * r + i] = (qa[8 * h + i] >> 4) | (qa[16 + 8 * h + i] >> 4 << 2) |
+                                          (qa[8 * h + 4 + i] >> 4 << 4) | (qa[16 + 8 * h + 4 + i] >> 4 << 6);
     }
   }
 }
@@ -381,16 +389,21 @@ void unpack_superblock(const uint8_t* p, int r, uint8_t* b) {
   } else {
     std::memcpy(b + 208, p + 2 * r, 2);
     for (int g = 0; g < 16; ++g) b[192 + g] = p[32 + 16 * g + r];
-    for (int e = 0; e < QK; ++e) {
-      const int a = e / 32, k = e % 32;
+    uint8_t q[QK];
+    for (int a = 0; a < 8; ++a) {
       const uint8_t* blk = p + Q6_QL + Q6_A * a;
-      int h, shift;
-      q6_qh_slot(k, h, shift);
-      const int q = ((blk[qs_index(k % 16, r)] >> (4 * (k / 16))) & 15) | (((blk[256 + 64 * h + 4 * r + k % 4] >> shift) & 3) << 4);
-      const int hh = e / 128, rr = e % 128;
-      b[hh * 64 + rr % 64] |= (q & 15) << (4 * (rr / 64));
-      b[128 + hh * 32 + rr % 32] |= (q >> 4) << (2 * (rr / 32));
+      for (int k = 0; k < 32; ++k) {
+        const int h = (k % 16) / 8, shift = 4 * ((k % 8) / 4) + 2 * (k / 16);
+        q[32 * a + k] = ((blk[qs_index(k % 16, r)] >> (4 * (k / 16))) & 15) | (((blk[256 + 64 * h + 4 * r + k % 4] >> shift) & 3) << 4);
+      }
     }
+    for (int h = 0; h < 2; ++h)  // GGUF's order (q6k_value), byte by byte
+      for (int l = 0; l < 32; ++l) {
+        const uint8_t* qh = q + 128 * h + l;
+        b[64 * h + l] = (qh[0] & 15) | ((qh[64] & 15) << 4);
+        b[64 * h + l + 32] = (qh[32] & 15) | ((qh[96] & 15) << 4);
+        b[128 + 32 * h + l] = (qh[0] >> 4) | (qh[32] >> 4 << 2) | (qh[64] >> 4 << 4) | (qh[96] >> 4 << 6);
+      }
   }
 }
 
@@ -404,24 +417,6 @@ void pack_impl(const uint8_t* w, int64_t N, int64_t nb, uint8_t* out) {
         std::memset(dst, 0, pb);
         for (int r = 0; r < G && g * G + r < N; ++r) pack_superblock<QT>(w + (g * G + r) * nb * bb + s * bb, r, dst);
       }
-  });
-}
-
-// out[i, :] = weight row rows[i] (all rows when null) of a packed matrix: each super-block back in GGUF
-// form, then the block layout's dequantization (so the reference's values bit for bit)
-template <int QT, typename O>
-void dequant_packed_impl(const uint8_t* w, int64_t ldw, const int64_t* rows, int64_t n_out, int64_t K, O* out, int64_t ldo) {
-  const int64_t nb = K / QK;
-  at::parallel_for(0, n_out, 16, [&](int64_t begin, int64_t end) {
-    alignas(64) uint8_t blk[block_bytes<QT>()];
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t n = rows ? rows[i] : i;
-      for (int64_t s = 0; s < nb; ++s) {
-        unpack_superblock<QT>(w + n / G * ldw + s * packed_bytes<QT>(), static_cast<int>(n % G), blk);
-        O* ob = out + i * ldo + s * QK;
-        Simd::superblock<QT>(blk, [&](int j, V v) { Simd::store(ob + j * Simd::W, v); });
-      }
-    }
   });
 }
 
@@ -503,6 +498,78 @@ inline void q6_bytes(const uint8_t* blk, int c, __m512i& lo, __m512i& hi) {
 #endif
   lo = _mm512_ternarylogic_epi32(ql, hlo, m4, 0xE4);  // m4 ? ql : h, bit by bit
   hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(ql, 4), hhi, m4, 0xE4);
+}
+
+// out[i, :] = weight row rows[i] (all rows when null) of a packed matrix, the reference's values bit
+// for bit. Row lookups: each super-block back in GGUF form, then the block layout's dequantization. A
+// whole matrix (prefill GEMMs): a group at a time, the 16 rows' quants moved back to row order (4
+// bytes a row a vector) and scaled with Simd::superblock's arithmetic: Q4_K (d sc) * q - (dmin m) by
+// a 16-value table, Q6_K (d sc) * (q - 32)
+template <int QT, typename O>
+void dequant_packed_impl(const uint8_t* w, int64_t ldw, const int64_t* rows, int64_t n_out, int64_t K, O* out, int64_t ldo) {
+  const int64_t nb = K / QK;
+  if (rows) {
+    at::parallel_for(0, n_out, 16, [&](int64_t begin, int64_t end) {
+      alignas(64) uint8_t blk[block_bytes<QT>()];
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t n = rows ? rows[i] : i;
+        for (int64_t s = 0; s < nb; ++s) {
+          unpack_superblock<QT>(w + n / G * ldw + s * packed_bytes<QT>(), static_cast<int>(n % G), blk);
+          O* ob = out + i * ldo + s * QK;
+          Simd::superblock<QT>(blk, [&](int j, V v) { Simd::store(ob + j * Simd::W, v); });
+        }
+      }
+    });
+    return;
+  }
+  at::parallel_for(0, (n_out + G - 1) / G, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) uint8_t q[G][QK], tmp[2][64];
+    alignas(64) float d[G], dmin[G];
+    const __m512 lanes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t g = begin; g < end; ++g) {
+      const int nr = static_cast<int>(std::min<int64_t>(G, n_out - g * G));
+      for (int64_t s = 0; s < nb; ++s) {
+        const uint8_t* p = w + g * ldw + s * packed_bytes<QT>();
+        _mm512_store_ps(d, load_h(p));
+        if constexpr (QT == Q4_K) {  // q[r] = row r's 128 nibble bytes
+          _mm512_store_ps(dmin, load_h(p + 32));
+          for (int c = 0; c < 32; ++c)
+            for (int r = 0; r < G; ++r) std::memcpy(&q[r][4 * c], p + 320 + 64 * c + 4 * r, 4);
+          for (int r = 0; r < nr; ++r) {
+            O* ob = out + (g * G + r) * ldo + s * QK;
+            for (int j = 0; j < 8; ++j) {
+              const float dsc = d[r] * static_cast<float>(p[64 + 16 * j + r]), dm = dmin[r] * static_cast<float>(p[192 + 16 * j + r]);
+              const __m512 t = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(dsc), lanes), _mm512_set1_ps(dm));
+              for (int h = 0; h < 2; ++h) {
+                const __m512i nib = _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)&q[r][32 * (j / 2) + 16 * h]));
+                Simd::store(ob + 32 * j + 16 * h, _mm512_permutexvar_ps(j % 2 ? _mm512_srli_epi32(nib, 4) : nib, t));
+              }
+            }
+          }
+          continue;
+        }
+        for (int a = 0; a < 8; ++a)
+          for (int c = 0; c < 4; ++c) {
+            __m512i lo, hi;
+            q6_bytes(p + Q6_QL + Q6_A * a, c, lo, hi);
+            _mm512_store_si512(tmp[0], lo);
+            _mm512_store_si512(tmp[1], hi);
+            for (int r = 0; r < G; ++r) {
+              std::memcpy(&q[r][32 * a + 4 * c], tmp[0] + 4 * r, 4);
+              std::memcpy(&q[r][32 * a + 16 + 4 * c], tmp[1] + 4 * r, 4);
+            }
+          }
+        for (int r = 0; r < nr; ++r) {
+          O* ob = out + (g * G + r) * ldo + s * QK;
+          for (int k = 0; k < 16; ++k) {
+            const float dsc = d[r] * static_cast<float>(static_cast<int8_t>(p[32 + 16 * k + r]));
+            const __m512i qv = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)&q[r][16 * k])), _mm512_set1_epi32(32));
+            Simd::store(ob + 16 * k, _mm512_mul_ps(_mm512_set1_ps(dsc), _mm512_cvtepi32_ps(qv)));
+          }
+        }
+      }
+    }
+  });
 }
 
 #if defined(__AVX512VNNI__)
