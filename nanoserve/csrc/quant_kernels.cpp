@@ -354,6 +354,7 @@ struct PackedX {
   std::vector<float> fbuf, scale;
   std::vector<int8_t> q;
   std::vector<int32_t> qsum;
+  std::vector<float> msum;  // scale * qsum (Q4_1's offset term), once a block rather than once per row group
   int64_t nb = 0;
   bool int8 = false;
 };
@@ -415,6 +416,8 @@ PackedX prepare_x(const XT* x, int64_t T, int64_t K, bool int8) {
       p.scale[t * p.nb + b] = d;
       p.qsum[t * p.nb + b] = sum;
     }
+  p.msum.resize(T * p.nb);
+  for (int64_t i = 0; i < T * p.nb; ++i) p.msum[i] = p.scale[i] * static_cast<float>(p.qsum[i]);
   return p;
 }
 
@@ -433,19 +436,26 @@ inline void packed_group_int8(const uint8_t* group, const PackedX& x, int64_t t0
     std::memcpy(&v, x.q.data() + (t0 + t) * K + b * QK + j, 4);
     return _mm512_set1_epi32(v);
   };
+  // the integer sums are exact, so their chains are free: one per x row when there are enough rows to
+  // hide vpdpbusd's latency, two otherwise; each starts at the type's offset correction (Q4_0: the
+  // weights' -8, Q8_0: the +128 of their unsigned reading, each times sum(x))
+  constexpr int CH = NT >= 4 ? 1 : 2;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = group + b * G * bb;
-    __m512i acc[NT][2];
-    for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_si512();
+    __m512i acc[NT][CH];
+    for (int t = 0; t < NT; ++t) {
+      const int32_t qs = x.qsum[(t0 + t) * nb + b];
+      acc[t][0] = _mm512_set1_epi32(QT == Q4_0 ? -8 * qs : QT == Q8_0 ? -128 * qs : 0);
+      if constexpr (CH == 2) acc[t][CH - 1] = _mm512_setzero_si512();
+    }
     if constexpr (QT == Q8_0) {
-      // vpdpbusd multiplies unsigned by signed bytes: the weights + 128 (their top bit flipped) times
-      // x, less 128 * sum(x) after
+      // vpdpbusd multiplies unsigned by signed bytes: the weights + 128 (their top bit flipped) times x
       for (int c = 0; c < 8; c += 2) {
         const __m512i w0 = _mm512_xor_si512(_mm512_loadu_si512(blk + qo + c * 64), flip);
         const __m512i w1 = _mm512_xor_si512(_mm512_loadu_si512(blk + qo + c * 64 + 64), flip);
         for (int t = 0; t < NT; ++t) {
           acc[t][0] = _mm512_dpbusd_epi32(acc[t][0], w0, xdword(t, b, 4 * c));
-          acc[t][1] = _mm512_dpbusd_epi32(acc[t][1], w1, xdword(t, b, 4 * c + 4));
+          acc[t][CH - 1] = _mm512_dpbusd_epi32(acc[t][CH - 1], w1, xdword(t, b, 4 * c + 4));
         }
       }
     } else {
@@ -454,7 +464,7 @@ inline void packed_group_int8(const uint8_t* group, const PackedX& x, int64_t t0
         const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
         for (int t = 0; t < NT; ++t) {
           acc[t][0] = _mm512_dpbusd_epi32(acc[t][0], lo, xdword(t, b, 4 * c));
-          acc[t][1] = _mm512_dpbusd_epi32(acc[t][1], hi, xdword(t, b, 4 * c + 16));
+          acc[t][CH - 1] = _mm512_dpbusd_epi32(acc[t][CH - 1], hi, xdword(t, b, 4 * c + 16));
         }
       }
     }
@@ -462,12 +472,9 @@ inline void packed_group_int8(const uint8_t* group, const PackedX& x, int64_t t0
     const __m512 m = QT == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32))) : d;
     for (int t = 0; t < NT; ++t) {
       const int64_t xi = (t0 + t) * nb + b;
-      __m512i dot = _mm512_add_epi32(acc[t][0], acc[t][1]);
-      if constexpr (QT == Q4_0) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(8 * x.qsum[xi]));
-      if constexpr (QT == Q8_0) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * x.qsum[xi]));
-      const __m512 dx = _mm512_set1_ps(x.scale[xi]);
-      tot[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(dot), tot[t]);
-      if constexpr (QT == Q4_1) tot[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.scale[xi] * static_cast<float>(x.qsum[xi])), tot[t]);
+      const __m512i dot = CH == 2 ? _mm512_add_epi32(acc[t][0], acc[t][CH - 1]) : acc[t][0];
+      tot[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x.scale[xi])), _mm512_cvtepi32_ps(dot), tot[t]);
+      if constexpr (QT == Q4_1) tot[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.msum[xi]), tot[t]);
     }
   }
   for (int t = 0; t < NT; ++t) res[t] = tot[t];
