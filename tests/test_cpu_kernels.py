@@ -46,12 +46,12 @@ def _decode_case(dtype, h, kh, d, contexts, bs=16, layers=3, seed=0):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("h,kh,d", [(9, 3, 64), (8, 8, 64), (8, 2, 128)])
-def test_paged_decode_attention_matches_the_torch_path(kernels, dtype, h, kh, d):
-    contexts = [1, 15, 16, 17, 33, 300, 64]
+@pytest.mark.parametrize("h,kh,d,bs", [(9, 3, 64, 16), (8, 8, 64, 16), (8, 2, 128, 16), (9, 3, 64, 5)])
+def test_paged_decode_attention_matches_the_torch_path(kernels, dtype, h, kh, d, bs):
+    contexts = [1, 15, 16, 17, 33, 300, 64]  # block edges: the kernel walks rows across blocks
     out = {}
     for name, kern in (("torch", None), ("kernel", kernels)):
-        cache, batch, q, k, v = _decode_case(dtype, h, kh, d, contexts)
+        cache, batch, q, k, v = _decode_case(dtype, h, kh, d, contexts, bs=bs)
         attn = TorchAttention(cache, h, d ** -0.5, kern)
         assert (attn.kernels is None) == (kern is None)
         attn.prepare(batch)

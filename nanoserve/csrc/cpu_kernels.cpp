@@ -178,6 +178,29 @@ static inline void softmax_inplace(float* x, int64_t n) {
   for (int64_t u = 0; u < n; ++u) x[u] *= inv;
 }
 
+// The context rows of one (sequence, KV head), in order, across its blocks: a pointer step a row and
+// a table read a block, where indexing each row by t / bs and t % bs cost two 64-bit divisions
+// (and two more for the prefetch) per key, most of a decode step's attention time.
+template <typename T>
+struct RowWalk {
+  const T* base;          // this layer's K (or V) of head hk in block 0 of the cache
+  const int64_t* table;   // the sequence's block ids
+  int64_t stride, bs, d, blocks, b = 0, off = 0;
+  const T* row0;
+  RowWalk(const T* base, const int64_t* table, int64_t stride, int64_t bs, int64_t d, int64_t n)
+      : base(base), table(table), stride(stride), bs(bs), d(d), blocks((n + bs - 1) / bs),
+        row0(n > 0 ? base + table[0] * stride : base) {}
+  const T* next() {  // the current row, then one on
+    const T* r = row0 + off * d;
+    if (++off == bs) {
+      off = 0;
+      if (++b < blocks) row0 = base + table[b] * stride;  // never reads past the sequence's own blocks
+    }
+    return r;
+  }
+  void skip(int64_t k) { for (int64_t i = 0; i < k; ++i) next(); }
+};
+
 // q [nd, h, d] (rows may be strided); cache [N, layers, 2, kh, bs, d] (contiguous); tables [nd,
 // max_blocks]; ctx [nd]; the result goes to out (contiguous, q's shape)
 template <typename T, int64_t d>
@@ -210,15 +233,15 @@ static void decode(const at::Tensor& q, const at::Tensor& out, const at::Tensor&
             for (int64_t c = 0; c < W; ++c)
               qh[j][c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(qp + s * q_row + (hk * g + j) * d + c * 32));
           const __m512 sv = _mm512_set1_ps(scale);
+          RowWalk<T> keys(kv + layer_off + hk * bs * d, tab + s * max_blocks, block_stride, bs, d, n), ahead = keys;
+          ahead.skip(std::min<int64_t>(16, n));
           for (int64_t t0 = 0; t0 < n; t0 += 16) {
             const int64_t cnt = std::min<int64_t>(16, n - t0);
             __m512bh kr[16][W];
+            const T* k = nullptr;
             for (int64_t u = 0; u < 16; ++u) {
-              const int64_t t = t0 + std::min(u, cnt - 1);  // past the end: the last key again, dropped below
-              const T* k = kv + tab[s * max_blocks + t / bs] * block_stride + layer_off + (hk * bs + t % bs) * d;
-              if (t + 16 < n)
-                prefetch_row(kv + tab[s * max_blocks + (t + 16) / bs] * block_stride + layer_off +
-                             (hk * bs + (t + 16) % bs) * d, d * sizeof(T));
+              if (u < cnt) k = keys.next();  // past the end: the last key again, dropped below
+              if (t0 + u + 16 < n) prefetch_row(ahead.next(), d * sizeof(T));
               for (int64_t c = 0; c < W; ++c) kr[u][c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(k + c * 32));
             }
             for (int64_t j = 0; j < g; ++j) {
@@ -242,11 +265,11 @@ static void decode(const at::Tensor& q, const at::Tensor& out, const at::Tensor&
         __m512 qv[8][V];
         for (int64_t j = 0; j < g; ++j)
           for (int64_t c = 0; c < V; ++c) qv[j][c] = _mm512_loadu_ps(qf.data() + j * d + c * 16);
+        RowWalk<T> keys(kv + layer_off + hk * bs * d, tab + s * max_blocks, block_stride, bs, d, n), ahead = keys;
+        ahead.skip(std::min<int64_t>(16, n));
         for (int64_t t = 0; t < n; ++t) {
-          const T* k = kv + tab[s * max_blocks + t / bs] * block_stride + layer_off + (hk * bs + t % bs) * d;
-          if (t + 16 < n)
-            prefetch_row(kv + tab[s * max_blocks + (t + 16) / bs] * block_stride + layer_off + (hk * bs + (t + 16) % bs) * d,
-                         d * sizeof(T));
+          const T* k = keys.next();
+          if (t + 16 < n) prefetch_row(ahead.next(), d * sizeof(T));
           __m512 kr[V];
           for (int64_t c = 0; c < V; ++c) kr[c] = load16(k + c * 16);
           for (int64_t j = 0; j < g; ++j) {
@@ -291,11 +314,12 @@ static void decode(const at::Tensor& q, const at::Tensor& out, const at::Tensor&
         __m512 av[8][V];
         for (int64_t j = 0; j < g; ++j)
           for (int64_t c = 0; c < V; ++c) av[j][c] = _mm512_setzero_ps();
+        RowWalk<T> values(kv + layer_off + v_off + hk * bs * d, tab + s * max_blocks, block_stride, bs, d, n),
+            ahead = values;
+        ahead.skip(std::min<int64_t>(16, n));
         for (int64_t t = 0; t < n; ++t) {
-          const T* v = kv + tab[s * max_blocks + t / bs] * block_stride + layer_off + v_off + (hk * bs + t % bs) * d;
-          if (t + 16 < n)
-            prefetch_row(kv + tab[s * max_blocks + (t + 16) / bs] * block_stride + layer_off + v_off +
-                         (hk * bs + (t + 16) % bs) * d, d * sizeof(T));
+          const T* v = values.next();
+          if (t + 16 < n) prefetch_row(ahead.next(), d * sizeof(T));
           __m512 vr[V];
           for (int64_t c = 0; c < V; ++c) vr[c] = load16(v + c * 16);
           for (int64_t j = 0; j < g; ++j) {
