@@ -376,6 +376,7 @@ def test_a_q4_k_m_llama_is_served_from_its_blocks_like_its_dequantized_copy(k_pa
         assert {p.qtype for p in layer.qkv_lin.parts} == {Q4_K, Q6_K}  # parts of one type may be stacked
         assert {p.qtype for p in layer.gate_up_lin.parts} == {Q4_K} and layer.down_lin.parts[0].qtype == Q6_K
     assert model.embed_rows.table.qtype == Q4_K and model.lm_head_lin.parts[0].qtype == Q6_K
+    assert model.embed_rows.table.packed == model.lm_head_lin.parts[0].packed == cpu_kernels.quant().packs(Q4_K)
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away, there lived"]
     # all prompts in one prefill step (dequantize + GEMM), then one alone (the block kernel); fp32
     # summation-order noise measured here: at most ~1e-5 (AVX-512 EPYC)

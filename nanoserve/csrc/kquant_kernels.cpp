@@ -421,13 +421,15 @@ void pack_impl(const uint8_t* w, int64_t N, int64_t nb, uint8_t* out) {
 }
 
 // Activations as the packed kernels read them, per x row: fp32 values and each 32-block's sum (Q4_K's
-// min term), or (int8) each 32-block rounded to int8, its scale, and the sums of its two 16-halves'
-// int8 values; a row's values depend on that row alone (batch invariance)
+// min term), or (int8) each 32-block rounded to int8, its scale, the block's sum as the int8 values
+// give it (Q4_K) and 32 * the int8 sums of its two halves (Q6_K); a row's values depend on that row
+// alone (batch invariance)
 struct PackedX {
   const float* f = nullptr;
   std::vector<float> fbuf, scale;
   std::vector<int8_t> q;
-  std::vector<int32_t> qsum;  // [T * K / 16]
+  std::vector<float> sum;      // [T * K / 32] fp32 x: the block's sum; int8: scale * the int8 values' sum
+  std::vector<int32_t> qsum;  // [T * K / 16] 32 * the int8 values' sum of each 16 (Q6_K's offset)
   int64_t K = 0;
   bool int8 = false;
 };
@@ -437,7 +439,7 @@ PackedX prepare_x(const torch::Tensor& x, bool int8) {
   const int64_t T = x.size(0), K = x.size(1), nb = K / XB;
   p.K = K;
   p.int8 = int8;
-  p.scale.resize(T * nb);
+  p.sum.resize(T * nb);
   if (!int8) {
     if (x.scalar_type() == torch::kFloat) {
       p.f = x.data_ptr<float>();
@@ -450,12 +452,13 @@ PackedX prepare_x(const torch::Tensor& x, bool int8) {
     for (int64_t i = 0; i < T * nb; ++i) {
       float s = 0.f;
       for (int k = 0; k < XB; ++k) s += p.f[i * XB + k];
-      p.scale[i] = s;
+      p.sum[i] = s;
     }
     return p;
   }
   p.q.resize(T * K);
   p.qsum.resize(T * K / 16);
+  p.scale.resize(T * nb);
   const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
   for (int64_t i = 0; i < T * nb; ++i) {  // quant_kernels.cpp's rounding, the same instructions
     const __m512i raw = _mm512_loadu_si512(xp + i * XB);
@@ -469,8 +472,10 @@ PackedX prepare_x(const torch::Tensor& x, bool int8) {
     _mm_storeu_si128((__m128i*)(p.q.data() + i * XB), _mm512_cvtepi32_epi8(q0));
     _mm_storeu_si128((__m128i*)(p.q.data() + i * XB + 16), _mm512_cvtepi32_epi8(q1));
     p.scale[i] = amax / 127.f;
-    p.qsum[2 * i] = _mm512_reduce_add_epi32(q0);
-    p.qsum[2 * i + 1] = _mm512_reduce_add_epi32(q1);
+    const int32_t s0 = _mm512_reduce_add_epi32(q0), s1 = _mm512_reduce_add_epi32(q1);
+    p.sum[i] = p.scale[i] * static_cast<float>(s0 + s1);
+    p.qsum[2 * i] = 32 * s0;
+    p.qsum[2 * i + 1] = 32 * s1;
   }
   return p;
 }
@@ -615,7 +620,7 @@ inline void group_int8(const uint8_t* group, const PackedX& x, int64_t t0, __m51
             if constexpr (NA == 2) dot = _mm512_add_epi32(dot, acc[t][h][NA - 1]);
             const float dx = x.scale[xi];
             tot[t] = _mm512_fmadd_ps(_mm512_mul_ps(dsc, _mm512_set1_ps(dx)), _mm512_cvtepi32_ps(dot), tot[t]);
-            tot[t] = _mm512_fnmadd_ps(dm, _mm512_set1_ps(dx * static_cast<float>(x.qsum[2 * xi] + x.qsum[2 * xi + 1])), tot[t]);
+            tot[t] = _mm512_fnmadd_ps(dm, _mm512_set1_ps(x.sum[xi]), tot[t]);
           }
         }
       }
@@ -639,8 +644,8 @@ inline void group_int8(const uint8_t* group, const PackedX& x, int64_t t0, __m51
           const int64_t xi = (t0 + t) * (K / XB) + s * 8 + a;
           // sc * (sum q x - 32 sum x) per 16 weights, in int32 (|.| < 2^24 each)
           const __m512i v = _mm512_add_epi32(
-              _mm512_mullo_epi32(sc0, _mm512_sub_epi32(acc[t][0], _mm512_set1_epi32(32 * x.qsum[2 * xi]))),
-              _mm512_mullo_epi32(sc1, _mm512_sub_epi32(acc[t][1], _mm512_set1_epi32(32 * x.qsum[2 * xi + 1]))));
+              _mm512_mullo_epi32(sc0, _mm512_sub_epi32(acc[t][0], _mm512_set1_epi32(x.qsum[2 * xi]))),
+              _mm512_mullo_epi32(sc1, _mm512_sub_epi32(acc[t][1], _mm512_set1_epi32(x.qsum[2 * xi + 1]))));
           tot[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x.scale[xi])), _mm512_cvtepi32_ps(v), tot[t]);
         }
       }
@@ -697,7 +702,7 @@ inline void group_f32(const uint8_t* group, const PackedX& x, int64_t t0, __m512
           const __m512 dsc = _mm512_mul_ps(d, load_u8(p + 64 + 16 * j)), dm = _mm512_mul_ps(load_h(p + 32), load_u8(p + 192 + 16 * j));
           for (int t = 0; t < NT; ++t) {
             tot[t] = _mm512_fmadd_ps(dsc, _mm512_add_ps(acc[t][h][0], acc[t][h][1]), tot[t]);
-            tot[t] = _mm512_fnmadd_ps(dm, _mm512_set1_ps(x.scale[(t0 + t) * (K / XB) + s * 8 + j]), tot[t]);
+            tot[t] = _mm512_fnmadd_ps(dm, _mm512_set1_ps(x.sum[(t0 + t) * (K / XB) + s * 8 + j]), tot[t]);
           }
         } else {
           const __m512 dsc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(load_i8(p + 32 + 16 * (2 * u + h))));
