@@ -202,3 +202,34 @@ def test_packed_layout_refuses_what_does_not_fit_it(kernels):
     with pytest.raises(RuntimeError, match="outputs need"):  # 40 outputs need three groups, not two
         kernels.quant_linear(torch.randn(1, 64), w.data, w.kernel_type, torch.empty(1, 40))
     assert w.rows(16, 20).shape == (4, 64) and w.rows(16, 20).data.shape[0] == 1
+
+
+@pytest.mark.parametrize("name", list(TYPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gate_up_is_fused_into_silu_times_up(kernels, name, dtype):
+    """A packed [gate; up] layer computes silu(gate) * up in one call: the fp32 product of the kernel's own
+    gate and up sums (silu to ~1 ulp), rounded to the output dtype once; the unfused path where it cannot."""
+    if not kernels.packs():
+        pytest.skip("the fused gate/up needs the packed layout (AVX-512)")
+    import torch.nn.functional as F
+    gate, up = quantized(48, 96, TYPES[name], 1).packed_for(kernels), quantized(48, 96, TYPES[name], 2).packed_for(kernels)
+    lin = QuantLinear([gate, up], kernels, Scratch())
+    assert lin.fused_glu
+    for tokens in (1, 9, 300):
+        x = (torch.randn(tokens, 96) * 2).to(dtype)
+        sums = torch.empty(tokens, 96)
+        kernels.quant_linear(x, lin.parts[0].data, lin.parts[0].kernel_type, sums)
+        want = F.silu(sums[:, :48].double()) * sums[:, 48:].double()
+        fused32 = torch.empty(tokens, 48)
+        kernels.quant_linear_glu(x, lin.parts[0].data, lin.parts[0].kernel_type, fused32)
+        assert ((fused32.double() - want).abs() <= 1e-6 * want.abs() + 1e-9).all()
+        got = lin.silu_mul(x)
+        assert got.dtype == dtype and torch.equal(got, fused32.to(dtype))
+    odd = QuantLinear([quantized(40, 96, Q4_1, 3).packed_for(kernels), quantized(40, 96, Q4_1, 4).packed_for(kernels)],
+                      kernels, Scratch())
+    assert not odd.fused_glu  # halves of 40 rows are not whole groups: silu and the product in torch
+    x = torch.randn(3, 96)
+    gate_up = odd(x)
+    assert torch.equal(odd.silu_mul(x), F.silu(gate_up[:, :40]) * gate_up[:, 40:])
+    with pytest.raises(RuntimeError, match="16 rows"):
+        kernels.quant_linear_glu(x, odd.parts[0].data, odd.parts[0].kernel_type, torch.empty(3, 20))

@@ -539,33 +539,55 @@ inline void packed_group(const uint8_t* group, const PackedX& x, int64_t t0, __m
 
 constexpr int PTILE = 8;  // x rows per pass over a group: 3 vectors each, within the 32 registers
 
-template <int QT, typename O>
+// silu(v) = v / (1 + e^-v) in fp32, 16 lanes: e^-v as 2^n * 2^r, |r| <= 1/2, Cephes' degree-6 exp2
+// polynomial (~1 ulp); past |v| = 88 the exponent saturates and silu is v or -0 as it should be
+inline __m512 silu16(__m512 v) {
+  const __m512 x = _mm512_max_ps(_mm512_set1_ps(-126.f), _mm512_min_ps(_mm512_set1_ps(126.f),
+                                 _mm512_mul_ps(v, _mm512_set1_ps(-1.44269504088896341f))));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  for (float c : {1.339887440266574e-3f, 9.618437357674640e-3f, 5.550332471162809e-2f, 2.402264791363012e-1f,
+                  6.931472028550421e-1f, 1.f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), _mm512_scalef_ps(p, n)));
+}
+
+// out = x W^T, or with GLU (W = [gate; up], N/2 rows each, a multiple of 16) out = silu(x G^T) * (x U^T):
+// the gate and up groups of the same output columns are computed back to back and combined in fp32,
+// rounded to O once (unfused, gate and up would each be rounded, written, and read back twice)
+template <int QT, typename O, bool GLU>
 void packed_linear_impl(const PackedX& x, int64_t T, const uint8_t* w, int64_t N, int64_t group_bytes, O* out, int64_t ldo) {
-  const int64_t groups = (N + G - 1) / G;
+  const int64_t cols = GLU ? N / 2 : N, groups = (cols + G - 1) / G, up = GLU ? groups * group_bytes : 0;
   // prefill: the weights are swept once per XBLOCK x rows, whose activations then stay in L2 across
   // the groups (all of a 2048 x 8192 prompt's int8 activations are 16 MB)
   constexpr int64_t XBLOCK = 256;
   for (int64_t x0 = 0; x0 < T; x0 += XBLOCK) {
    const int64_t x1 = std::min<int64_t>(T, x0 + XBLOCK);
    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    __m512 res[PTILE];
+    __m512 res[PTILE], res_up[GLU ? PTILE : 1];
     alignas(64) float lane[G];
     for (int64_t g = begin; g < end; ++g) {
       const uint8_t* group = w + g * group_bytes;
-      const int rows = static_cast<int>(std::min<int64_t>(G, N - g * G));
+      const int rows = static_cast<int>(std::min<int64_t>(G, cols - g * G));
       for (int64_t t0 = x0; t0 < x1; t0 += PTILE) {
         const int64_t nt = std::min<int64_t>(PTILE, x1 - t0);
-        switch (nt) {
-          case 1: packed_group<QT, 1>(group, x, t0, res); break;
-          case 2: packed_group<QT, 2>(group, x, t0, res); break;
-          case 3: packed_group<QT, 3>(group, x, t0, res); break;
-          case 4: packed_group<QT, 4>(group, x, t0, res); break;
-          case 5: packed_group<QT, 5>(group, x, t0, res); break;
-          case 6: packed_group<QT, 6>(group, x, t0, res); break;
-          case 7: packed_group<QT, 7>(group, x, t0, res); break;
-          default: packed_group<QT, 8>(group, x, t0, res); break;
-        }
+        auto run = [&](const uint8_t* grp, __m512* r) {
+          switch (nt) {
+            case 1: packed_group<QT, 1>(grp, x, t0, r); break;
+            case 2: packed_group<QT, 2>(grp, x, t0, r); break;
+            case 3: packed_group<QT, 3>(grp, x, t0, r); break;
+            case 4: packed_group<QT, 4>(grp, x, t0, r); break;
+            case 5: packed_group<QT, 5>(grp, x, t0, r); break;
+            case 6: packed_group<QT, 6>(grp, x, t0, r); break;
+            case 7: packed_group<QT, 7>(grp, x, t0, r); break;
+            default: packed_group<QT, 8>(grp, x, t0, r); break;
+          }
+        };
+        run(group, res);
+        if constexpr (GLU) run(group + up, res_up);
         for (int64_t t = 0; t < nt; ++t) {
+          if constexpr (GLU) res[t] = _mm512_mul_ps(silu16(res[t]), res_up[t]);
           _mm512_store_ps(lane, res[t]);
           O* o = out + (t0 + t) * ldo + g * G;
           for (int r = 0; r < rows; ++r) o[r] = to_out<O>(lane[r]);
@@ -625,8 +647,9 @@ template <int QT, typename O> struct Linear {
 };
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 template <int QT, typename O> struct PackedLinear {
-  static void run(const PackedX* x, int64_t T, const uint8_t* w, int64_t N, int64_t rb, int64_t ldo, O* out) {
-    packed_linear_impl<QT, O>(*x, T, w, N, rb, out, ldo);
+  static void run(const PackedX* x, int64_t T, const uint8_t* w, int64_t N, int64_t rb, int64_t ldo, bool glu, O* out) {
+    if (glu) packed_linear_impl<QT, O, true>(*x, T, w, N, rb, out, ldo);
+    else packed_linear_impl<QT, O, false>(*x, T, w, N, rb, out, ldo);
   }
 };
 #endif
@@ -644,12 +667,14 @@ template <int QT, typename O> struct Pack {
 
 // out[t, n] = sum_k x[t, k] * W[n, k], W given as GGUF blocks [N, row_bytes] or packed (qtype + 256);
 // `out` may be a column slice of a wider tensor (fused QKV / gate-up parts of different types each
-// write their columns).
-void quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, at::Tensor out) {
+// write their columns). `glu` (packed only): W = [gate; up] and out = silu(x gate^T) * (x up^T).
+static void linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, const at::Tensor& out, bool glu) {
   TORCH_CHECK(x.dim() == 2, "x must be 2-D");
-  const int64_t T = x.size(0), K = x.size(1), N = out.dim() == 2 ? out.size(1) : -1;
+  const int64_t T = x.size(0), K = x.size(1), N = out.dim() == 2 ? out.size(1) * (glu ? 2 : 1) : -1;
   check_weight(w, qtype, K, N);
-  check_out(out, T, N);
+  check_out(out, T, glu ? N / 2 : N);
+  TORCH_CHECK(!glu || ((qtype & PACKED) && out.size(1) % G == 0), "quant_linear_glu: a packed [gate; up] matrix, "
+              "each half a multiple of 16 rows");
   if (qtype & PACKED) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     const at::Tensor xc = x.contiguous();
@@ -662,7 +687,7 @@ void quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, at::Tensor out) {
     const at::Tensor xf = x.scalar_type() == at::kBFloat16 ? xc : xc.to(at::kFloat);  // outlives px
     const PackedX px = x.scalar_type() == at::kBFloat16 ? prepare_x(xc.data_ptr<c10::BFloat16>(), T, K, int8)
                                                             : prepare_x(xf.data_ptr<float>(), T, K, false);
-    dispatch<PackedLinear>(qtype & ~PACKED, out, &px, T, w.data_ptr<uint8_t>(), N, w.size(1), out.stride(0));
+    dispatch<PackedLinear>(qtype & ~PACKED, out, &px, T, w.data_ptr<uint8_t>(), N, w.size(1), out.stride(0), glu);
     return;
 #else
     TORCH_CHECK(false, "packed matrices need an AVX-512 build (see packs())");
@@ -671,6 +696,9 @@ void quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, at::Tensor out) {
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   dispatch<Linear>(qtype, out, xf.data_ptr<float>(), T, K, w.data_ptr<uint8_t>(), N, w.size(1), out.stride(0));
 }
+
+void quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, at::Tensor out) { linear(x, w, qtype, out, false); }
+void quant_linear_glu(at::Tensor x, at::Tensor w, int64_t qtype, at::Tensor out) { linear(x, w, qtype, out, true); }
 
 // out[n, :] = the dequantized weight row n (prefill GEMMs)
 void quant_dequantize(at::Tensor w, int64_t qtype, at::Tensor out) {
@@ -713,6 +741,7 @@ at::Tensor quant_pack(at::Tensor w, int64_t qtype) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("out"));
+  m.def("quant_linear_glu", &quant_linear_glu, py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("out"));
   m.def("quant_dequantize", &quant_dequantize, py::arg("w"), py::arg("qtype"), py::arg("out"));
   m.def("quant_rows", &quant_rows, py::arg("w"), py::arg("qtype"), py::arg("rows"), py::arg("ids"), py::arg("out"));
   m.def("quant_pack", &quant_pack, py::arg("w"), py::arg("qtype"));

@@ -58,6 +58,13 @@ class QuantKernels:
     def quant_linear(self, x: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor) -> None:
         self._module(qtype).quant_linear(x, w, qtype, out)
 
+    def glu(self, qtype: int) -> bool:
+        """Whether `quant_linear_glu` (silu(gate) * up from one packed [gate; up] matrix) serves this type."""
+        return bool(qtype & PACKED) and hasattr(self._module(qtype), "quant_linear_glu")
+
+    def quant_linear_glu(self, x: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor) -> None:
+        self._module(qtype).quant_linear_glu(x, w, qtype, out)
+
     def quant_dequantize(self, w: torch.Tensor, qtype: int, out: torch.Tensor) -> None:
         self._module(qtype).quant_dequantize(w, qtype, out)
 

@@ -149,6 +149,9 @@ class QuantLinear:
             self.max_kernel_rows = PACKED_MAX_ROWS
         else:
             self.max_kernel_rows = 1 << 62
+        glu = getattr(kernels, "glu", None)
+        self.fused_glu = (len(parts) == 1 and bias is None and self.out_features % (2 * GROUP) == 0
+                          and glu is not None and glu(parts[0].kernel_type))
 
     @property
     def nbytes(self) -> int:
@@ -174,6 +177,16 @@ class QuantLinear:
             dst = out if len(self.parts) == 1 else out[:, start:start + part.shape[0]]
             self.kernels.quant_linear(x, part.data, part.kernel_type, dst)
         return out if self.bias is None else out.add_(self.bias)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(x G^T) * (x U^T) for this layer's W = [G; U] (a gate/up projection): one kernel call where the
+        packed kernel fuses it (the product rounded once, no [rows, 2 * inter] output to write and read back)."""
+        if self.fused_glu and x.shape[0] <= self.max_kernel_rows:
+            out = torch.empty(x.shape[0], self.out_features // 2, dtype=x.dtype)
+            self.kernels.quant_linear_glu(x, self.parts[0].data, self.parts[0].kernel_type, out)
+            return out
+        gate, up = self(x).chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole weight in `dtype`, in the shared scratch buffer (valid until the next call)."""

@@ -238,6 +238,8 @@ class LlamaModel(nn.Module):
             x = self._add_norm(self.tp.all_reduce(layer.o_lin(o.view(-1, h * d))), residual, layer.post_norm)
             if layer.gate_up_lin is None:
                 delta = layer.down_lin(layer.up_lin.times(x, layer.gate_lin.silu(x)))
+            elif isinstance(layer.gate_up_lin, QuantLinear):
+                delta = layer.down_lin(layer.gate_up_lin.silu_mul(x))
             else:
                 gate, up = layer.gate_up_lin(x).chunk(2, dim=-1)
                 delta = layer.down_lin(F.silu(gate) * up)
