@@ -3,7 +3,9 @@ layers/cpu_kernels.QuantKernels, layers/quant_linear.py) against the gguf packag
 followed by a float64 matmul: random but valid super-blocks (gguf cannot quantize to K types), fp32 and
 bf16 activations, ragged row counts, token counts on both sides of the GEMV/GEMM switch; the
 dequantizer bit for bit; batch invariance bit for bit; refused shapes; the loader keeping the blocks
-only where the kernels built. AVX-512 without BF16, AVX2 and scalar builds are checked by an
+only where the kernels built. The packed layout (AVX-512): pack -> dequantize and row lookups bit for
+bit, fp32 x to summation-order noise, bf16 x (int8 on VNNI) within the int8 rounding's bound element by
+element and exactly as the rounded blocks give it. AVX-512 without BF16, AVX2 and scalar builds are checked by an
 opt-in test (NANOSERVE_TEST_ISAS=1: three ~30 s builds, then cached)."""
 from __future__ import annotations
 

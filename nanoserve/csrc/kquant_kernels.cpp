@@ -8,11 +8,13 @@
 // Q6_K (210 bytes): 128 bytes ql (low 4 bits), 64 bytes qh (high 2 bits), 16 int8 scales (one per
 //   16 weights), fp16 d; w = (d*scale) * (q - 32).
 //
-// Each super-block is dequantized in registers with exactly that arithmetic, one vector at a time,
-// and FMA-ed against x in fp32 (bf16 x is widened once per call): a product differs from "dequantize,
-// then matmul in fp32" only in summation order, whatever the output dtype (it is rounded to once, at
-// the end). A row's result depends only on its own x row (batch invariance). Code paths by compiler
-// flags: AVX-512, else AVX2 + FMA + F16C, else scalar.
+// Two layouts, as quant_kernels.cpp. The GGUF blocks as they are (AVX2 and scalar builds, and the
+// reference): each super-block is dequantized in registers with exactly that arithmetic, one vector
+// at a time, and FMA-ed against x in fp32 (bf16 x is widened once per call): a product differs from
+// "dequantize, then matmul in fp32" only in summation order, whatever the output dtype (it is rounded
+// to once, at the end). And on AVX-512 the packed layout (see PACKED): 16 rows interleaved, bf16 x as
+// int8 on vpdpbusd where the CPU has VNNI. A row's result depends only on its own x row (batch
+// invariance). Code paths by compiler flags: AVX-512, else AVX2 + FMA + F16C, else scalar.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
