@@ -88,11 +88,12 @@ def test_int8_activations_are_the_rounded_blocks_exactly(kernels):
     if not (kernels.packs() and kernels.int8_activations()):
         pytest.skip("no int8 activation path in this build (AVX512_VNNI)")
     w = quantized(48, 128, Q8_0, seed=9)
-    x = torch.randn(2, 128).bfloat16()
+    x = torch.randn(2, 128, generator=torch.Generator().manual_seed(9)).bfloat16()
     xb = x.float().view(2, -1, 32)
     amax = xb.abs().amax(-1, keepdim=True)
-    # the activations the kernel sees: its arithmetic (x * (127 / absmax), rounded half to even) in fp32
-    xq = torch.round(xb * (127 / amax)).clamp(-127, 127) * (amax / 127)
+    # the activations the kernel sees: its arithmetic (x * (127 / absmax), rounded half to even) in fp32;
+    # `127 / amax` on a tensor is 127 * (1 / amax) in torch, an ulp off the kernel's quotient at near-ties
+    xq = torch.round(xb * torch.full_like(amax, 127).div(amax)).clamp(-127, 127) * (amax / 127)
     want = xq.view(2, 128).double() @ w.dequantize().double().T
     out = torch.empty(2, 48)
     kernels.quant_linear(x, w.packed_for(kernels).data, Q8_0 + 256, out)
