@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from nanoserve.layers import cpu_kernels
-from nanoserve.layers.quant_linear import GEMV_MAX_ROWS, PACKED_MAX_ROWS, Q4_0, Q4_1, Q8_0, QuantEmbedding, QuantLinear, QuantTensor, Scratch
+from nanoserve.layers.quant_linear import (GEMV_MAX_ROWS, PACKED_MAX_ROWS, Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, QuantEmbedding,
+                                           QuantLinear, QuantTensor, Scratch)
 
 TYPES = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0}
 
@@ -205,19 +206,23 @@ def test_packed_layout_refuses_what_does_not_fit_it(kernels):
     assert w.rows(16, 20).shape == (4, 64) and w.rows(16, 20).data.shape[0] == 1
 
 
-@pytest.mark.parametrize("name", list(TYPES))
+@pytest.mark.parametrize("name", [*TYPES, "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gate_up_is_fused_into_silu_times_up(kernels, name, dtype):
     """A packed [gate; up] layer computes silu(gate) * up in one call: the fp32 product of the kernel's own
     gate and up sums (silu to ~1 ulp), rounded to the output dtype once; the unfused path where it cannot."""
-    if not kernels.packs():
-        pytest.skip("the fused gate/up needs the packed layout (AVX-512)")
     import torch.nn.functional as F
-    gate, up = quantized(48, 96, TYPES[name], 1).packed_for(kernels), quantized(48, 96, TYPES[name], 2).packed_for(kernels)
+
+    from tests.test_kquant_kernels import kq
+    qtype = TYPES.get(name) or {"Q4_K": Q4_K, "Q6_K": Q6_K}[name]
+    if not kernels.packs(qtype):
+        pytest.skip("the fused gate/up needs the packed layout (AVX-512)")
+    make = quantized if name in TYPES else kq
+    gate, up = make(48, 256, qtype, 1).packed_for(kernels), make(48, 256, qtype, 2).packed_for(kernels)
     lin = QuantLinear([gate, up], kernels, Scratch())
     assert lin.fused_glu
     for tokens in (1, 9, 300):
-        x = (torch.randn(tokens, 96) * 2).to(dtype)
+        x = (torch.randn(tokens, 256) * 2).to(dtype)
         sums = torch.empty(tokens, 96)
         kernels.quant_linear(x, lin.parts[0].data, lin.parts[0].kernel_type, sums)
         want = F.silu(sums[:, :48].double()) * sums[:, 48:].double()

@@ -15,7 +15,8 @@
 // to once, at the end). And on AVX-512 the packed layout (see PACKED): 16 rows interleaved, bf16 x as
 // int8 on vpdpbusd where the CPU has VNNI. A row's result depends only on its own x row (batch
 // invariance). Code paths by compiler flags: AVX-512, else AVX2 + FMA + F16C, else scalar.
-#include <torch/extension.h>
+#include <ATen/ATen.h>  // not torch/extension.h: see quant_kernels.cpp
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -24,6 +25,7 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+#include "silu.h"
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -436,14 +438,14 @@ struct PackedX {
   bool int8 = false;
 };
 
-PackedX prepare_x(const torch::Tensor& x, bool int8) {
+PackedX prepare_x(const at::Tensor& x, bool int8) {
   PackedX p;
   const int64_t T = x.size(0), K = x.size(1), nb = K / XB;
   p.K = K;
   p.int8 = int8;
   p.sum.resize(T * nb);
   if (!int8) {
-    if (x.scalar_type() == torch::kFloat) {
+    if (x.scalar_type() == at::kFloat) {
       p.f = x.data_ptr<float>();
     } else {
       p.fbuf.resize(T * K);
@@ -758,9 +760,11 @@ inline void group_tile(const uint8_t* group, const PackedX& x, int64_t t0, int64
 
 constexpr int PTILE = 8;  // x rows per pass over a group (fp32: in passes of 4)
 
-template <int QT, typename O>
+// out = x W^T, or with GLU (W = [gate; up], N/2 rows each, a multiple of 16) silu(x gate^T) * (x up^T),
+// combined in fp32 and rounded once, as quant_kernels.cpp's
+template <int QT, bool GLU = false, typename O>
 void packed_linear_impl(const PackedX& x, int64_t T, const uint8_t* w, int64_t N, int64_t ldw, O* out, int64_t ldo) {
-  const int64_t groups = (N + G - 1) / G;
+  const int64_t cols = GLU ? N / 2 : N, groups = (cols + G - 1) / G, up = GLU ? groups * ldw : 0;
   constexpr int64_t XBLOCK = 256;  // prefill: the weights swept once per 256 x rows (theirs stay in L2)
   for (int64_t x0 = 0; x0 < T; x0 += XBLOCK) {
     const int64_t x1 = std::min<int64_t>(T, x0 + XBLOCK);
@@ -768,16 +772,20 @@ void packed_linear_impl(const PackedX& x, int64_t T, const uint8_t* w, int64_t N
     // (1 thread, 2048x2048 at 1024 rows: 110 -> 86 ms; Q4_K's conversion is too cheap to gain)
     const bool buffered = QT == Q6_K && !x.int8 && x1 - x0 > 16;
     at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-      __m512 res[PTILE];
+      __m512 res[PTILE], res_up[GLU ? PTILE : 1];
       alignas(64) float lane[G];
-      std::vector<__m512> buf(buffered ? x.K / QK * F32_UNITS * 8 : 0);
+      const int64_t units = x.K / QK * F32_UNITS * 8;
+      std::vector<__m512> buf(buffered ? units * (GLU ? 2 : 1) : 0);
       for (int64_t g = begin; g < end; ++g) {
-        const int rows = static_cast<int>(std::min<int64_t>(G, N - g * G));
+        const int rows = static_cast<int>(std::min<int64_t>(G, cols - g * G));
         if (buffered) f32_fill<QT>(w + g * ldw, x.K / QK, buf.data());
+        if (buffered && GLU) f32_fill<QT>(w + up + g * ldw, x.K / QK, buf.data() + units);
         for (int64_t t0 = x0; t0 < x1; t0 += PTILE) {
           const int64_t nt = std::min<int64_t>(PTILE, x1 - t0);
           group_tile<QT, PTILE>(w + g * ldw, x, t0, nt, res, buffered ? buf.data() : nullptr);
+          if constexpr (GLU) group_tile<QT, PTILE>(w + up + g * ldw, x, t0, nt, res_up, buffered ? buf.data() + units : nullptr);
           for (int64_t t = 0; t < nt; ++t) {
+            if constexpr (GLU) res[t] = _mm512_mul_ps(silu16(res[t]), res_up[t]);
             _mm512_store_ps(lane, res[t]);
             O* o = out + (t0 + t) * ldo + g * G;
             for (int r = 0; r < rows; ++r) o[r] = static_cast<O>(lane[r]);
@@ -804,9 +812,9 @@ int64_t block_bytes_of(int64_t qtype) {
 }
 
 // a block matrix [N, K/256 * block bytes], or a packed one [ceil(N / 16), K/256 * packed bytes]
-void check_weight(const torch::Tensor& w, int64_t qtype, int64_t K, int64_t N) {
+void check_weight(const at::Tensor& w, int64_t qtype, int64_t K, int64_t N) {
   const int64_t bb = block_bytes_of(qtype);
-  TORCH_CHECK(w.device().is_cpu() && w.dtype() == torch::kUInt8 && w.dim() == 2 && w.stride(1) == 1,
+  TORCH_CHECK(w.device().is_cpu() && w.dtype() == at::kByte && w.dim() == 2 && w.stride(1) == 1,
               "weight: 2-D uint8 CPU blocks, rows contiguous");
   TORCH_CHECK(K % QK == 0, "the input size must be a multiple of 256 for K-quants, got ", K);
   TORCH_CHECK(w.size(1) == K / QK * bb, "weight rows hold ", w.size(1), " bytes; type ", qtype, " with ", K,
@@ -818,7 +826,7 @@ void check_weight(const torch::Tensor& w, int64_t qtype, int64_t K, int64_t N) {
 #endif
 }
 
-void check_out(const torch::Tensor& out, int64_t rows, int64_t cols) {
+void check_out(const at::Tensor& out, int64_t rows, int64_t cols) {
   TORCH_CHECK(out.device().is_cpu() && out.dim() == 2 && out.size(0) == rows && out.size(1) == cols &&
               (out.stride(1) == 1 || cols <= 1),
               "out must be a CPU [", rows, ", ", cols, "] tensor with unit column stride");
@@ -826,12 +834,12 @@ void check_out(const torch::Tensor& out, int64_t rows, int64_t cols) {
 
 // (qtype, output dtype) -> a template instance
 template <typename Run>
-void dispatch(int64_t qtype, const torch::Tensor& out, Run&& run) {
+void dispatch(int64_t qtype, const at::Tensor& out, Run&& run) {
   auto by_out = [&](auto qt) {
     switch (out.scalar_type()) {
-      case torch::kFloat: run(qt, out.data_ptr<float>()); break;
-      case torch::kBFloat16: run(qt, out.data_ptr<c10::BFloat16>()); break;
-      case torch::kHalf: run(qt, out.data_ptr<c10::Half>()); break;
+      case at::kFloat: run(qt, out.data_ptr<float>()); break;
+      case at::kBFloat16: run(qt, out.data_ptr<c10::BFloat16>()); break;
+      case at::kHalf: run(qt, out.data_ptr<c10::Half>()); break;
       default: TORCH_CHECK(false, "output dtype must be float32, bfloat16 or float16, got ", out.scalar_type());
     }
   };
@@ -844,13 +852,15 @@ void dispatch(int64_t qtype, const torch::Tensor& out, Run&& run) {
 // out[t, n] = sum_k x[t, k] * W[n, k], W given as K-quant super-blocks [N, K/256 * block bytes] or
 // packed (qtype + 256, see PACKED); `out` may be a column slice of a wider tensor (fused parts of
 // different types each write their columns).
-void quant_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, torch::Tensor out) {
+static void linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, const at::Tensor& out, bool glu) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "x must be a 2-D CPU tensor");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kHalf,
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
               "x must be float32, bfloat16 or float16, got ", x.scalar_type());
-  const int64_t T = x.size(0), K = x.size(1), N = qtype & PACKED ? out.size(-1) : w.size(0);
+  TORCH_CHECK(!glu || ((qtype & PACKED) && out.size(-1) % G == 0), "quant_linear_glu: a packed [gate; up] matrix, "
+              "each half a multiple of 16 rows");
+  const int64_t T = x.size(0), K = x.size(1), N = qtype & PACKED ? out.size(-1) * (glu ? 2 : 1) : w.size(0);
   check_weight(w, qtype, K, N);
-  check_out(out, T, N);
+  check_out(out, T, glu ? N / 2 : N);
   if (T == 0 || N == 0) return;
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const int64_t ldw = w.stride(0), ldo = out.stride(0);
@@ -858,25 +868,31 @@ void quant_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, torch::Tensor
   if (qtype & PACKED) {
     // bf16 activations meet the weights as int8 where the CPU has VNNI; fp32 ones stay exact
 #if defined(__AVX512VNNI__)
-    const bool int8 = x.scalar_type() == torch::kBFloat16;
+    const bool int8 = x.scalar_type() == at::kBFloat16;
 #else
     const bool int8 = false;
 #endif
-    const torch::Tensor xc = x.scalar_type() == torch::kHalf ? x.to(torch::kFloat).contiguous() : x.contiguous();
+    const at::Tensor xc = x.scalar_type() == at::kHalf ? x.to(at::kFloat).contiguous() : x.contiguous();
     const PackedX px = prepare_x(xc, int8);
-    dispatch(qtype, out, [&](auto qt, auto* o) { packed_linear_impl<decltype(qt)::value>(px, T, wp, N, ldw, o, ldo); });
+    dispatch(qtype, out, [&](auto qt, auto* o) {
+      if (glu) packed_linear_impl<decltype(qt)::value, true>(px, T, wp, N, ldw, o, ldo);
+      else packed_linear_impl<decltype(qt)::value, false>(px, T, wp, N, ldw, o, ldo);
+    });
     return;
   }
 #endif
-  const torch::Tensor xf = x.to(torch::kFloat).contiguous();  // bf16 / fp16 widen exactly, once per call
+  const at::Tensor xf = x.to(at::kFloat).contiguous();  // bf16 / fp16 widen exactly, once per call
   const float* xp = xf.data_ptr<float>();
   dispatch(qtype, out, [&](auto qt, auto* o) {
     linear_impl<decltype(qt)::value>(xp, T, K, wp, N, ldw, o, ldo);
   });
 }
 
+void quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, at::Tensor out) { linear(x, w, qtype, out, false); }
+void quant_linear_glu(at::Tensor x, at::Tensor w, int64_t qtype, at::Tensor out) { linear(x, w, qtype, out, true); }
+
 // out[i, :] = the dequantized weight row ids[i] (all rows when ids is null), bit for bit gguf's
-void dequantize_rows(const torch::Tensor& w, int64_t qtype, int64_t N, const int64_t* ids, int64_t n, torch::Tensor& out) {
+void dequantize_rows(const at::Tensor& w, int64_t qtype, int64_t N, const int64_t* ids, int64_t n, at::Tensor& out) {
   const int64_t K = out.size(1);
   check_weight(w, qtype, K, N);
   check_out(out, n, K);
@@ -894,31 +910,31 @@ void dequantize_rows(const torch::Tensor& w, int64_t qtype, int64_t N, const int
 }
 
 // out[n, :] = the dequantized weight row n, bit for bit gguf's (prefill GEMMs, embedding rows)
-void quant_dequantize(torch::Tensor w, int64_t qtype, torch::Tensor out) {
+void quant_dequantize(at::Tensor w, int64_t qtype, at::Tensor out) {
   TORCH_CHECK(out.dim() == 2, "out must be 2-D");
   dequantize_rows(w, qtype, qtype & PACKED ? out.size(0) : w.size(0), nullptr, out.size(0), out);
 }
 
 // out[i, :] = the dequantized row ids[i] of a packed [N, K] matrix (embedding lookups read only those)
-void quant_rows(torch::Tensor w, int64_t qtype, int64_t N, torch::Tensor ids, torch::Tensor out) {
-  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong, "ids: 1-D int64");
+void quant_rows(at::Tensor w, int64_t qtype, int64_t N, at::Tensor ids, at::Tensor out) {
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids: 1-D int64");
   TORCH_CHECK(out.dim() == 2, "out must be 2-D");
   TORCH_CHECK(qtype & PACKED, "quant_rows reads packed matrices");
-  const torch::Tensor idc = ids.contiguous();
+  const at::Tensor idc = ids.contiguous();
   const int64_t* id = idc.data_ptr<int64_t>();
   for (int64_t i = 0; i < ids.size(0); ++i) TORCH_CHECK(id[i] >= 0 && id[i] < N, "row id ", id[i], " out of [0, ", N, ")");
   dequantize_rows(w, qtype, N, id, ids.size(0), out);
 }
 
 // the packed form of a block matrix [N, K/256 * block bytes]: [ceil(N / 16), K/256 * packed bytes]
-torch::Tensor quant_pack(torch::Tensor w, int64_t qtype) {
+at::Tensor quant_pack(at::Tensor w, int64_t qtype) {
   TORCH_CHECK(!(qtype & PACKED), "already packed");
-  TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(), "weight: 2-D contiguous uint8 blocks");
+  TORCH_CHECK(w.dtype() == at::kByte && w.dim() == 2 && w.is_contiguous(), "weight: 2-D contiguous uint8 blocks");
   const int64_t N = w.size(0), bb = block_bytes_of(qtype);
   TORCH_CHECK(w.size(1) % bb == 0, "weight rows of ", w.size(1), " bytes are not whole super-blocks of type ", qtype);
   const int64_t nb = w.size(1) / bb;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  torch::Tensor out = torch::empty({(N + G - 1) / G, nb * block_bytes_of(qtype | PACKED)}, w.options());
+  at::Tensor out = at::empty({(N + G - 1) / G, nb * block_bytes_of(qtype | PACKED)}, w.options());
   if (qtype == Q4_K) pack_impl<Q4_K>(w.data_ptr<uint8_t>(), N, nb, out.data_ptr<uint8_t>());
   else pack_impl<Q6_K>(w.data_ptr<uint8_t>(), N, nb, out.data_ptr<uint8_t>());
   return out;
@@ -929,6 +945,7 @@ torch::Tensor quant_pack(torch::Tensor w, int64_t qtype) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("out"));
+  m.def("quant_linear_glu", &quant_linear_glu, py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("out"));
   m.def("quant_dequantize", &quant_dequantize, py::arg("w"), py::arg("qtype"), py::arg("out"));
   m.def("quant_rows", &quant_rows, py::arg("w"), py::arg("qtype"), py::arg("rows"), py::arg("ids"), py::arg("out"));
   m.def("quant_pack", &quant_pack, py::arg("w"), py::arg("qtype"));

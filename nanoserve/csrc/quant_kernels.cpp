@@ -12,6 +12,7 @@
 // frontend (autograd, nn, optim) and took a third more compile time (30 s against 20 s a module)
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>
+#include "silu.h"
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/Half.h>
@@ -538,20 +539,6 @@ inline void packed_group(const uint8_t* group, const PackedX& x, int64_t t0, __m
 }
 
 constexpr int PTILE = 8;  // x rows per pass over a group: 3 vectors each, within the 32 registers
-
-// silu(v) = v / (1 + e^-v) in fp32, 16 lanes: e^-v as 2^n * 2^r, |r| <= 1/2, Cephes' degree-6 exp2
-// polynomial (~1 ulp); past |v| = 88 the exponent saturates and silu is v or -0 as it should be
-inline __m512 silu16(__m512 v) {
-  const __m512 x = _mm512_max_ps(_mm512_set1_ps(-126.f), _mm512_min_ps(_mm512_set1_ps(126.f),
-                                 _mm512_mul_ps(v, _mm512_set1_ps(-1.44269504088896341f))));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  for (float c : {1.339887440266574e-3f, 9.618437357674640e-3f, 5.550332471162809e-2f, 2.402264791363012e-1f,
-                  6.931472028550421e-1f, 1.f})
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  return _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), _mm512_scalef_ps(p, n)));
-}
 
 // out = x W^T, or with GLU (W = [gate; up], N/2 rows each, a multiple of 16) out = silu(x G^T) * (x U^T):
 // the gate and up groups of the same output columns are computed back to back and combined in fp32,

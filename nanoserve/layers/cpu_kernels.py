@@ -131,7 +131,9 @@ def _build(prefix: str, source: Path):
         from torch.utils.cpp_extension import load as build
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), "")
-        key = hashlib.sha256(source.read_bytes() + (flags + torch.__version__ + march.replace("native", "")).encode()).hexdigest()[:12]
+        headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what the sources include
+        key = hashlib.sha256(source.read_bytes() + headers +
+                             (flags + torch.__version__ + march.replace("native", "")).encode()).hexdigest()[:12]
         wide = ["-mprefer-vector-width=512"] if march == "native" else []
         return build(f"{prefix}_{key}", sources=[str(source)],
                      extra_cflags=["-O3", f"-march={march}", *wide, "-ffp-contract=off",
