@@ -261,14 +261,32 @@ class GgufSize:
 GGUF_SIZES = {"1b": GgufSize(2048, 8192, 16, 32, 8), "135m": GgufSize(576, 1536, 30, 9, 3)}
 
 
+def random_kquant(rows: int, cols: int, qtype, rng):
+    """Random valid K-quant super-blocks [rows, bytes] (the gguf package cannot quantize to them): random
+    6-bit scales, mins and quants, fp16 super-scales that keep the weights near N(0, 0.02)'s size."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    q4 = qtype == GGMLQuantizationType.Q4_K
+    b = rng.integers(0, 256, (rows, cols // 256, 144 if q4 else 210), dtype=np.uint8)
+    d = rng.uniform(2e-4, 4e-4, b.shape[:2]).astype(np.float16)
+    if q4:  # w = d * sc * q - dmin * m, q in 0..15: dmin ~ 7.5 d centres them
+        b[..., 0:2], b[..., 2:4] = d.view(np.uint8).reshape(*b.shape[:2], 2), \
+            (d * 7.5).astype(np.float16).view(np.uint8).reshape(*b.shape[:2], 2)
+    else:  # w = d * scale * (q - 32), scale an int8
+        b[..., 208:210] = (d / 4).astype(np.float16).view(np.uint8).reshape(*b.shape[:2], 2)
+    return b.reshape(rows, -1)
+
+
 def write_random_gguf(path: Path, size: GgufSize, qtype_name: str, seed: int = 0) -> None:
     """A Llama GGUF with random N(0, 0.02) weights in one block type (norms F32, embedding tied),
     the embedded model's tokenizer and chat template: nanoserve and llama.cpp both read it. One
-    tensor is generated and quantized at a time (the 1b Q8_0 file is 1.1 GB)."""
+    tensor is generated and quantized at a time (the 1b Q8_0 file is 1.1 GB). Q4_K_M mixes types as
+    llama.cpp's does: Q6_K for the embedding and every other layer's attn_v and ffn_down, Q4_K elsewhere,
+    with random super-blocks."""
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
     from gguf.quants import quantize
-    qtype = GGMLQuantizationType[qtype_name]
+    qtype = GGMLQuantizationType[qtype_name] if qtype_name != "Q4_K_M" else None
     rng = np.random.default_rng(seed)
     tok = GGUFReader(str(embedded_gguf()))
     vocab = len(tok.fields["tokenizer.ggml.tokens"].data)
@@ -299,6 +317,11 @@ def write_random_gguf(path: Path, size: GgufSize, qtype_name: str, seed: int = 0
     for name, shape in shapes.items():
         if len(shape) == 1:
             w.add_tensor(name, np.ones(shape, dtype=np.float32))
+        elif qtype is None:  # Q4_K_M
+            wide = name == "token_embd.weight" or (name.endswith(("attn_v.weight", "ffn_down.weight"))
+                                                   and int(name.split(".")[1]) % 2 == 0)
+            k = GGMLQuantizationType.Q6_K if wide else GGMLQuantizationType.Q4_K
+            w.add_tensor(name, random_kquant(*shape, k, rng), raw_dtype=k)
         else:
             a = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
             w.add_tensor(name, quantize(a, qtype), raw_dtype=qtype)
@@ -377,7 +400,7 @@ def main() -> int:
     ap.add_argument("--offline", type=int, default=0, metavar="N", help="offline throughput of N prompts")
     ap.add_argument("--write-gguf", type=Path, default=None, metavar="FILE", help="write a random-weight GGUF, exit")
     ap.add_argument("--gguf-size", choices=list(GGUF_SIZES), default="1b")
-    ap.add_argument("--gguf-type", choices=["Q4_0", "Q4_1", "Q8_0"], default="Q4_0")
+    ap.add_argument("--gguf-type", choices=["Q4_0", "Q4_1", "Q8_0", "Q4_K_M"], default="Q4_0")
     add_peer_args(ap)
     args = ap.parse_args()
     args.lens = [int(x) for x in args.ttft_lens.split(",") if x]

@@ -93,7 +93,7 @@ class Running:
     def _one(self, ids: list[int], max_tokens: int, stream: bool) -> tuple[dict, list[float]]:
         """The final response and, streamed, the times its tokens arrived."""
         body = json.dumps({"prompt": ids, "n_predict": max_tokens, "ignore_eos": True, "cache_prompt": False,
-                           "temperature": 0.0, "stream": stream}).encode()
+                           "temperature": 0.0, "stream": stream, "return_tokens": True}).encode()
         req = urllib.request.Request(self.server.url + "/completion", body, {"Content-Type": "application/json"})
         stamps: list[float] = []
         with urllib.request.urlopen(req, timeout=3600) as r:
@@ -102,8 +102,10 @@ class Running:
             for line in r if stream else ():
                 if line.startswith(b"data: "):
                     out = json.loads(line[6:])
-                    if not out["stop"]:
-                        stamps.append(time.perf_counter())
+                    # a chunk may carry several tokens, and a token may have none (seen on a random-weight
+                    # model's output: 32 chunks for 33 tokens): the final chunk then stamps the end
+                    n = len(out.get("tokens") or ()) if not out["stop"] else int(len(stamps) < max_tokens)
+                    stamps += [time.perf_counter()] * max(n, int(not out["stop"]))
         if (out["tokens_predicted"], out["tokens_evaluated"]) != (max_tokens, len(ids)) or \
                 (stream and len(stamps) != max_tokens):
             got = f"{out['tokens_predicted']} / {out['tokens_evaluated']} ({len(stamps)} streamed)"
