@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass
 from collections.abc import Callable
 from typing import NamedTuple
@@ -64,7 +64,10 @@ class BlockPool:
         self.index: dict[BlockHash, int] = {}
         self.clean: OrderedDict[int, None] = OrderedDict()  # cached-free, unpinned, clean; oldest first
         self.dirty: OrderedDict[int, None] = OrderedDict()  # cached-free, unpinned, dirty; oldest first
-        self.free: deque[int] = deque(range(num_blocks))
+        # never-cached blocks, a stack: the most recently released is reused first (its memory is warm: on
+        # CPU the KV cache's pages are only resident once written, and a queue would fault in a fresh
+        # page run after run until the whole pool had been touched, ~10% of a prefill's time)
+        self.free: list[int] = list(range(num_blocks - 1, -1, -1))
         self.pins = [0] * num_blocks
         self.held: set[int] = set()  # unreferenced and pinned
         self.num_evictions = 0        # cached blocks reused, clean or not
@@ -103,12 +106,12 @@ class BlockPool:
         self.ref_count[block] += 1
 
     def allocate(self, lossy_ok: bool = True, keep_clean: bool = False) -> int:
-        """A block with ref count 1: a never-cached one first, else the least recently used clean
-        one, else (only if `lossy_ok`) the least recently used dirty one. No pinned block is a
+        """A block with ref count 1: a never-cached one first (the last released), else the least recently
+        used clean one, else (only if `lossy_ok`) the least recently used dirty one. No pinned block is a
         candidate. `keep_clean` (the host tier taking a save): never a clean block, since evicting
         one only moves the lack of a copy to its twin in the other tier."""
         if self.free:
-            block = self.free.popleft()
+            block = self.free.pop()
         else:
             lru = self.dirty if keep_clean else self.clean or (self.dirty if lossy_ok else None)
             if not lru:
