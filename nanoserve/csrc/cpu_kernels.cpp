@@ -306,8 +306,70 @@ static void decode(const at::Tensor& q, const at::Tensor& out, const at::Tensor&
   T* op = out.data_ptr<T>();
   at::parallel_for(0, nd * kh, 1, [&](int64_t begin, int64_t end) {  // pass 2: probabilities x V
     std::vector<float> acc(g * d), blk(bs * d);
+    std::vector<uint16_t> pb;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t s = i / kh, hk = i % kh, n = lens[s];
+#if defined(__AVX512BF16__)
+      // bf16: two keys at a time in VDPBF16PS, their V rows interleaved word by word and the probabilities
+      // rounded to bf16 (the inputs of a bf16 P.V matmul, as flash attention feeds it): half the
+      // instructions of widening V to fp32 and an FMA per key, which made this pass 2/3 of the kernel
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        constexpr int64_t W = d / 32;  // vectors of 32 bf16 per row
+        if (g * W <= 12) {  // 2 g W accumulators within the 32 registers
+          const int64_t np = (n + 1) & ~int64_t(1);  // keys rounded up to a pair: the odd one pairs with p = 0
+          pb.assign(g * np, 0);
+          for (int64_t j = 0; j < g; ++j) {
+            const float* pr = sc + (i * g + j) * width;
+            int64_t t = 0;
+            for (; t + 16 <= n; t += 16)
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb.data() + j * np + t), bf16_packed(_mm512_loadu_ps(pr + t)));
+            for (; t < n; ++t) pb[j * np + t] = c10::BFloat16(pr[t]).x;
+          }
+          __m512 lo[8][W], hi[8][W];
+          for (int64_t j = 0; j < g; ++j)
+            for (int64_t c = 0; c < W; ++c) lo[j][c] = hi[j][c] = _mm512_setzero_ps();
+          RowWalk<T> values(kv + layer_off + v_off + hk * bs * d, tab + s * max_blocks, block_stride, bs, d, n),
+              ahead = values;
+          ahead.skip(std::min<int64_t>(16, n));
+          for (int64_t t = 0; t < n; t += 2) {
+            const T* r0 = values.next();
+            const T* r1 = t + 1 < n ? values.next() : nullptr;
+            for (int64_t u = t; u < std::min(t + 2, n); ++u)
+              if (u + 16 < n) prefetch_row(ahead.next(), d * sizeof(T));
+            __m512i vl[W], vh[W];
+            for (int64_t c = 0; c < W; ++c) {  // words: (r0[k], r1[k]) for k of each 128-bit lane's low / high half
+              const __m512i a = _mm512_loadu_si512(r0 + c * 32);
+              const __m512i b = r1 ? _mm512_loadu_si512(r1 + c * 32) : _mm512_setzero_si512();
+              vl[c] = _mm512_unpacklo_epi16(a, b);
+              vh[c] = _mm512_unpackhi_epi16(a, b);
+            }
+            for (int64_t j = 0; j < g; ++j) {
+              uint32_t pair;
+              std::memcpy(&pair, pb.data() + j * np + t, 4);
+              const __m512bh p = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
+              for (int64_t c = 0; c < W; ++c) {
+                lo[j][c] = _mm512_dpbf16_ps(lo[j][c], reinterpret_cast<__m512bh>(vl[c]), p);
+                hi[j][c] = _mm512_dpbf16_ps(hi[j][c], reinterpret_cast<__m512bh>(vh[c]), p);
+              }
+            }
+          }
+          alignas(64) float lf[16], hf[16];
+          for (int64_t j = 0; j < g; ++j)
+            for (int64_t c = 0; c < W; ++c) {  // lane m of lo is dim 8 (m / 4) + m % 4 of the chunk, of hi 4 more
+              _mm512_store_ps(lf, lo[j][c]);
+              _mm512_store_ps(hf, hi[j][c]);
+              float* aj = acc.data() + j * d + c * 32;
+              for (int m = 0; m < 16; ++m) {
+                aj[8 * (m / 4) + m % 4] = lf[m];
+                aj[8 * (m / 4) + m % 4 + 4] = hf[m];
+              }
+            }
+          T* o = op + (s * h + hk * g) * d;
+          for (int64_t x = 0; x < g * d; ++x) o[x] = static_cast<T>(acc[x]);
+          continue;
+        }
+      }
+#endif
 #if defined(__AVX512F__)
       if (g <= 8) {  // accumulators stay in registers across the whole context
         constexpr int64_t V = d / 16;
