@@ -23,15 +23,15 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from nanoserve.layers import cpu_kernels  # noqa: E402
-from nanoserve.layers.quant_linear import Q4_0, Q4_K, Q6_K, QuantLinear, QuantTensor, Scratch  # noqa: E402
+from nanoserve.layers.quant_linear import Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, QuantLinear, QuantTensor, Scratch  # noqa: E402
 
-TYPES = {"Q4_0": Q4_0, "Q4_K": Q4_K, "Q6_K": Q6_K}
+TYPES = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0, "Q4_K": Q4_K, "Q6_K": Q6_K}
 SHAPES = [(1536, 768), (8192, 2048)]  # (N, K): small (K-quants need K % 256 == 0: not 576); a 1B model gate/up
 
 
 def weights(rows: int, cols: int, qtype: int, seed: int = 0) -> QuantTensor:
     g = np.random.default_rng(seed)
-    if qtype == Q4_0:
+    if qtype in (Q4_0, Q4_1, Q8_0):
         from gguf.quants import quantize
         return QuantTensor(torch.from_numpy(quantize(g.standard_normal((rows, cols), dtype=np.float32) * 0.05, qtype)),
                            qtype, (rows, cols))
