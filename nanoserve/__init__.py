@@ -14,7 +14,8 @@ __all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "Completion
 
 def __getattr__(name: str) -> Any:
     # LLM brings the whole engine (torch, the model code): the API process imports this package
-    # but runs no model, so it stays torch-free (tests/test_api_process.py)
+    # but runs no model, so it stays torch-free
+    # (tests/test_structured_server.py::test_api_process_runs_without_torch)
     if name == "LLM":
         from nanoserve.llm import LLM
         return LLM

@@ -130,11 +130,13 @@ class EngineConfig:
             raise ValueError("--nnodes > 1 needs --master-port (or $MASTER_PORT) and --master-addr on every node")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"quantization must be fp8 or unset, got {self.quantization!r}")
-        if self.quantization == "fp8" and (device := self.resolved_device()).type != "cuda":
-            raise ValueError("--quantization fp8 needs a CUDA GPU: this run is on the CPU (GGUF Q8_0/Q4_0/Q4_1 "
-                             "weights stay quantized there)")
-        if self.quantization == "fp8" and str(self.resolved_dtype(device)) == "torch.float32":
-            raise ValueError("--quantization fp8 computes in bf16 or fp16: drop --dtype float32")
+        if self.quantization == "fp8":
+            import torch
+            if (device := self.resolved_device()).type != "cuda":
+                raise ValueError("--quantization fp8 needs a CUDA GPU: this run is on the CPU (GGUF Q8_0/Q4_0/Q4_1 "
+                                 "weights stay quantized there)")
+            if self.resolved_dtype(device) == torch.float32:
+                raise ValueError("--quantization fp8 computes in bf16 or fp16: drop --dtype float32")
         if self.host_cache_gb and not self.enable_prefix_caching:
             raise ValueError("--host-cache-gb needs prefix caching; drop --no-prefix-caching")
 

@@ -82,6 +82,19 @@ def test_quant_linear_matches_dequantize_then_matmul(kernels, name, rows, cols, 
         assert (got16.double() - want16).abs().max().item() <= 2 ** -7 * scale
 
 
+def assert_batch_invariant(kernels, x: torch.Tensor, w: QuantTensor, part: slice) -> None:
+    """Each row of x alone, and the rows `part` together, give the bits all of x's rows give at once."""
+    together = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
+    kernels.quant_linear(x, w.data, w.kernel_type, together)
+    for t in range(x.shape[0]):
+        alone = torch.empty(1, w.shape[0], dtype=x.dtype)
+        kernels.quant_linear(x[t:t + 1], w.data, w.kernel_type, alone)
+        assert torch.equal(alone, together[t:t + 1]), (w.qtype, x.dtype, t)
+    some = torch.empty(part.stop - part.start, w.shape[0], dtype=x.dtype)
+    kernels.quant_linear(x[part], w.data, w.kernel_type, some)
+    assert torch.equal(some, together[part])
+
+
 @pytest.mark.parametrize("name", list(TYPES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cols", [256, 768])
@@ -89,15 +102,7 @@ def test_a_row_gets_the_same_bits_whatever_rows_share_its_pass(kernels, name, dt
     """Batch invariance: greedy text must not depend on the batch shape a token was decoded in."""
     w = kq(37, cols, TYPES[name], seed=cols)
     x = torch.randn(GEMV_MAX_ROWS, cols, generator=torch.Generator().manual_seed(cols)).to(dtype)
-    together = torch.empty(GEMV_MAX_ROWS, 37, dtype=dtype)
-    kernels.quant_linear(x, w.data, w.qtype, together)
-    for t in range(GEMV_MAX_ROWS):
-        alone = torch.empty(1, 37, dtype=dtype)
-        kernels.quant_linear(x[t:t + 1], w.data, w.qtype, alone)
-        assert torch.equal(alone, together[t:t + 1]), (name, dtype, t)
-    some = torch.empty(5, 37, dtype=dtype)
-    kernels.quant_linear(x[3:8], w.data, w.qtype, some)
-    assert torch.equal(some, together[3:8])
+    assert_batch_invariant(kernels, x, w, slice(3, 8))
 
 
 def test_dequantize_kernel_is_exactly_the_gguf_packages(kernels):
@@ -194,15 +199,7 @@ def test_packed_int8_activations_are_the_rounded_blocks_exactly(kernels, name):
 def test_packed_rows_get_the_same_bits_whatever_rows_share_their_pass(kernels, name, dtype):
     p = packed(kq(37, 512, TYPES[name], seed=7), kernels)
     x = torch.randn(21, 512, generator=torch.Generator().manual_seed(3)).to(dtype)  # 21: fp32 Q6_K buffers its weights
-    together = torch.empty(21, 37, dtype=dtype)
-    kernels.quant_linear(x, p.data, p.kernel_type, together)
-    for t in range(21):
-        alone = torch.empty(1, 37, dtype=dtype)
-        kernels.quant_linear(x[t:t + 1], p.data, p.kernel_type, alone)
-        assert torch.equal(alone, together[t:t + 1]), (name, dtype, t)
-    some = torch.empty(6, 37, dtype=dtype)
-    kernels.quant_linear(x[5:11], p.data, p.kernel_type, some)
-    assert torch.equal(some, together[5:11])
+    assert_batch_invariant(kernels, x, p, slice(5, 11))
 
 
 @pytest.mark.parametrize("name", list(TYPES))

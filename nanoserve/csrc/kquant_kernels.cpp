@@ -25,7 +25,7 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
-#include "silu.h"
+#include "simd_math.h"
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -773,7 +773,6 @@ void packed_linear_impl(const PackedX& x, int64_t T, const uint8_t* w, int64_t N
     const bool buffered = QT == Q6_K && !x.int8 && x1 - x0 > 16;
     at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
       __m512 res[PTILE], res_up[GLU ? PTILE : 1];
-      alignas(64) float lane[G];
       const int64_t units = x.K / QK * F32_UNITS * 8;
       std::vector<__m512> buf(buffered ? units * (GLU ? 2 : 1) : 0);
       for (int64_t g = begin; g < end; ++g) {
@@ -784,12 +783,7 @@ void packed_linear_impl(const PackedX& x, int64_t T, const uint8_t* w, int64_t N
           const int64_t nt = std::min<int64_t>(PTILE, x1 - t0);
           group_tile<QT, PTILE>(w + g * ldw, x, t0, nt, res, buffered ? buf.data() : nullptr);
           if constexpr (GLU) group_tile<QT, PTILE>(w + up + g * ldw, x, t0, nt, res_up, buffered ? buf.data() + units : nullptr);
-          for (int64_t t = 0; t < nt; ++t) {
-            if constexpr (GLU) res[t] = _mm512_mul_ps(silu16(res[t]), res_up[t]);
-            _mm512_store_ps(lane, res[t]);
-            O* o = out + (t0 + t) * ldo + g * G;
-            for (int r = 0; r < rows; ++r) o[r] = static_cast<O>(lane[r]);
-          }
+          store_tile<GLU>(res, res_up, nt, rows, out + t0 * ldo + g * G, ldo);
         }
       }
     });

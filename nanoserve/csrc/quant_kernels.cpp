@@ -12,7 +12,7 @@
 // frontend (autograd, nn, optim) and took a third more compile time (30 s against 20 s a module)
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>
-#include "silu.h"
+#include "simd_math.h"
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/Half.h>
@@ -541,8 +541,7 @@ inline void packed_group(const uint8_t* group, const PackedX& x, int64_t t0, __m
 constexpr int PTILE = 8;  // x rows per pass over a group: 3 vectors each, within the 32 registers
 
 // out = x W^T, or with GLU (W = [gate; up], N/2 rows each, a multiple of 16) out = silu(x G^T) * (x U^T):
-// the gate and up groups of the same output columns are computed back to back and combined in fp32,
-// rounded to O once (unfused, gate and up would each be rounded, written, and read back twice)
+// the gate and up groups of the same output columns are computed back to back (store_tile combines them)
 template <int QT, typename O, bool GLU>
 void packed_linear_impl(const PackedX& x, int64_t T, const uint8_t* w, int64_t N, int64_t group_bytes, O* out, int64_t ldo) {
   const int64_t cols = GLU ? N / 2 : N, groups = (cols + G - 1) / G, up = GLU ? groups * group_bytes : 0;
@@ -553,7 +552,6 @@ void packed_linear_impl(const PackedX& x, int64_t T, const uint8_t* w, int64_t N
    const int64_t x1 = std::min<int64_t>(T, x0 + XBLOCK);
    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     __m512 res[PTILE], res_up[GLU ? PTILE : 1];
-    alignas(64) float lane[G];
     for (int64_t g = begin; g < end; ++g) {
       const uint8_t* group = w + g * group_bytes;
       const int rows = static_cast<int>(std::min<int64_t>(G, cols - g * G));
@@ -573,12 +571,7 @@ void packed_linear_impl(const PackedX& x, int64_t T, const uint8_t* w, int64_t N
         };
         run(group, res);
         if constexpr (GLU) run(group + up, res_up);
-        for (int64_t t = 0; t < nt; ++t) {
-          if constexpr (GLU) res[t] = _mm512_mul_ps(silu16(res[t]), res_up[t]);
-          _mm512_store_ps(lane, res[t]);
-          O* o = out + (t0 + t) * ldo + g * G;
-          for (int r = 0; r < rows; ++r) o[r] = to_out<O>(lane[r]);
-        }
+        store_tile<GLU>(res, res_up, nt, rows, out + t0 * ldo + g * G, ldo);
       }
     }
    });
