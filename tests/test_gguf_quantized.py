@@ -48,6 +48,10 @@ def test_default_model_is_served_from_its_blocks(pair):
     # the file's bytes, nothing added: its Q4_1 layers are 0.31x of bf16, its Q8_0 embedding 0.53x
     assert kept <= (pair[0].engine.source.path / "model.gguf").stat().st_size
     assert kept < 0.37 * dense_bf16, (kept, dense_bf16)
+    if quant.lm_head_lin.parts[0].packed:  # packed copies are the process's own: moved onto huge pages
+        arena = {p.data.untyped_storage().data_ptr() for layer in quant.layers
+                 for lin in (layer.qkv_lin, layer.o_lin, layer.gate_up_lin, layer.down_lin) for p in lin.parts}
+        assert arena == {quant.embed_rows.table.data.untyped_storage().data_ptr()}, "one huge-page mapping"
 
 
 def test_teacher_forced_logprobs_and_greedy_tokens_match_the_dequantized_model(pair):

@@ -6,6 +6,7 @@ round-trip through the chat template; bad constraints are 400s naming the field.
 from __future__ import annotations
 
 import json
+import os
 
 import httpx
 import jsonschema
@@ -198,3 +199,7 @@ def test_api_process_runs_without_torch(server, client, model):
         assert "libtorch" not in f.read()
     engines = [open(f"/proc/{pid}/maps").read() for pid in server.children]
     assert engines and all("libtorch" in maps for maps in engines)
+    # and computes with glibc's malloc on huge pages (engine/placement.compute_process_env)
+    want = "GLIBC_TUNABLES=" + os.environ.get("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")  # a user's is kept
+    envs = [open(f"/proc/{pid}/environ", "rb").read().split(b"\0") for pid in server.children]
+    assert all(want.encode() in env for env in envs)

@@ -16,7 +16,8 @@ import threading
 import zmq
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.placement import CpuPlacement, PlacementRequest, apply_engine_placement, engine_placement
+from nanoserve.engine.placement import (CpuPlacement, PlacementRequest, apply_engine_placement, compute_process_env,
+                                        engine_placement)
 from nanoserve.engine.protocol import EngineStartError, ModelInfo, Ready, decode_from_engine, encode
 
 log = logging.getLogger("nanoserve.client")
@@ -88,7 +89,8 @@ class CoreHandle:
         spec = {"config": dataclasses.asdict(self.config), "input": input_addr, "output": output_addr,
                 "parent_pid": os.getpid(), "log_level": self.log_level, "make_engine": self.make_engine,
                 "placement": self.asked and dataclasses.asdict(self.asked)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "nanoserve.engine.core", json.dumps(spec)])
+        self.proc = subprocess.Popen([sys.executable, "-m", "nanoserve.engine.core", json.dumps(spec)],
+                                     env=compute_process_env())
         log.info("engine process started (pid %d)", self.proc.pid)
 
     def exit_code(self) -> int | None:

@@ -27,6 +27,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.distributed.channel import MessageChannel
 from nanoserve.distributed.parallel import ParallelFault, Rendezvous, TensorParallel, leave
 from nanoserve.distributed.shm import ShmChannel
+from nanoserve.engine.placement import compute_process_env
 from nanoserve.engine.tp_messages import CopyCommand, Message, Setup, Step, Stop, encode  # Setup: for llm_engine
 from nanoserve.kvcache.transfer import Copier, Transfer
 from nanoserve.runner.step_plan import StepPlan
@@ -145,7 +146,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 def start_worker(spec: WorkerSpec) -> subprocess.Popen:
     """With this process's import path: names in the config (flash_attn_module) resolve the same."""
     path = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
-    env = dict(os.environ, PYTHONPATH=path + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = compute_process_env()
+    env["PYTHONPATH"] = path + os.pathsep + os.environ.get("PYTHONPATH", "")
     return subprocess.Popen([sys.executable, "-m", "nanoserve.engine.worker", json.dumps(asdict(spec))], env=env)
 
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.distributed.parallel import TensorParallel, shard_heads, split, vocab_rows
+from nanoserve.layers import hugepages
 from nanoserve.layers.attention import AttentionBackend
 from nanoserve.layers.linear import Linear
 from nanoserve.layers.quant_linear import QuantEmbedding, QuantLinear, QuantTensor, Scratch
@@ -199,6 +200,11 @@ class LlamaModel(nn.Module):
                 layer.gate_lin, layer.up_lin = (gate, up) if layer.gate_up_lin is None else (None, None)
             layer.down_lin = q.get("down") or Linear(layer.down, split_rows=rows)
         self.lm_head_lin = quant.get("lm_head") or Linear(self.lm_head)
+        # the kept blocks, which every decode step streams whole, on huge pages (a CPU model's only)
+        kept = [lin for q in quant.values() for lin in (q.values() if isinstance(q, dict) else [q])]
+        hugepages.relocate([p.data for lin in kept for p in getattr(lin, "parts", ())]
+                           + ([self.embed_rows.table.data] if self.embed_rows is not None else []))
+        hugepages.trim_heap()  # what the load freed (packing, relocating, released parameters)
 
     def replace_linears(self, make) -> None:
         """Each dense projection (not one kept in GGUF blocks) rebuilt by `make(weight, bias)` (fp8:

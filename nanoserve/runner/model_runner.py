@@ -16,6 +16,7 @@ from typing import Callable, ContextManager
 
 import torch
 
+from nanoserve.layers import hugepages
 from nanoserve.layers.attention import AttentionBackend, AttentionBatch, TorchAttention
 from nanoserve.layers.flash_attention import FlashAttention
 from nanoserve.layers.staging import Staging
@@ -61,14 +62,13 @@ class RunnerOptions:
 
 
 def zeros_untouched(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeros. On the CPU from calloc (numpy's zeros): the kernel's zero pages, resident only once
-    written, where torch.zeros writes every byte: a 4 GiB KV budget is then 4 GiB of memory from start-up
-    whatever the load (the embedded model's server with a 0.25 GiB cache: 256 MB)."""
+    """Zeros. On the CPU from an anonymous mapping on huge pages (layers/hugepages.py): resident only
+    once written, where torch.zeros writes every byte (a 4 GiB KV budget would be 4 GiB of memory from
+    start-up whatever the load), and a fresh block's first write costs one fault per 2 MiB, not per 4 KiB."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    import numpy as np
     n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(n, dtype=np.uint8)).view(dtype).view(shape)
+    return hugepages.zeros(n).view(dtype).view(shape)
 
 
 class ModelRunner:
