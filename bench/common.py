@@ -255,9 +255,12 @@ def export_embedded_hf(out_dir: str = "~/.cache/nanoserve/smollm2-hf") -> str:
 # ---- A/B against another checkout ------------------------------------------------------------------
 def run_in_tree(tree: Path, script: str, args: list[str]) -> dict:
     """This checkout's bench `script` run with `tree`'s nanoserve (PYTHONPATH) in a fresh process; its
-    last stdout line is JSON. The baseline tree needs no bench/ of its own."""
+    last stdout line is JSON. The baseline tree needs no bench/ of its own. The process has a server
+    engine's environment (engine/placement.compute_process_env: malloc on huge pages), so an offline
+    side computes as the engine process of `nanoserve` would."""
+    from nanoserve.engine.placement import compute_process_env
     out = subprocess.run([sys.executable, str(BENCH / script), *args], cwd=tree, capture_output=True, text=True,
-                         env=dict(os.environ, PYTHONPATH=str(tree)))
+                         env=compute_process_env(dict(os.environ, PYTHONPATH=str(tree))))
     if out.returncode:
         raise RuntimeError(f"{script} in {tree} failed (rc {out.returncode}):\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
