@@ -1,7 +1,8 @@
 """The C++ paged prefill attention (layers/cpu_kernels.py) against the torch path (SDPA) on
 randomized batches: decodes, fresh prompts, continuations and prefix hits in one step, GQA 1/3/4,
 head_dim 64/128, chunks and contexts on and off block and tile boundaries; fp32 tightly, bf16 with
-and without AMX within bf16 tolerance. Also: the torch path's chunk over cached context takes the
+and without bf16 tiles (`amx`: AMX where the CPU has it, else VDPBF16PS on AVX512_BF16) within bf16
+tolerance. Also: the torch path's chunk over cached context takes the
 lower-right causal bias (no materialised mask) where SDPA needs it to keep its efficient kernels."""
 from __future__ import annotations
 

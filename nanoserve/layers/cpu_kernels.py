@@ -12,7 +12,8 @@ embedded model at 8 sequences x ~300 tokens, one core, it alone took the decode 
 ~49 ms. `add_rms_norm`, `rope_` and `write_kv` each replace several small eager ops of a layer (a
 decode step of a small model is as much per-op overhead as math); bench/latency.py
 measures the whole step. `paged_prefill_attention` attends every prefill chunk of a step (fresh or
-over cached context) flash-style on GEMM tiles (AMX where the CPU has it: `amx()`);
+over cached context) flash-style on GEMM tiles (bf16 on AMX, `amx()`, or on AVX512_BF16 through
+VDPBF16PS; fp32 elsewhere).
 The experiment bench/prefill_rate.py (at c256b25) measured its FLOP rate against the linear layers' and PyTorch's SDPA.
 
 `quant()` serves GGUF weights kept in their blocks: csrc/quant_kernels.cpp (Q4_0/Q4_1/Q8_0) and
