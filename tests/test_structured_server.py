@@ -188,8 +188,8 @@ def test_bad_constraints_are_400_naming_the_field(server, client, model, body, p
 
 def test_api_process_runs_without_torch(server, client, model):
     """The API process (HTTP, tokenization, chat templates, tool and grammar checks) runs no model, so it
-    never loads torch (~250 MB resident); the engine process does. Checked after it served a constrained
-    chat, a tool call and a bad constraint."""
+    never loads torch (~250 MB resident); the engine process does, with glibc's malloc on huge pages.
+    Checked after it served a constrained chat, a tool call and a bad constraint."""
     client.chat.completions.create(model=model, messages=ASK, max_tokens=20, response_format=_fmt(PERSON))
     client.chat.completions.create(model=model, messages=ASK, max_tokens=30, tools=TOOLS, tool_choice="required")
     bad = httpx.post(server.base_url + "/chat/completions", timeout=60, json={

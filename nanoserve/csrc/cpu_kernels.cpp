@@ -629,8 +629,8 @@ at::Tensor linear_rows(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor
 // reuses them. Phase 2, per (sequence, KV head, query tile) task: the tile's query rows of the
 // whole head group (GQA without repeating K/V) against the packed tiles up to the causal edge,
 // online softmax in fp32. Both products are GEMMs: with AMX, bf16 tiles through ATen's brgemm
-// (oneDNN's JIT micro-kernels); with AVX512_BF16 but no AMX, bf16 tiles through VDPBF16PS (qk_rows,
-// pv_rows: 1.79x the fp32 tiles, 2048 tokens, SmolLM2 heads, one thread); elsewhere fp32 through
+// (oneDNN's JIT micro-kernels); with AVX512_BF16 but no AMX, bf16 tiles through VDPBF16PS (qk_bf16,
+// pv_bf16: 1.79x the fp32 tiles, 2048 tokens, SmolLM2 heads, one thread); elsewhere fp32 through
 // ATen's brgemm (tiles converted while packed; oneDNN's AVX2/AVX-512 kernels, or ATen's gemm).
 constexpr int64_t KT = 64;  // keys per tile (oneDNN's AMX packing takes at most 64 columns)
 
@@ -714,67 +714,53 @@ constexpr int64_t KS = 4 * KT;
 // tiles measured slower than its fp32 GEMM: 66.4 vs 54.7 ms a layer, 2048 tokens, SmolLM2 heads, one
 // thread). VDPBF16PS takes pairs: K is packed per 16 keys as [d / 2][16 keys][2 dims] and V as
 // [keys / 2][d][2 keys], so one vector op adds two products to 16 fp32 results.
-// sc[r, t] = q[r] . k[t] for MR rows from r0 and keys [0, kk) (a multiple of 64), NK vectors of 16 keys at a time
-template <int MR, int NK>
-static inline void qk_rows(int64_t r0, int64_t kk, int64_t d, const c10::BFloat16* qb, const c10::BFloat16* kt,
-                           float* sc, int64_t ldc) {
-  for (int64_t t0 = 0; t0 < kk; t0 += 16 * NK) {
-    __m512 acc[MR][NK];
-    for (int r = 0; r < MR; ++r)
-      for (int c = 0; c < NK; ++c) acc[r][c] = _mm512_setzero_ps();
-    const c10::BFloat16* k0 = kt + t0 * d;  // NK 16-key groups of d / 2 pair vectors each
-    for (int64_t x2 = 0; x2 < d / 2; ++x2) {
-      __m512bh b[NK];
-      for (int c = 0; c < NK; ++c) b[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(k0 + c * 16 * d + x2 * 32));
-      for (int r = 0; r < MR; ++r) {
-        int32_t pair;
-        std::memcpy(&pair, qb + (r0 + r) * d + 2 * x2, 4);
-        const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
-        for (int c = 0; c < NK; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, b[c]);
-      }
-    }
-    for (int r = 0; r < MR; ++r)
-      for (int c = 0; c < NK; ++c) _mm512_storeu_ps(sc + (r0 + r) * ldc + t0 + 16 * c, acc[r][c]);
-  }
-}
-
-static void qk_bf16(int64_t m, int64_t kk, int64_t d, const c10::BFloat16* qb, const c10::BFloat16* kt,
-                    float* sc, int64_t ldc) {
-  int64_t r0 = 0;
-  for (; r0 + 6 <= m; r0 += 6) qk_rows<6, 4>(r0, kk, d, qb, kt, sc, ldc);
-  for (; r0 < m; ++r0) qk_rows<1, 4>(r0, kk, d, qb, kt, sc, ldc);
-}
-
-// acc[r, :] += p[r, :kk] V[:kk, :] for MR rows from r0, kk even, D = d (64 or 128): MR x D / 16
-// accumulators in registers for the whole tile, each V vector loaded once for the MR rows
-template <int64_t D, int MR>
-static inline void pv_rows(int64_t r0, int64_t kk, const c10::BFloat16* pb, int64_t ldp, const c10::BFloat16* vt,
-                           float* acc) {
-  constexpr int64_t NV = D / 16;
-  __m512 a[MR][NV];
+// The micro-kernel of both products: rows [r0, r0 + MR) of C [., NV * 16] (+)= A B over `pairs` pairs,
+// A's row r holding its pairs at a + r * lda, B's vector c of pair i at b + i * b_pair + c * b_vec.
+// MR x NV accumulators stay in registers for the whole pass; each B vector serves the MR rows.
+template <int MR, int NV>
+static inline void pair_tile(int64_t r0, int64_t pairs, const c10::BFloat16* a, int64_t lda, const c10::BFloat16* b,
+                             int64_t b_pair, int64_t b_vec, float* c, int64_t ldc, bool accumulate) {
+  __m512 acc[MR][NV];
   for (int r = 0; r < MR; ++r)
-    for (int64_t c = 0; c < NV; ++c) a[r][c] = _mm512_loadu_ps(acc + (r0 + r) * D + c * 16);
-  for (int64_t t2 = 0; t2 < kk / 2; ++t2) {
-    __m512bh b[NV];
-    for (int64_t c = 0; c < NV; ++c) b[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(vt + (t2 * D + c * 16) * 2));
+    for (int v = 0; v < NV; ++v)
+      acc[r][v] = accumulate ? _mm512_loadu_ps(c + (r0 + r) * ldc + v * 16) : _mm512_setzero_ps();
+  for (int64_t i = 0; i < pairs; ++i) {
+    __m512bh bv[NV];
+    for (int v = 0; v < NV; ++v) bv[v] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + i * b_pair + v * b_vec));
     for (int r = 0; r < MR; ++r) {
       int32_t pair;
-      std::memcpy(&pair, pb + (r0 + r) * ldp + 2 * t2, 4);
-      const __m512bh p = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
-      for (int64_t c = 0; c < NV; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], p, b[c]);
+      std::memcpy(&pair, a + (r0 + r) * lda + 2 * i, 4);
+      const __m512bh av = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], av, bv[v]);
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int64_t c = 0; c < NV; ++c) _mm512_storeu_ps(acc + (r0 + r) * D + c * 16, a[r][c]);
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(c + (r0 + r) * ldc + v * 16, acc[r][v]);
 }
 
-// acc[r, :] += p[r, :kk] V[:kk, :] for rows [0, m)
+// rows [0, m) in MR-row passes, then the tail one row at a time (a runtime row bound inside the pass
+// kept the accumulators out of registers: PV 19.7 vs 11.3 ms a layer)
+template <int MR, int NV>
+static inline void pair_rows(int64_t m, int64_t pairs, const c10::BFloat16* a, int64_t lda, const c10::BFloat16* b,
+                             int64_t b_pair, int64_t b_vec, float* c, int64_t ldc, bool accumulate) {
+  int64_t r0 = 0;
+  for (; r0 + MR <= m; r0 += MR) pair_tile<MR, NV>(r0, pairs, a, lda, b, b_pair, b_vec, c, ldc, accumulate);
+  for (; r0 < m; ++r0) pair_tile<1, NV>(r0, pairs, a, lda, b, b_pair, b_vec, c, ldc, accumulate);
+}
+
+// sc[r, t] = q[r] . k[t] for rows [0, m), keys [0, kk) (a multiple of 64): 64 keys (four 16-key groups
+// of d / 2 pair vectors) a pass
+static void qk_bf16(int64_t m, int64_t kk, int64_t d, const c10::BFloat16* qb, const c10::BFloat16* kt,
+                    float* sc, int64_t ldc) {
+  for (int64_t t0 = 0; t0 < kk; t0 += 64)
+    pair_rows<6, 4>(m, d / 2, qb, d, kt + t0 * d, 32, 16 * d, sc + t0, ldc, false);
+}
+
+// acc[r, :] += p[r, :kk] V[:kk, :] for rows [0, m), kk even, D = d (64 or 128)
 template <int64_t D>
 static void pv_bf16(int64_t m, int64_t kk, const c10::BFloat16* pb, int64_t ldp, const c10::BFloat16* vt, float* acc) {
-  constexpr int MR = D == 64 ? 6 : 2;  // MR x D / 16 accumulators within the 32 registers
-  int64_t r0 = 0;
-  for (; r0 + MR <= m; r0 += MR) pv_rows<D, MR>(r0, kk, pb, ldp, vt, acc);
-  for (; r0 < m; ++r0) pv_rows<D, 1>(r0, kk, pb, ldp, vt, acc);
+  constexpr int NV = D / 16, MR = NV == 4 ? 6 : 2;  // MR x NV accumulators within the 32 registers
+  pair_rows<MR, NV>(m, kk / 2, pb, ldp, vt, 2 * D, 32, acc, D, true);
 }
 #endif
 
