@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 #include "simd_math.h"
@@ -431,7 +432,7 @@ void pack_impl(const uint8_t* w, int64_t N, int64_t nb, uint8_t* out) {
 struct PackedX {
   const float* f = nullptr;
   std::vector<float> fbuf, scale;
-  std::vector<int8_t> q;
+  std::unique_ptr<int8_t[]> q;
   std::vector<float> sum;      // [T * K / 32] fp32 x: the block's sum; int8: scale * the int8 values' sum
   std::vector<int32_t> qsum;  // [T * K / 16] 32 * the int8 values' sum of each 16 (Q6_K's offset)
   int64_t K = 0;
@@ -460,27 +461,19 @@ PackedX prepare_x(const at::Tensor& x, bool int8) {
     }
     return p;
   }
-  p.q.resize(T * K);
+  p.q.reset(new int8_t[T * K]);  // every byte written below
   p.qsum.resize(T * K / 16);
   p.scale.resize(T * nb);
-  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
-  for (int64_t i = 0; i < T * nb; ++i) {  // quant_kernels.cpp's rounding, the same instructions
-    const __m512i raw = _mm512_loadu_si512(xp + i * XB);
-    const __m512 f0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
-    const __m512 f1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(f0), _mm512_abs_ps(f1)));
-    const __m512 id = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-    const __m512i lim = _mm512_set1_epi32(127), nlim = _mm512_set1_epi32(-127);
-    const __m512i q0 = _mm512_max_epi32(nlim, _mm512_min_epi32(lim, _mm512_cvtps_epi32(_mm512_mul_ps(f0, id))));
-    const __m512i q1 = _mm512_max_epi32(nlim, _mm512_min_epi32(lim, _mm512_cvtps_epi32(_mm512_mul_ps(f1, id))));
-    _mm_storeu_si128((__m128i*)(p.q.data() + i * XB), _mm512_cvtepi32_epi8(q0));
-    _mm_storeu_si128((__m128i*)(p.q.data() + i * XB + 16), _mm512_cvtepi32_epi8(q1));
-    p.scale[i] = amax / 127.f;
-    const int32_t s0 = _mm512_reduce_add_epi32(q0), s1 = _mm512_reduce_add_epi32(q1);
-    p.sum[i] = p.scale[i] * static_cast<float>(s0 + s1);
-    p.qsum[2 * i] = 32 * s0;
-    p.qsum[2 * i + 1] = 32 * s1;
-  }
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  at::parallel_for(0, T, 64, [&](int64_t t0, int64_t t1) {  // rows in parallel, as quant_kernels.cpp
+    for (int64_t i = t0 * nb; i < t1 * nb; ++i) {  // quant_kernels.cpp's rounding (quantize_block32)
+      int32_t s[2];
+      p.scale[i] = quantize_block32(xp + i * XB, p.q.get() + i * XB, s);
+      p.sum[i] = p.scale[i] * static_cast<float>(s[0] + s[1]);
+      p.qsum[2 * i] = 32 * s[0];
+      p.qsum[2 * i + 1] = 32 * s[1];
+    }
+  });
   return p;
 }
 
@@ -592,7 +585,7 @@ inline void group_int8(const uint8_t* group, const PackedX& x, int64_t t0, __m51
   for (int t = 0; t < NT; ++t) tot[t] = _mm512_setzero_ps();
   auto xd = [&](int t, int64_t k) {  // four int8 activations k..k+3, broadcast
     int32_t v;
-    std::memcpy(&v, x.q.data() + (t0 + t) * K + k, 4);
+    std::memcpy(&v, x.q.get() + (t0 + t) * K + k, 4);
     return _mm512_set1_epi32(v);
   };
   for (int64_t s = 0; s < nsb; ++s) {

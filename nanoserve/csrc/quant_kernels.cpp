@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -353,7 +354,7 @@ void dequant_impl(const uint8_t* w, bool packed, int64_t row_bytes, const int64_
 struct PackedX {
   const float* f = nullptr;  // fp32 x: the caller's rows themselves, or `fbuf` (bf16 x without VNNI)
   std::vector<float> fbuf, scale;
-  std::vector<int8_t> q;
+  std::unique_ptr<int8_t[]> q;
   std::vector<int32_t> qsum;
   std::vector<float> msum;  // scale * qsum (Q4_1's offset term), once a block rather than once per row group
   int64_t nb = 0;
@@ -381,44 +382,21 @@ PackedX prepare_x(const XT* x, int64_t T, int64_t K, bool int8) {
     }
     return p;
   }
-  p.q.resize(T * K);
+  TORCH_CHECK((std::is_same_v<XT, c10::BFloat16>), "int8 activations are rounded from bf16 ones");
+  // not zero-filled: every byte is written below (a prefill step's activations are megabytes)
+  p.q.reset(new int8_t[T * K]);
   p.scale.resize(T * p.nb);
   p.qsum.resize(T * p.nb);
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t b = 0; b < p.nb; ++b) {
-      const XT* xb = x + t * K + b * QK;
-#if defined(__AVX512F__)
-      if constexpr (std::is_same_v<XT, c10::BFloat16>) {  // the loop below in vectors, the same arithmetic
-        const __m512i raw = _mm512_loadu_si512(xb);
-        const __m512 f0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
-        const __m512 f1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(f0), _mm512_abs_ps(f1)));
-        const __m512 id = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-        const __m512i lim = _mm512_set1_epi32(127), nlim = _mm512_set1_epi32(-127);
-        // vcvtps2dq rounds to nearest even, as nearbyint does in the default rounding mode
-        const __m512i q0 = _mm512_max_epi32(nlim, _mm512_min_epi32(lim, _mm512_cvtps_epi32(_mm512_mul_ps(f0, id))));
-        const __m512i q1 = _mm512_max_epi32(nlim, _mm512_min_epi32(lim, _mm512_cvtps_epi32(_mm512_mul_ps(f1, id))));
-        _mm_storeu_si128((__m128i*)(p.q.data() + t * K + b * QK), _mm512_cvtepi32_epi8(q0));
-        _mm_storeu_si128((__m128i*)(p.q.data() + t * K + b * QK + 16), _mm512_cvtepi32_epi8(q1));
-        p.scale[t * p.nb + b] = amax / 127.f;
-        p.qsum[t * p.nb + b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-        continue;
-      }
-#endif
-      float amax = 0.f;
-      for (int i = 0; i < QK; ++i) amax = std::max(amax, std::abs(static_cast<float>(xb[i])));
-      const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
-      int32_t sum = 0;
-      for (int i = 0; i < QK; ++i) {
-        const int v = static_cast<int>(std::nearbyint(static_cast<float>(xb[i]) * id));
-        p.q[t * K + b * QK + i] = static_cast<int8_t>(std::clamp(v, -127, 127));
-        sum += p.q[t * K + b * QK + i];
-      }
-      p.scale[t * p.nb + b] = d;
-      p.qsum[t * p.nb + b] = sum;
-    }
   p.msum.resize(T * p.nb);
-  for (int64_t i = 0; i < T * p.nb; ++i) p.msum[i] = p.scale[i] * static_cast<float>(p.qsum[i]);
+  // rows in parallel: each row's values are its own
+  at::parallel_for(0, T, 64, [&](int64_t t0, int64_t t1) {
+    for (int64_t i = t0 * p.nb; i < t1 * p.nb; ++i) {
+      int32_t s[2];
+      p.scale[i] = quantize_block32(reinterpret_cast<const uint16_t*>(x) + i * QK, p.q.get() + i * QK, s);
+      p.qsum[i] = s[0] + s[1];
+      p.msum[i] = p.scale[i] * static_cast<float>(p.qsum[i]);
+    }
+  });
   return p;
 }
 
@@ -434,7 +412,7 @@ inline void packed_group_int8(const uint8_t* group, const PackedX& x, int64_t t0
   for (int t = 0; t < NT; ++t) tot[t] = _mm512_setzero_ps();
   auto xdword = [&](int t, int64_t b, int j) {  // four int8 activations j..j+3, broadcast
     int32_t v;
-    std::memcpy(&v, x.q.data() + (t0 + t) * K + b * QK + j, 4);
+    std::memcpy(&v, x.q.get() + (t0 + t) * K + b * QK + j, 4);
     return _mm512_set1_epi32(v);
   };
   // the integer sums are exact, so their chains are free: one per x row when there are enough rows to

@@ -5,6 +5,25 @@
 #include <immintrin.h>
 #include <cstdint>
 
+// 32 bf16 activations (their bits) rounded to int8 with their own scale, absmax / 127, as llama.cpp's
+// Q8 blocks (vcvtps2dq rounds to nearest even, as nearbyint does in the default rounding mode). Returns
+// the scale; sums[i] = the int8 values' sum of each 16. The packed kernels' activations, a block at a time
+inline float quantize_block32(const uint16_t* x, int8_t* q, int32_t sums[2]) {
+  const __m512i raw = _mm512_loadu_si512(x);
+  const __m512 f0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
+  const __m512 f1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(f0), _mm512_abs_ps(f1)));
+  const __m512 id = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  const __m512i lim = _mm512_set1_epi32(127), nlim = _mm512_set1_epi32(-127);
+  const __m512i q0 = _mm512_max_epi32(nlim, _mm512_min_epi32(lim, _mm512_cvtps_epi32(_mm512_mul_ps(f0, id))));
+  const __m512i q1 = _mm512_max_epi32(nlim, _mm512_min_epi32(lim, _mm512_cvtps_epi32(_mm512_mul_ps(f1, id))));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(q0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q1));
+  sums[0] = _mm512_reduce_add_epi32(q0);
+  sums[1] = _mm512_reduce_add_epi32(q1);
+  return amax / 127.f;
+}
+
 // 2^x in fp32, 16 lanes, finite x (VSCALEFPS saturates to 0 or inf): 2^round(x) * 2^r, |r| <= 1/2, by
 // Cephes' degree-6 exp2f polynomial (~1 ulp)
 inline __m512 exp2_16f(__m512 x) {
