@@ -1,7 +1,7 @@
 """The C++ CPU kernels (nanoserve/layers/cpu_kernels.py) against the torch path they replace
 (prefill attention: tests/test_prefill_attention.py):
-paged decode attention over random block tables (GQA ratios 1/3/4, head_dim 64/128, contexts on and
-off block boundaries, fp32 and bf16), the fused residual-add + RMSNorm (bit-exact with HF's
+paged decode attention over random block tables (GQA ratios 1/3/4/10, head_dim 64/128, block sizes
+5/16/24/32, contexts on and off block boundaries, fp32 and bf16), the fused residual-add + RMSNorm (bit-exact with HF's
 LlamaRMSNorm in bf16), RoPE in place (bit-exact with rotate) and the KV slot write; then the embedded model (head_dim 64, so the kernels run) gives the same
 greedy tokens in fp32 with the kernels and without them."""
 from __future__ import annotations
@@ -46,7 +46,10 @@ def _decode_case(dtype, h, kh, d, contexts, bs=16, layers=3, seed=0):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("h,kh,d,bs", [(9, 3, 64, 16), (8, 8, 64, 16), (8, 2, 128, 16), (9, 3, 64, 5)])
+# GQA 10 (over 8: heads in two passes) with 24-token blocks (16-key groups that end inside a block), and
+# 3 query heads of 128 dims (their p.V in one pass over all four 32-dim chunks)
+@pytest.mark.parametrize("h,kh,d,bs", [(9, 3, 64, 16), (8, 8, 64, 16), (8, 2, 128, 16), (9, 3, 64, 5),
+                                       (20, 2, 64, 24), (6, 2, 128, 32)])
 def test_paged_decode_attention_matches_the_torch_path(kernels, dtype, h, kh, d, bs):
     contexts = [1, 15, 16, 17, 33, 300, 64]  # block edges: the kernel walks rows across blocks
     out = {}

@@ -196,6 +196,125 @@ struct RowWalk {
   void skip(int64_t k) { for (int64_t i = 0; i < k; ++i) next(); }
 };
 
+#if defined(__AVX512BF16__)
+// p.V of G query heads sharing a KV head, over the dims [32 c0, 32 (c0 + WC)): two keys at a time in
+// VDPBF16PS, their V rows interleaved word by word and the probabilities bf16 (pb[j * np + t]: the
+// inputs of a bf16 P.V matmul, as flash attention feeds it). G and WC are compile-time so the 2 G WC
+// accumulators live in registers: indexed by a runtime head count they sat on the stack, a store and a
+// reload around every VDPBF16PS (1.6x slower in L3). acc [G][d] gets the fp32 sums of those dims.
+template <int G, int WC>
+static void pv_pairs(const c10::BFloat16* vbase, const int64_t* table, int64_t stride, int64_t bs, int64_t d,
+                     int64_t n, const uint16_t* pb, int64_t np, int64_t c0, float* acc) {
+  __m512 lo[G][WC], hi[G][WC];
+  for (int j = 0; j < G; ++j)
+    for (int c = 0; c < WC; ++c) lo[j][c] = hi[j][c] = _mm512_setzero_ps();
+  // keys r0, r1 (r1 null: a lone key, paired with zeros) with their probabilities' words at p0
+  auto step = [&](const c10::BFloat16* r0, const c10::BFloat16* r1, const uint16_t* p0) {
+    __m512i vl[WC], vh[WC];
+    for (int c = 0; c < WC; ++c) {  // words: (r0[k], r1[k]) for k of each 128-bit lane's low / high half
+      const __m512i a = _mm512_loadu_si512(r0 + c * 32);
+      const __m512i b = r1 ? _mm512_loadu_si512(r1 + c * 32) : _mm512_setzero_si512();
+      vl[c] = _mm512_unpacklo_epi16(a, b);
+      vh[c] = _mm512_unpackhi_epi16(a, b);
+    }
+    for (int j = 0; j < G; ++j) {
+      uint32_t pair = p0[j * np];
+      if (r1) pair |= static_cast<uint32_t>(p0[j * np + 1]) << 16;
+      const __m512bh p = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
+      for (int c = 0; c < WC; ++c) {
+        lo[j][c] = _mm512_dpbf16_ps(lo[j][c], reinterpret_cast<__m512bh>(vl[c]), p);
+        hi[j][c] = _mm512_dpbf16_ps(hi[j][c], reinterpret_cast<__m512bh>(vh[c]), p);
+      }
+    }
+  };
+  // block by block, pairs within a block (a plain loop: a row walker's per-key branches kept the
+  // accumulators on the stack), the next block's rows asked for a pair at a time, as the hardware
+  // prefetcher cannot guess where it is
+  const int64_t blocks = (n + bs - 1) / bs;
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const c10::BFloat16* rows = vbase + table[blk] * stride + 32 * c0;
+    const c10::BFloat16* next = blk + 1 < blocks ? vbase + table[blk + 1] * stride + 32 * c0 : rows;
+    const int64_t t0 = blk * bs, cnt = std::min(bs, n - t0);
+    int64_t u = 0;
+    for (; u + 2 <= cnt; u += 2) {
+      prefetch_row(next + u * d, WC * 64);
+      prefetch_row(next + (u + 1) * d, WC * 64);
+      step(rows + u * d, rows + (u + 1) * d, pb + t0 + u);
+    }
+    if (u < cnt) step(rows + u * d, nullptr, pb + t0 + u);
+  }
+  alignas(64) float lf[16], hf[16];
+  for (int j = 0; j < G; ++j)
+    for (int c = 0; c < WC; ++c) {  // lane m of lo is dim 8 (m / 4) + m % 4 of the chunk, of hi 4 more
+      _mm512_store_ps(lf, lo[j][c]);
+      _mm512_store_ps(hf, hi[j][c]);
+      float* aj = acc + j * d + (c0 + c) * 32;
+      for (int m = 0; m < 16; ++m) {
+        aj[8 * (m / 4) + m % 4] = lf[m];
+        aj[8 * (m / 4) + m % 4 + 4] = hf[m];
+      }
+    }
+}
+
+// sc[j * width + t] = scale * q_j . k_t for g query heads sharing a KV head: bf16 dot products (VDPBF16PS,
+// no conversion), 16 keys at a time, one hsum16 each. Block by block, K rows read where they are for each
+// head (the 16 rows x D/32 vectors held in registers for all heads at once took all 32 and then some)
+template <int64_t D>
+static void qk_heads(const c10::BFloat16* q, int64_t g, const c10::BFloat16* kbase, const int64_t* table,
+                     int64_t stride, int64_t bs, int64_t n, float scale, float* sc, int64_t width) {
+  constexpr int W = D / 32;
+  const __m512 sv = _mm512_set1_ps(scale);
+  const int64_t blocks = (n + bs - 1) / bs;
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const c10::BFloat16* rows = kbase + table[blk] * stride;
+    const c10::BFloat16* next = blk + 1 < blocks ? kbase + table[blk + 1] * stride : rows;
+    const int64_t t0 = blk * bs, in_block = std::min(bs, n - t0);
+    for (int64_t u0 = 0; u0 < in_block; u0 += 16) {
+      const int64_t cnt = std::min<int64_t>(16, in_block - u0);
+      const c10::BFloat16* ahead = u0 + 32 <= bs ? rows + (u0 + 16) * D : next;  // the next 16 keys, or near
+      const c10::BFloat16* k[16];
+      for (int u = 0; u < 16; ++u) {
+        k[u] = rows + (u0 + std::min<int64_t>(u, cnt - 1)) * D;  // past the end: the last key again, dropped below
+        prefetch_row(ahead + u * D, D * 2);
+      }
+      for (int64_t j = 0; j < g; ++j) {
+        __m512bh qh[W];
+        for (int c = 0; c < W; ++c) qh[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(q + j * D + c * 32));
+        __m512 part[16];
+        for (int u = 0; u < 16; ++u) {
+          part[u] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qh[0], reinterpret_cast<__m512bh>(_mm512_loadu_si512(k[u])));
+          for (int c = 1; c < W; ++c)
+            part[u] = _mm512_dpbf16_ps(part[u], qh[c], reinterpret_cast<__m512bh>(_mm512_loadu_si512(k[u] + c * 32)));
+        }
+        _mm512_mask_storeu_ps(sc + j * width + t0 + u0, static_cast<__mmask16>((1u << cnt) - 1),
+                              _mm512_mul_ps(hsum16(part), sv));
+      }
+    }
+  }
+}
+
+// pv_pairs over all d dims for G heads: as many 32-dim chunks a pass as 24 accumulators allow, so each
+// V row is still read once (a pass reads its own part of every row)
+template <int G>
+static void pv_heads(const c10::BFloat16* vbase, const int64_t* table, int64_t stride, int64_t bs, int64_t d,
+                     int64_t n, const uint16_t* pb, int64_t np, float* acc) {
+  const int64_t W = d / 32;
+  if constexpr (G <= 3) {
+    if (W % 4 == 0) {
+      for (int64_t c0 = 0; c0 < W; c0 += 4) pv_pairs<G, 4>(vbase, table, stride, bs, d, n, pb, np, c0, acc);
+      return;
+    }
+  }
+  if constexpr (G <= 6) {
+    if (W % 2 == 0) {
+      for (int64_t c0 = 0; c0 < W; c0 += 2) pv_pairs<G, 2>(vbase, table, stride, bs, d, n, pb, np, c0, acc);
+      return;
+    }
+  }
+  for (int64_t c0 = 0; c0 < W; ++c0) pv_pairs<G, 1>(vbase, table, stride, bs, d, n, pb, np, c0, acc);
+}
+#endif
+
 // q [nd, h, d] (rows may be strided); cache [N, layers, 2, kh, bs, d] (contiguous); tables [nd,
 // max_blocks]; ctx [nd]; the result goes to out (contiguous, q's shape)
 template <typename T, int64_t d>
@@ -221,35 +340,9 @@ static void decode(const at::Tensor& q, const at::Tensor& out, const at::Tensor&
       const int64_t s = i / kh, hk = i % kh, n = lens[s];
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        if (g <= 8) {  // bf16 dot products (VDPBF16PS: no conversion), 16 keys at a time, one hsum16 each
-          constexpr int64_t W = d / 32;
-          __m512bh qh[8][W];
-          for (int64_t j = 0; j < g; ++j)
-            for (int64_t c = 0; c < W; ++c)
-              qh[j][c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(qp + s * q_row + (hk * g + j) * d + c * 32));
-          const __m512 sv = _mm512_set1_ps(scale);
-          RowWalk<T> keys(kv + layer_off + hk * bs * d, tab + s * max_blocks, block_stride, bs, d, n), ahead = keys;
-          ahead.skip(std::min<int64_t>(16, n));
-          for (int64_t t0 = 0; t0 < n; t0 += 16) {
-            const int64_t cnt = std::min<int64_t>(16, n - t0);
-            __m512bh kr[16][W];
-            const T* k = nullptr;
-            for (int64_t u = 0; u < 16; ++u) {
-              if (u < cnt) k = keys.next();  // past the end: the last key again, dropped below
-              if (t0 + u + 16 < n) prefetch_row(ahead.next(), d * sizeof(T));
-              for (int64_t c = 0; c < W; ++c) kr[u][c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(k + c * 32));
-            }
-            for (int64_t j = 0; j < g; ++j) {
-              __m512 part[16];
-              for (int64_t u = 0; u < 16; ++u) {
-                part[u] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qh[j][0], kr[u][0]);
-                for (int64_t c = 1; c < W; ++c) part[u] = _mm512_dpbf16_ps(part[u], qh[j][c], kr[u][c]);
-              }
-              _mm512_mask_storeu_ps(sc + (i * g + j) * width + t0, (1u << cnt) - 1, _mm512_mul_ps(hsum16(part), sv));
-            }
-          }
-          continue;
-        }
+        qk_heads<d>(qp + s * q_row + hk * g * d, g, kv + layer_off + hk * bs * d, tab + s * max_blocks, block_stride,
+                    bs, n, scale, sc + i * g * width, width);
+        continue;
       }
 #endif
       to_float(qp + s * q_row + hk * g * d, qf.data(), g * d);
@@ -305,64 +398,37 @@ static void decode(const at::Tensor& q, const at::Tensor& out, const at::Tensor&
     for (int64_t i = begin; i < end; ++i) {
       const int64_t s = i / kh, hk = i % kh, n = lens[s];
 #if defined(__AVX512BF16__)
-      // bf16: two keys at a time in VDPBF16PS, their V rows interleaved word by word and the probabilities
-      // rounded to bf16 (the inputs of a bf16 P.V matmul, as flash attention feeds it): half the
-      // instructions of widening V to fp32 and an FMA per key, which made this pass 2/3 of the kernel
+      // bf16: pv_heads (two keys a VDPBF16PS, bf16 probabilities): half the instructions of widening V
+      // to fp32 and an FMA per key, which made this pass 2/3 of the kernel
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        constexpr int64_t W = d / 32;  // vectors of 32 bf16 per row
-        if (g * W <= 12) {  // 2 g W accumulators within the 32 registers
-          const int64_t np = (n + 1) & ~int64_t(1);  // keys rounded up to a pair: the odd one pairs with p = 0
-          pb.assign(g * np, 0);
-          for (int64_t j = 0; j < g; ++j) {
-            const float* pr = sc + (i * g + j) * width;
-            int64_t t = 0;
-            for (; t + 16 <= n; t += 16)
-              _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb.data() + j * np + t), bf16_packed(_mm512_loadu_ps(pr + t)));
-            for (; t < n; ++t) pb[j * np + t] = c10::BFloat16(pr[t]).x;
-          }
-          __m512 lo[8][W], hi[8][W];
-          for (int64_t j = 0; j < g; ++j)
-            for (int64_t c = 0; c < W; ++c) lo[j][c] = hi[j][c] = _mm512_setzero_ps();
-          RowWalk<T> values(kv + layer_off + v_off + hk * bs * d, tab + s * max_blocks, block_stride, bs, d, n),
-              ahead = values;
-          ahead.skip(std::min<int64_t>(16, n));
-          for (int64_t t = 0; t < n; t += 2) {
-            const T* r0 = values.next();
-            const T* r1 = t + 1 < n ? values.next() : nullptr;
-            for (int64_t u = t; u < std::min(t + 2, n); ++u)
-              if (u + 16 < n) prefetch_row(ahead.next(), d * sizeof(T));
-            __m512i vl[W], vh[W];
-            for (int64_t c = 0; c < W; ++c) {  // words: (r0[k], r1[k]) for k of each 128-bit lane's low / high half
-              const __m512i a = _mm512_loadu_si512(r0 + c * 32);
-              const __m512i b = r1 ? _mm512_loadu_si512(r1 + c * 32) : _mm512_setzero_si512();
-              vl[c] = _mm512_unpacklo_epi16(a, b);
-              vh[c] = _mm512_unpackhi_epi16(a, b);
-            }
-            for (int64_t j = 0; j < g; ++j) {
-              uint32_t pair;
-              std::memcpy(&pair, pb.data() + j * np + t, 4);
-              const __m512bh p = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
-              for (int64_t c = 0; c < W; ++c) {
-                lo[j][c] = _mm512_dpbf16_ps(lo[j][c], reinterpret_cast<__m512bh>(vl[c]), p);
-                hi[j][c] = _mm512_dpbf16_ps(hi[j][c], reinterpret_cast<__m512bh>(vh[c]), p);
-              }
-            }
-          }
-          alignas(64) float lf[16], hf[16];
-          for (int64_t j = 0; j < g; ++j)
-            for (int64_t c = 0; c < W; ++c) {  // lane m of lo is dim 8 (m / 4) + m % 4 of the chunk, of hi 4 more
-              _mm512_store_ps(lf, lo[j][c]);
-              _mm512_store_ps(hf, hi[j][c]);
-              float* aj = acc.data() + j * d + c * 32;
-              for (int m = 0; m < 16; ++m) {
-                aj[8 * (m / 4) + m % 4] = lf[m];
-                aj[8 * (m / 4) + m % 4 + 4] = hf[m];
-              }
-            }
-          T* o = op + (s * h + hk * g) * d;
-          for (int64_t x = 0; x < g * d; ++x) o[x] = static_cast<T>(acc[x]);
-          continue;
+        const int64_t np = (n + 1) & ~int64_t(1);  // keys rounded up to a pair: the odd one pairs with p = 0
+        pb.assign(g * np, 0);
+        for (int64_t j = 0; j < g; ++j) {
+          const float* pr = sc + (i * g + j) * width;
+          int64_t t = 0;
+          for (; t + 16 <= n; t += 16)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb.data() + j * np + t), bf16_packed(_mm512_loadu_ps(pr + t)));
+          for (; t < n; ++t) pb[j * np + t] = c10::BFloat16(pr[t]).x;
         }
+        const T* vbase = kv + layer_off + v_off + hk * bs * d;
+        for (int64_t j0 = 0; j0 < g; j0 += 8) {  // 8 heads at a time
+          const uint16_t* pj = pb.data() + j0 * np;
+          float* aj = acc.data() + j0 * d;
+          const int64_t* tj = tab + s * max_blocks;
+          switch (std::min<int64_t>(8, g - j0)) {
+            case 1: pv_heads<1>(vbase, tj, block_stride, bs, d, n, pj, np, aj); break;
+            case 2: pv_heads<2>(vbase, tj, block_stride, bs, d, n, pj, np, aj); break;
+            case 3: pv_heads<3>(vbase, tj, block_stride, bs, d, n, pj, np, aj); break;
+            case 4: pv_heads<4>(vbase, tj, block_stride, bs, d, n, pj, np, aj); break;
+            case 5: pv_heads<5>(vbase, tj, block_stride, bs, d, n, pj, np, aj); break;
+            case 6: pv_heads<6>(vbase, tj, block_stride, bs, d, n, pj, np, aj); break;
+            case 7: pv_heads<7>(vbase, tj, block_stride, bs, d, n, pj, np, aj); break;
+            default: pv_heads<8>(vbase, tj, block_stride, bs, d, n, pj, np, aj); break;
+          }
+        }
+        T* o = op + (s * h + hk * g) * d;
+        for (int64_t x = 0; x < g * d; ++x) o[x] = static_cast<T>(acc[x]);
+        continue;
       }
 #endif
 #if defined(__AVX512F__)
