@@ -86,14 +86,15 @@ struct PhaseClock {};
 #define NS_LAP(clock, phase) (void)clock
 #endif
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
 // Blocks sit anywhere in the cache, so the hardware prefetcher cannot run ahead across them: the
 // attention loops ask for the row 16 keys ahead themselves.
 static inline void prefetch_row(const void* p, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(static_cast<const char*>(p) + o, _MM_HINT_T0);
 }
 #endif
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 // lane i = the sum of v[i]'s 16 lanes: 16 horizontal sums in 15 adds and 30 shuffles (16 separate
 // reductions take ~4 shuffles each, all on the one shuffle port)
 static inline __m512 hsum16(const __m512* v) {
@@ -143,6 +144,22 @@ static inline __m512 exp2_16(__m512 x) {
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// 2^x for x in [-126, 0], 8 lanes: 2^round(x) * 2^r, |r| <= 1/2, by exp2_16f's polynomial; the power of
+// two built in the exponent field (AVX2 has no VSCALEFPS)
+static inline __m256 exp2_8f(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
+  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_sub_ps(x, n);
+  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+  for (float c : {1.339887440266574e-3f, 9.618437357674640e-3f, 5.550332471162809e-2f, 2.402264791363012e-1f,
+                  6.931472028550421e-1f, 1.f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
 // One decode row of scores in place -> probabilities (fp32): n keys, all visible.
 static inline void softmax_inplace(float* x, int64_t n) {
   float mx = -std::numeric_limits<float>::infinity(), sum = 0.f;
@@ -161,6 +178,24 @@ static inline void softmax_inplace(float* x, int64_t n) {
     _mm512_storeu_ps(x + t, e);
   }
   sum = _mm512_reduce_add_ps(vs);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 vm = _mm256_set1_ps(mx);
+  for (; t + 8 <= n; t += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(x + t));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  mx = std::max(_mm_cvtss_f32(m4), _mm_cvtss_f32(_mm_shuffle_ps(m4, m4, 1)));
+  for (int64_t u = t; u < n; ++u) mx = std::max(mx, x[u]);
+  constexpr float log2e = 1.44269504088896341f;
+  const __m256 l2e = _mm256_set1_ps(log2e), mneg = _mm256_set1_ps(-mx * log2e);
+  __m256 vs = _mm256_setzero_ps();
+  for (t = 0; t + 8 <= n; t += 8) {  // the AVX-512 path's arithmetic, 8 lanes (exp2_8f)
+    const __m256 e = exp2_8f(_mm256_fmadd_ps(_mm256_loadu_ps(x + t), l2e, mneg));
+    vs = _mm256_add_ps(vs, e);
+    _mm256_storeu_ps(x + t, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vs);
+  for (float l : lanes) sum += l;
 #else
   for (int64_t u = 0; u < n; ++u) mx = std::max(mx, x[u]);
 #endif
@@ -172,29 +207,6 @@ static inline void softmax_inplace(float* x, int64_t n) {
 #pragma omp simd
   for (int64_t u = 0; u < n; ++u) x[u] *= inv;
 }
-
-// The context rows of one (sequence, KV head), in order, across its blocks: a pointer step a row and
-// a table read a block, where indexing each row by t / bs and t % bs cost two 64-bit divisions
-// (and two more for the prefetch) per key, most of a decode step's attention time.
-template <typename T>
-struct RowWalk {
-  const T* base;          // this layer's K (or V) of head hk in block 0 of the cache
-  const int64_t* table;   // the sequence's block ids
-  int64_t stride, bs, d, blocks, b = 0, off = 0;
-  const T* row0;
-  RowWalk(const T* base, const int64_t* table, int64_t stride, int64_t bs, int64_t d, int64_t n)
-      : base(base), table(table), stride(stride), bs(bs), d(d), blocks((n + bs - 1) / bs),
-        row0(n > 0 ? base + table[0] * stride : base) {}
-  const T* next() {  // the current row, then one on
-    const T* r = row0 + off * d;
-    if (++off == bs) {
-      off = 0;
-      if (++b < blocks) row0 = base + table[b] * stride;  // never reads past the sequence's own blocks
-    }
-    return r;
-  }
-  void skip(int64_t k) { for (int64_t i = 0; i < k; ++i) next(); }
-};
 
 #if defined(__AVX512BF16__)
 // p.V of G query heads sharing a KV head, over the dims [32 c0, 32 (c0 + WC)): two keys at a time in
@@ -315,6 +327,141 @@ static void pv_heads(const c10::BFloat16* vbase, const int64_t* table, int64_t s
 }
 #endif
 
+// fp32 lanes of the widest vectors the build has, for the decode kernels' fp32 arithmetic (fp32 caches;
+// bf16 ones where the CPU has no AVX512_BF16; fp16 ones): AVX-512 (16 lanes) or AVX2 + FMA + F16C (8)
+#if defined(__AVX512F__)
+#define NS_LANES 1
+struct Lanes {
+  using V = __m512;
+  static constexpr int N = 16, REGS = 32;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  template <typename T> static V load(const T* p) { return load16(p); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static void store_first(float* p, V v, int64_t cnt) { _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << cnt) - 1), v); }
+  static V hsum(const V* v) { return hsum16(v); }
+};
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define NS_LANES 1
+struct Lanes {
+  using V = __m256;
+  static constexpr int N = 8, REGS = 16;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V load(const c10::BFloat16* p) {  // bf16 is the high half of an fp32
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static V load(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static void store_first(float* p, V v, int64_t cnt) {
+    const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    _mm256_maskstore_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(cnt)), idx), v);
+  }
+  static V hsum(const V* v) {  // lane i = the sum of v[i]'s 8 lanes
+    const __m256 a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 a2 = _mm256_hadd_ps(v[4], v[5]), a3 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);  // per 128-bit half: v0..v3 | v4..v7
+    return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+  }
+};
+#endif
+
+#if defined(NS_LANES)
+// sc[j * width + t] = q_j . k_t (q already scaled, fp32 [g, D]) for g query heads sharing a KV head:
+// Lanes::N keys at a time, one horizontal-sum tree for all of them, blocks walked as qk_heads does
+template <typename T, int64_t D>
+static void qk_lanes(const float* q, int64_t g, const T* kbase, const int64_t* table, int64_t stride, int64_t bs,
+                     int64_t n, float* sc, int64_t width) {
+  using L = Lanes;
+  constexpr int N = L::N, C = D / N;
+  const int64_t blocks = (n + bs - 1) / bs;
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const T* rows = kbase + table[blk] * stride;
+    const T* next = blk + 1 < blocks ? kbase + table[blk + 1] * stride : rows;
+    const int64_t t0 = blk * bs, in_block = std::min(bs, n - t0);
+    for (int64_t u0 = 0; u0 < in_block; u0 += N) {
+      const int64_t cnt = std::min<int64_t>(N, in_block - u0);
+      const T* ahead = u0 + 2 * N <= bs ? rows + (u0 + N) * D : next;
+      const T* k[N];
+      for (int u = 0; u < N; ++u) {
+        k[u] = rows + (u0 + std::min<int64_t>(u, cnt - 1)) * D;  // past the end: the last key again, dropped below
+        prefetch_row(ahead + u * D, D * sizeof(T));
+      }
+      for (int64_t j = 0; j < g; ++j) {
+        typename L::V part[N];
+        const typename L::V q0 = L::load(q + j * D);
+        for (int u = 0; u < N; ++u) part[u] = L::mul(q0, L::load(k[u]));
+        for (int c = 1; c < C; ++c) {
+          const typename L::V qc = L::load(q + j * D + c * N);
+          for (int u = 0; u < N; ++u) part[u] = L::fmadd(qc, L::load(k[u] + c * N), part[u]);
+        }
+        L::store_first(sc + j * width + t0 + u0, L::hsum(part), cnt);
+      }
+    }
+  }
+}
+
+// acc[j, :] = sum_t p[j * pstride + t] V[t, :] for G heads (fp32 FMAs): G and the dims a pass are
+// compile-time so the accumulators stay in registers (a runtime head count kept them on the stack),
+// each pass reading its own part of every V row
+template <typename T, int64_t D, int G>
+static void pv_lanes(const T* vbase, const int64_t* table, int64_t stride, int64_t bs, int64_t n, const float* p,
+                     int64_t pstride, float* acc) {
+  using L = Lanes;
+  constexpr int N = L::N, C = D / N;
+  constexpr int WC = (G + 1) * 8 + 1 <= L::REGS && C % 8 == 0 ? 8 : (G + 1) * 4 + 1 <= L::REGS && C % 4 == 0 ? 4
+                     : (G + 1) * 2 + 1 <= L::REGS ? 2 : 1;
+  const int64_t blocks = (n + bs - 1) / bs;
+  for (int c0 = 0; c0 < C; c0 += WC) {
+    typename L::V av[G][WC];
+    for (int j = 0; j < G; ++j)
+      for (int c = 0; c < WC; ++c) av[j][c] = L::zero();
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const T* rows = vbase + table[blk] * stride + c0 * N;
+      const T* next = blk + 1 < blocks ? vbase + table[blk + 1] * stride + c0 * N : rows;
+      const int64_t t0 = blk * bs, in_block = std::min(bs, n - t0);
+      for (int64_t u = 0; u < in_block; ++u) {
+        prefetch_row(next + u * D, WC * N * sizeof(T));
+        typename L::V vr[WC];
+        for (int c = 0; c < WC; ++c) vr[c] = L::load(rows + u * D + c * N);
+        for (int j = 0; j < G; ++j) {
+          const typename L::V pj = L::set1(p[j * pstride + t0 + u]);
+          for (int c = 0; c < WC; ++c) av[j][c] = L::fmadd(pj, vr[c], av[j][c]);
+        }
+      }
+    }
+    for (int j = 0; j < G; ++j)
+      for (int c = 0; c < WC; ++c) L::store(acc + j * D + (c0 + c) * N, av[j][c]);
+  }
+}
+
+// pv_lanes for any head count, 8 heads a call
+template <typename T, int64_t D>
+static void pv_lanes_heads(const T* vbase, const int64_t* table, int64_t stride, int64_t bs, int64_t n, int64_t g,
+                           const float* p, int64_t pstride, float* acc) {
+  for (int64_t j0 = 0; j0 < g; j0 += 8) {
+    const float* pj = p + j0 * pstride;
+    float* aj = acc + j0 * D;
+    switch (std::min<int64_t>(8, g - j0)) {
+      case 1: pv_lanes<T, D, 1>(vbase, table, stride, bs, n, pj, pstride, aj); break;
+      case 2: pv_lanes<T, D, 2>(vbase, table, stride, bs, n, pj, pstride, aj); break;
+      case 3: pv_lanes<T, D, 3>(vbase, table, stride, bs, n, pj, pstride, aj); break;
+      case 4: pv_lanes<T, D, 4>(vbase, table, stride, bs, n, pj, pstride, aj); break;
+      case 5: pv_lanes<T, D, 5>(vbase, table, stride, bs, n, pj, pstride, aj); break;
+      case 6: pv_lanes<T, D, 6>(vbase, table, stride, bs, n, pj, pstride, aj); break;
+      case 7: pv_lanes<T, D, 7>(vbase, table, stride, bs, n, pj, pstride, aj); break;
+      default: pv_lanes<T, D, 8>(vbase, table, stride, bs, n, pj, pstride, aj); break;
+    }
+  }
+}
+#endif
+
 // q [nd, h, d] (rows may be strided); cache [N, layers, 2, kh, bs, d] (contiguous); tables [nd,
 // max_blocks]; ctx [nd]; the result goes to out (contiguous, q's shape)
 template <typename T, int64_t d>
@@ -342,47 +489,31 @@ static void decode(const at::Tensor& q, const at::Tensor& out, const at::Tensor&
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
         qk_heads<d>(qp + s * q_row + hk * g * d, g, kv + layer_off + hk * bs * d, tab + s * max_blocks, block_stride,
                     bs, n, scale, sc + i * g * width, width);
-        continue;
-      }
+      } else
 #endif
-      to_float(qp + s * q_row + hk * g * d, qf.data(), g * d);
-      for (int64_t x = 0; x < g * d; ++x) qf[x] *= scale;
-#if defined(__AVX512F__)
-      if (g <= 8) {  // K rows read straight into registers, each shared by the g query heads
-        constexpr int64_t V = d / 16;
-        __m512 qv[8][V];
-        for (int64_t j = 0; j < g; ++j)
-          for (int64_t c = 0; c < V; ++c) qv[j][c] = _mm512_loadu_ps(qf.data() + j * d + c * 16);
-        RowWalk<T> keys(kv + layer_off + hk * bs * d, tab + s * max_blocks, block_stride, bs, d, n), ahead = keys;
-        ahead.skip(std::min<int64_t>(16, n));
-        for (int64_t t = 0; t < n; ++t) {
-          const T* k = keys.next();
-          if (t + 16 < n) prefetch_row(ahead.next(), d * sizeof(T));
-          __m512 kr[V];
-          for (int64_t c = 0; c < V; ++c) kr[c] = load16(k + c * 16);
+      {
+        to_float(qp + s * q_row + hk * g * d, qf.data(), g * d);
+        for (int64_t x = 0; x < g * d; ++x) qf[x] *= scale;
+#if defined(NS_LANES)
+        qk_lanes<T, d>(qf.data(), g, kv + layer_off + hk * bs * d, tab + s * max_blocks, block_stride, bs, n,
+                       sc + i * g * width, width);
+#else
+        for (int64_t b = 0; b * bs < n; ++b) {
+          const int64_t cnt = std::min(bs, n - b * bs);
+          to_float(kv + tab[s * max_blocks + b] * block_stride + layer_off + hk * bs * d, blk.data(), cnt * d);
           for (int64_t j = 0; j < g; ++j) {
-            __m512 a = _mm512_mul_ps(qv[j][0], kr[0]);
-            for (int64_t c = 1; c < V; ++c) a = _mm512_fmadd_ps(qv[j][c], kr[c], a);
-            sc[(i * g + j) * width + t] = _mm512_reduce_add_ps(a);
-          }
-        }
-        continue;
-      }
-#endif
-      for (int64_t b = 0; b * bs < n; ++b) {
-        const int64_t cnt = std::min(bs, n - b * bs);
-        to_float(kv + tab[s * max_blocks + b] * block_stride + layer_off + hk * bs * d, blk.data(), cnt * d);
-        for (int64_t j = 0; j < g; ++j) {
-          const float* qj = qf.data() + j * d;
-          float* out = sc + (i * g + j) * width + b * bs;
-          for (int64_t t = 0; t < cnt; ++t) {
-            const float* k = blk.data() + t * d;
-            float dot = 0.f;
+            const float* qj = qf.data() + j * d;
+            float* out = sc + (i * g + j) * width + b * bs;
+            for (int64_t t = 0; t < cnt; ++t) {
+              const float* k = blk.data() + t * d;
+              float dot = 0.f;
 #pragma omp simd reduction(+:dot)
-            for (int64_t x = 0; x < d; ++x) dot += qj[x] * k[x];
-            out[t] = dot;
+              for (int64_t x = 0; x < d; ++x) dot += qj[x] * k[x];
+              out[t] = dot;
+            }
           }
         }
+#endif
       }
     }
   });
@@ -426,51 +557,29 @@ static void decode(const at::Tensor& q, const at::Tensor& out, const at::Tensor&
             default: pv_heads<8>(vbase, tj, block_stride, bs, d, n, pj, np, aj); break;
           }
         }
-        T* o = op + (s * h + hk * g) * d;
-        for (int64_t x = 0; x < g * d; ++x) o[x] = static_cast<T>(acc[x]);
-        continue;
-      }
+      } else
 #endif
-#if defined(__AVX512F__)
-      if (g <= 8) {  // accumulators stay in registers across the whole context
-        constexpr int64_t V = d / 16;
-        __m512 av[8][V];
-        for (int64_t j = 0; j < g; ++j)
-          for (int64_t c = 0; c < V; ++c) av[j][c] = _mm512_setzero_ps();
-        RowWalk<T> values(kv + layer_off + v_off + hk * bs * d, tab + s * max_blocks, block_stride, bs, d, n),
-            ahead = values;
-        ahead.skip(std::min<int64_t>(16, n));
-        for (int64_t t = 0; t < n; ++t) {
-          const T* v = values.next();
-          if (t + 16 < n) prefetch_row(ahead.next(), d * sizeof(T));
-          __m512 vr[V];
-          for (int64_t c = 0; c < V; ++c) vr[c] = load16(v + c * 16);
+      {
+#if defined(NS_LANES)
+        pv_lanes_heads<T, d>(kv + layer_off + v_off + hk * bs * d, tab + s * max_blocks, block_stride, bs, n, g,
+                             sc + i * g * width, width, acc.data());
+#else
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t b = 0; b * bs < n; ++b) {
+          const int64_t cnt = std::min(bs, n - b * bs);
+          to_float(kv + tab[s * max_blocks + b] * block_stride + layer_off + v_off + hk * bs * d, blk.data(), cnt * d);
           for (int64_t j = 0; j < g; ++j) {
-            const __m512 p = _mm512_set1_ps(sc[(i * g + j) * width + t]);
-            for (int64_t c = 0; c < V; ++c) av[j][c] = _mm512_fmadd_ps(p, vr[c], av[j][c]);
-          }
-        }
-        for (int64_t j = 0; j < g; ++j)
-          for (int64_t c = 0; c < V; ++c) _mm512_storeu_ps(acc.data() + j * d + c * 16, av[j][c]);
-        T* o = op + (s * h + hk * g) * d;
-        for (int64_t x = 0; x < g * d; ++x) o[x] = static_cast<T>(acc[x]);
-        continue;
-      }
-#endif
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t b = 0; b * bs < n; ++b) {
-        const int64_t cnt = std::min(bs, n - b * bs);
-        to_float(kv + tab[s * max_blocks + b] * block_stride + layer_off + v_off + hk * bs * d, blk.data(), cnt * d);
-        for (int64_t j = 0; j < g; ++j) {
-          const float* p = sc + (i * g + j) * width + b * bs;
-          float* aj = acc.data() + j * d;
-          for (int64_t t = 0; t < cnt; ++t) {
-            const float pt = p[t];
-            const float* v = blk.data() + t * d;
+            const float* p = sc + (i * g + j) * width + b * bs;
+            float* aj = acc.data() + j * d;
+            for (int64_t t = 0; t < cnt; ++t) {
+              const float pt = p[t];
+              const float* v = blk.data() + t * d;
 #pragma omp simd
-            for (int64_t x = 0; x < d; ++x) aj[x] += pt * v[x];
+              for (int64_t x = 0; x < d; ++x) aj[x] += pt * v[x];
+            }
           }
         }
+#endif
       }
       T* o = op + (s * h + hk * g) * d;
       for (int64_t x = 0; x < g * d; ++x) o[x] = static_cast<T>(acc[x]);
