@@ -144,22 +144,6 @@ static inline __m512 exp2_16(__m512 x) {
 }
 #endif
 
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-// 2^x for x in [-126, 0], 8 lanes: 2^round(x) * 2^r, |r| <= 1/2, by exp2_16f's polynomial; the power of
-// two built in the exponent field (AVX2 has no VSCALEFPS)
-static inline __m256 exp2_8f(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
-  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 r = _mm256_sub_ps(x, n);
-  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
-  for (float c : {1.339887440266574e-3f, 9.618437357674640e-3f, 5.550332471162809e-2f, 2.402264791363012e-1f,
-                  6.931472028550421e-1f, 1.f})
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-#endif
-
 // One decode row of scores in place -> probabilities (fp32): n keys, all visible.
 static inline void softmax_inplace(float* x, int64_t n) {
   float mx = -std::numeric_limits<float>::infinity(), sum = 0.f;

@@ -1,9 +1,30 @@
 // Vector pieces the kernel modules share (cpu_kernels.cpp, quant_kernels.cpp, kquant_kernels.cpp); each
 // module's build key covers this header too (layers/cpu_kernels.py)
 #pragma once
-#if defined(__AVX512F__)
-#include <immintrin.h>
 #include <cstdint>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+// Cephes' exp2f polynomial for 2^r, |r| <= 1/2 (~1 ulp), highest degree first: every vector width's exp2
+constexpr float kExp2Poly[7] = {1.535336188319500e-4f, 1.339887440266574e-3f, 9.618437357674640e-3f,
+                                5.550332471162809e-2f, 2.402264791363012e-1f, 6.931472028550421e-1f, 1.f};
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// 2^x for x in [-126, 0], 8 lanes: 2^round(x) * 2^r by kExp2Poly; the power of two built in the exponent
+// field (AVX2 has no VSCALEFPS)
+inline __m256 exp2_8f(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
+  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_sub_ps(x, n);
+  __m256 p = _mm256_set1_ps(kExp2Poly[0]);
+  for (int i = 1; i < 7; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExp2Poly[i]));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+#if defined(__AVX512F__)
 
 // 32 bf16 activations (their bits) rounded to int8 with their own scale, absmax / 127, as llama.cpp's
 // Q8 blocks (vcvtps2dq rounds to nearest even, as nearbyint does in the default rounding mode). Returns
@@ -33,15 +54,13 @@ inline float quantize_block32(const uint16_t* x, int8_t* q, int32_t sums[2]) {
   return amax / 127.f;
 }
 
-// 2^x in fp32, 16 lanes, finite x (VSCALEFPS saturates to 0 or inf): 2^round(x) * 2^r, |r| <= 1/2, by
-// Cephes' degree-6 exp2f polynomial (~1 ulp)
+// 2^x in fp32, 16 lanes, finite x (VSCALEFPS saturates to 0 or inf): 2^round(x) * 2^r by kExp2Poly
+// (VSCALEFPS takes the power of two)
 inline __m512 exp2_16f(__m512 x) {
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 r = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  for (float c : {1.339887440266574e-3f, 9.618437357674640e-3f, 5.550332471162809e-2f, 2.402264791363012e-1f,
-                  6.931472028550421e-1f, 1.f})
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  __m512 p = _mm512_set1_ps(kExp2Poly[0]);
+  for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExp2Poly[i]));
   return _mm512_scalef_ps(p, n);
 }
 
