@@ -192,79 +192,109 @@ static inline void softmax_inplace(float* x, int64_t n) {
   for (int64_t u = 0; u < n; ++u) x[u] *= inv;
 }
 
+// The decode kernels below are noinline: inlined into decode's lambdas, pv_pairs' accumulators went
+// back to the stack (batch 1: 0.27 -> 0.33 ms a step), qk_lanes' fp32 Q.K lost ~8%.
+// f(rows, next, t0, count) for each block of a sequence's context, in order: the block's first row, the
+// next block's (the block itself for the last, so that prefetches stay in the sequence's own blocks),
+// the block's first key and its key count. A plain loop a block: a row walker's per-key branches kept
+// the kernels' accumulators on the stack
+template <typename T, typename F>
+static inline void for_blocks(const T* base, const int64_t* table, int64_t stride, int64_t bs, int64_t n, F&& f) {
+  const int64_t blocks = (n + bs - 1) / bs;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const T* rows = base + table[b] * stride;
+    f(rows, b + 1 < blocks ? base + table[b + 1] * stride : rows, b * bs, std::min(bs, n - b * bs));
+  }
+}
+
+// f(j0, std::integral_constant<int, G>()) for the heads [j0, j0 + G) of g, 8 at a time: for the kernels
+// that keep G heads' accumulators in registers, which needs G at compile time
+template <typename F>
+static inline void by_head_chunks(int64_t g, F&& f) {
+  for (int64_t j0 = 0; j0 < g; j0 += 8) {
+    switch (std::min<int64_t>(8, g - j0)) {
+      case 1: f(j0, std::integral_constant<int, 1>()); break;
+      case 2: f(j0, std::integral_constant<int, 2>()); break;
+      case 3: f(j0, std::integral_constant<int, 3>()); break;
+      case 4: f(j0, std::integral_constant<int, 4>()); break;
+      case 5: f(j0, std::integral_constant<int, 5>()); break;
+      case 6: f(j0, std::integral_constant<int, 6>()); break;
+      case 7: f(j0, std::integral_constant<int, 7>()); break;
+      default: f(j0, std::integral_constant<int, 8>()); break;
+    }
+  }
+}
+
 #if defined(__AVX512BF16__)
-// p.V of G query heads sharing a KV head, over the dims [32 c0, 32 (c0 + WC)): two keys at a time in
+// p.V of G query heads sharing a KV head, D dims in passes of WC 32-dim chunks (as many as 24
+// accumulators allow; each pass reads its own part of every V row): two keys at a time in
 // VDPBF16PS, their V rows interleaved word by word and the probabilities bf16 (pb[j * np + t]: the
 // inputs of a bf16 P.V matmul, as flash attention feeds it). G and WC are compile-time so the 2 G WC
 // accumulators live in registers: indexed by a runtime head count they sat on the stack, a store and a
-// reload around every VDPBF16PS (1.6x slower in L3). acc [G][d] gets the fp32 sums of those dims.
-template <int G, int WC>
-static void pv_pairs(const c10::BFloat16* vbase, const int64_t* table, int64_t stride, int64_t bs, int64_t d,
-                     int64_t n, const uint16_t* pb, int64_t np, int64_t c0, float* acc) {
-  __m512 lo[G][WC], hi[G][WC];
-  for (int j = 0; j < G; ++j)
-    for (int c = 0; c < WC; ++c) lo[j][c] = hi[j][c] = _mm512_setzero_ps();
-  // keys r0, r1 (r1 null: a lone key, paired with zeros) with their probabilities' words at p0
-  auto step = [&](const c10::BFloat16* r0, const c10::BFloat16* r1, const uint16_t* p0) {
-    __m512i vl[WC], vh[WC];
-    for (int c = 0; c < WC; ++c) {  // words: (r0[k], r1[k]) for k of each 128-bit lane's low / high half
-      const __m512i a = _mm512_loadu_si512(r0 + c * 32);
-      const __m512i b = r1 ? _mm512_loadu_si512(r1 + c * 32) : _mm512_setzero_si512();
-      vl[c] = _mm512_unpacklo_epi16(a, b);
-      vh[c] = _mm512_unpackhi_epi16(a, b);
-    }
-    for (int j = 0; j < G; ++j) {
-      uint32_t pair = p0[j * np];
-      if (r1) pair |= static_cast<uint32_t>(p0[j * np + 1]) << 16;
-      const __m512bh p = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
-      for (int c = 0; c < WC; ++c) {
-        lo[j][c] = _mm512_dpbf16_ps(lo[j][c], reinterpret_cast<__m512bh>(vl[c]), p);
-        hi[j][c] = _mm512_dpbf16_ps(hi[j][c], reinterpret_cast<__m512bh>(vh[c]), p);
+// reload around every VDPBF16PS (1.6x slower in L3). acc [G][D] gets the fp32 sums.
+template <int G, int64_t D>
+__attribute__((noinline)) static void pv_pairs(const c10::BFloat16* vbase, const int64_t* table, int64_t stride, int64_t bs, int64_t n,
+                     const uint16_t* pb, int64_t np, float* acc) {
+  constexpr int W = D / 32, WC = G <= 3 && W % 4 == 0 ? 4 : G <= 6 && W % 2 == 0 ? 2 : 1;
+  for (int c0 = 0; c0 < W; c0 += WC) {
+    __m512 lo[G][WC], hi[G][WC];
+    for (int j = 0; j < G; ++j)
+      for (int c = 0; c < WC; ++c) lo[j][c] = hi[j][c] = _mm512_setzero_ps();
+    // keys r0, r1 (r1 null: a lone key, paired with zeros) with their probabilities' words at p0
+    auto step = [&](const c10::BFloat16* r0, const c10::BFloat16* r1, const uint16_t* p0) {
+      __m512i vl[WC], vh[WC];
+      for (int c = 0; c < WC; ++c) {  // words: (r0[k], r1[k]) for k of each 128-bit lane's low / high half
+        const __m512i a = _mm512_loadu_si512(r0 + c * 32);
+        const __m512i b = r1 ? _mm512_loadu_si512(r1 + c * 32) : _mm512_setzero_si512();
+        vl[c] = _mm512_unpacklo_epi16(a, b);
+        vh[c] = _mm512_unpackhi_epi16(a, b);
       }
-    }
-  };
-  // block by block, pairs within a block (a plain loop: a row walker's per-key branches kept the
-  // accumulators on the stack), the next block's rows asked for a pair at a time, as the hardware
-  // prefetcher cannot guess where it is
-  const int64_t blocks = (n + bs - 1) / bs;
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    const c10::BFloat16* rows = vbase + table[blk] * stride + 32 * c0;
-    const c10::BFloat16* next = blk + 1 < blocks ? vbase + table[blk + 1] * stride + 32 * c0 : rows;
-    const int64_t t0 = blk * bs, cnt = std::min(bs, n - t0);
-    int64_t u = 0;
-    for (; u + 2 <= cnt; u += 2) {
-      prefetch_row(next + u * d, WC * 64);
-      prefetch_row(next + (u + 1) * d, WC * 64);
-      step(rows + u * d, rows + (u + 1) * d, pb + t0 + u);
-    }
-    if (u < cnt) step(rows + u * d, nullptr, pb + t0 + u);
+      for (int j = 0; j < G; ++j) {
+        uint32_t pair = p0[j * np];
+        if (r1) pair |= static_cast<uint32_t>(p0[j * np + 1]) << 16;
+        const __m512bh p = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
+        for (int c = 0; c < WC; ++c) {
+          lo[j][c] = _mm512_dpbf16_ps(lo[j][c], reinterpret_cast<__m512bh>(vl[c]), p);
+          hi[j][c] = _mm512_dpbf16_ps(hi[j][c], reinterpret_cast<__m512bh>(vh[c]), p);
+        }
+      }
+    };
+    // pairs within a block, the next block's rows asked for a pair at a time (the hardware prefetcher
+    // cannot guess where it is)
+    for_blocks(vbase + 32 * c0, table, stride, bs, n, [&](const c10::BFloat16* rows, const c10::BFloat16* next,
+                                                         int64_t t0, int64_t cnt) {
+      int64_t u = 0;
+      for (; u + 2 <= cnt; u += 2) {
+        prefetch_row(next + u * D, WC * 64);
+        prefetch_row(next + (u + 1) * D, WC * 64);
+        step(rows + u * D, rows + (u + 1) * D, pb + t0 + u);
+      }
+      if (u < cnt) step(rows + u * D, nullptr, pb + t0 + u);
+    });
+    alignas(64) float lf[16], hf[16];
+    for (int j = 0; j < G; ++j)
+      for (int c = 0; c < WC; ++c) {  // lane m of lo is dim 8 (m / 4) + m % 4 of the chunk, of hi 4 more
+        _mm512_store_ps(lf, lo[j][c]);
+        _mm512_store_ps(hf, hi[j][c]);
+        float* aj = acc + j * D + (c0 + c) * 32;
+        for (int m = 0; m < 16; ++m) {
+          aj[8 * (m / 4) + m % 4] = lf[m];
+          aj[8 * (m / 4) + m % 4 + 4] = hf[m];
+        }
+      }
   }
-  alignas(64) float lf[16], hf[16];
-  for (int j = 0; j < G; ++j)
-    for (int c = 0; c < WC; ++c) {  // lane m of lo is dim 8 (m / 4) + m % 4 of the chunk, of hi 4 more
-      _mm512_store_ps(lf, lo[j][c]);
-      _mm512_store_ps(hf, hi[j][c]);
-      float* aj = acc + j * d + (c0 + c) * 32;
-      for (int m = 0; m < 16; ++m) {
-        aj[8 * (m / 4) + m % 4] = lf[m];
-        aj[8 * (m / 4) + m % 4 + 4] = hf[m];
-      }
-    }
 }
 
 // sc[j * width + t] = scale * q_j . k_t for g query heads sharing a KV head: bf16 dot products (VDPBF16PS,
 // no conversion), 16 keys at a time, one hsum16 each. Block by block, K rows read where they are for each
 // head (the 16 rows x D/32 vectors held in registers for all heads at once took all 32 and then some)
 template <int64_t D>
-static void qk_heads(const c10::BFloat16* q, int64_t g, const c10::BFloat16* kbase, const int64_t* table,
+__attribute__((noinline)) static void qk_heads(const c10::BFloat16* q, int64_t g, const c10::BFloat16* kbase, const int64_t* table,
                      int64_t stride, int64_t bs, int64_t n, float scale, float* sc, int64_t width) {
   constexpr int W = D / 32;
   const __m512 sv = _mm512_set1_ps(scale);
-  const int64_t blocks = (n + bs - 1) / bs;
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    const c10::BFloat16* rows = kbase + table[blk] * stride;
-    const c10::BFloat16* next = blk + 1 < blocks ? kbase + table[blk + 1] * stride : rows;
-    const int64_t t0 = blk * bs, in_block = std::min(bs, n - t0);
+  for_blocks(kbase, table, stride, bs, n, [&](const c10::BFloat16* rows, const c10::BFloat16* next, int64_t t0,
+                                              int64_t in_block) {
     for (int64_t u0 = 0; u0 < in_block; u0 += 16) {
       const int64_t cnt = std::min<int64_t>(16, in_block - u0);
       const c10::BFloat16* ahead = u0 + 32 <= bs ? rows + (u0 + 16) * D : next;  // the next 16 keys, or near
@@ -286,29 +316,9 @@ static void qk_heads(const c10::BFloat16* q, int64_t g, const c10::BFloat16* kba
                               _mm512_mul_ps(hsum16(part), sv));
       }
     }
-  }
+  });
 }
 
-// pv_pairs over all d dims for G heads: as many 32-dim chunks a pass as 24 accumulators allow, so each
-// V row is still read once (a pass reads its own part of every row)
-template <int G>
-static void pv_heads(const c10::BFloat16* vbase, const int64_t* table, int64_t stride, int64_t bs, int64_t d,
-                     int64_t n, const uint16_t* pb, int64_t np, float* acc) {
-  const int64_t W = d / 32;
-  if constexpr (G <= 3) {
-    if (W % 4 == 0) {
-      for (int64_t c0 = 0; c0 < W; c0 += 4) pv_pairs<G, 4>(vbase, table, stride, bs, d, n, pb, np, c0, acc);
-      return;
-    }
-  }
-  if constexpr (G <= 6) {
-    if (W % 2 == 0) {
-      for (int64_t c0 = 0; c0 < W; c0 += 2) pv_pairs<G, 2>(vbase, table, stride, bs, d, n, pb, np, c0, acc);
-      return;
-    }
-  }
-  for (int64_t c0 = 0; c0 < W; ++c0) pv_pairs<G, 1>(vbase, table, stride, bs, d, n, pb, np, c0, acc);
-}
 #endif
 
 // fp32 lanes of the widest vectors the build has, for the decode kernels' fp32 arithmetic (fp32 caches;
@@ -360,15 +370,11 @@ struct Lanes {
 // sc[j * width + t] = q_j . k_t (q already scaled, fp32 [g, D]) for g query heads sharing a KV head:
 // Lanes::N keys at a time, one horizontal-sum tree for all of them, blocks walked as qk_heads does
 template <typename T, int64_t D>
-static void qk_lanes(const float* q, int64_t g, const T* kbase, const int64_t* table, int64_t stride, int64_t bs,
+__attribute__((noinline)) static void qk_lanes(const float* q, int64_t g, const T* kbase, const int64_t* table, int64_t stride, int64_t bs,
                      int64_t n, float* sc, int64_t width) {
   using L = Lanes;
   constexpr int N = L::N, C = D / N;
-  const int64_t blocks = (n + bs - 1) / bs;
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    const T* rows = kbase + table[blk] * stride;
-    const T* next = blk + 1 < blocks ? kbase + table[blk + 1] * stride : rows;
-    const int64_t t0 = blk * bs, in_block = std::min(bs, n - t0);
+  for_blocks(kbase, table, stride, bs, n, [&](const T* rows, const T* next, int64_t t0, int64_t in_block) {
     for (int64_t u0 = 0; u0 < in_block; u0 += N) {
       const int64_t cnt = std::min<int64_t>(N, in_block - u0);
       const T* ahead = u0 + 2 * N <= bs ? rows + (u0 + N) * D : next;
@@ -387,28 +393,24 @@ static void qk_lanes(const float* q, int64_t g, const T* kbase, const int64_t* t
         L::store_first(sc + j * width + t0 + u0, L::hsum(part), cnt);
       }
     }
-  }
+  });
 }
 
 // acc[j, :] = sum_t p[j * pstride + t] V[t, :] for G heads (fp32 FMAs): G and the dims a pass are
 // compile-time so the accumulators stay in registers (a runtime head count kept them on the stack),
 // each pass reading its own part of every V row
 template <typename T, int64_t D, int G>
-static void pv_lanes(const T* vbase, const int64_t* table, int64_t stride, int64_t bs, int64_t n, const float* p,
+__attribute__((noinline)) static void pv_lanes(const T* vbase, const int64_t* table, int64_t stride, int64_t bs, int64_t n, const float* p,
                      int64_t pstride, float* acc) {
   using L = Lanes;
   constexpr int N = L::N, C = D / N;
   constexpr int WC = (G + 1) * 8 + 1 <= L::REGS && C % 8 == 0 ? 8 : (G + 1) * 4 + 1 <= L::REGS && C % 4 == 0 ? 4
                      : (G + 1) * 2 + 1 <= L::REGS ? 2 : 1;
-  const int64_t blocks = (n + bs - 1) / bs;
   for (int c0 = 0; c0 < C; c0 += WC) {
     typename L::V av[G][WC];
     for (int j = 0; j < G; ++j)
       for (int c = 0; c < WC; ++c) av[j][c] = L::zero();
-    for (int64_t blk = 0; blk < blocks; ++blk) {
-      const T* rows = vbase + table[blk] * stride + c0 * N;
-      const T* next = blk + 1 < blocks ? vbase + table[blk + 1] * stride + c0 * N : rows;
-      const int64_t t0 = blk * bs, in_block = std::min(bs, n - t0);
+    for_blocks(vbase + c0 * N, table, stride, bs, n, [&](const T* rows, const T* next, int64_t t0, int64_t in_block) {
       for (int64_t u = 0; u < in_block; ++u) {
         prefetch_row(next + u * D, WC * N * sizeof(T));
         typename L::V vr[WC];
@@ -418,31 +420,12 @@ static void pv_lanes(const T* vbase, const int64_t* table, int64_t stride, int64
           for (int c = 0; c < WC; ++c) av[j][c] = L::fmadd(pj, vr[c], av[j][c]);
         }
       }
-    }
+    });
     for (int j = 0; j < G; ++j)
       for (int c = 0; c < WC; ++c) L::store(acc + j * D + (c0 + c) * N, av[j][c]);
   }
 }
 
-// pv_lanes for any head count, 8 heads a call
-template <typename T, int64_t D>
-static void pv_lanes_heads(const T* vbase, const int64_t* table, int64_t stride, int64_t bs, int64_t n, int64_t g,
-                           const float* p, int64_t pstride, float* acc) {
-  for (int64_t j0 = 0; j0 < g; j0 += 8) {
-    const float* pj = p + j0 * pstride;
-    float* aj = acc + j0 * D;
-    switch (std::min<int64_t>(8, g - j0)) {
-      case 1: pv_lanes<T, D, 1>(vbase, table, stride, bs, n, pj, pstride, aj); break;
-      case 2: pv_lanes<T, D, 2>(vbase, table, stride, bs, n, pj, pstride, aj); break;
-      case 3: pv_lanes<T, D, 3>(vbase, table, stride, bs, n, pj, pstride, aj); break;
-      case 4: pv_lanes<T, D, 4>(vbase, table, stride, bs, n, pj, pstride, aj); break;
-      case 5: pv_lanes<T, D, 5>(vbase, table, stride, bs, n, pj, pstride, aj); break;
-      case 6: pv_lanes<T, D, 6>(vbase, table, stride, bs, n, pj, pstride, aj); break;
-      case 7: pv_lanes<T, D, 7>(vbase, table, stride, bs, n, pj, pstride, aj); break;
-      default: pv_lanes<T, D, 8>(vbase, table, stride, bs, n, pj, pstride, aj); break;
-    }
-  }
-}
 #endif
 
 // q [nd, h, d] (rows may be strided); cache [N, layers, 2, kh, bs, d] (contiguous); tables [nd,
@@ -465,7 +448,10 @@ static void decode(const at::Tensor& q, const at::Tensor& out, const at::Tensor&
   float* sc = scores.data_ptr<float>();
   PhaseClock clock;
   at::parallel_for(0, nd * kh, 1, [&](int64_t begin, int64_t end) {  // pass 1: scaled q.k
-    std::vector<float> qf(g * d), blk(bs * d);
+    std::vector<float> qf(g * d);
+#if !defined(NS_LANES)
+    std::vector<float> blk(bs * d);  // the scalar fallback's rows in fp32
+#endif
     for (int64_t i = begin; i < end; ++i) {
       const int64_t s = i / kh, hk = i % kh, n = lens[s];
 #if defined(__AVX512BF16__)
@@ -507,16 +493,19 @@ static void decode(const at::Tensor& q, const at::Tensor& out, const at::Tensor&
   NS_LAP(clock, kDecSoftmax);
   T* op = out.data_ptr<T>();
   at::parallel_for(0, nd * kh, 1, [&](int64_t begin, int64_t end) {  // pass 2: probabilities x V
-    std::vector<float> acc(g * d), blk(bs * d);
+    std::vector<float> acc(g * d);
+#if !defined(NS_LANES)
+    std::vector<float> blk(bs * d);
+#endif
     std::vector<uint16_t> pb;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t s = i / kh, hk = i % kh, n = lens[s];
 #if defined(__AVX512BF16__)
-      // bf16: pv_heads (two keys a VDPBF16PS, bf16 probabilities): half the instructions of widening V
+      // bf16: pv_pairs (two keys a VDPBF16PS, bf16 probabilities): half the instructions of widening V
       // to fp32 and an FMA per key, which made this pass 2/3 of the kernel
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        const int64_t np = (n + 1) & ~int64_t(1);  // keys rounded up to a pair: the odd one pairs with p = 0
-        pb.assign(g * np, 0);
+        const int64_t np = n;  // pv_pairs pairs keys within a block, so nothing past n is read
+        pb.resize(g * np);
         for (int64_t j = 0; j < g; ++j) {
           const float* pr = sc + (i * g + j) * width;
           int64_t t = 0;
@@ -524,28 +513,18 @@ static void decode(const at::Tensor& q, const at::Tensor& out, const at::Tensor&
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb.data() + j * np + t), bf16_packed(_mm512_loadu_ps(pr + t)));
           for (; t < n; ++t) pb[j * np + t] = c10::BFloat16(pr[t]).x;
         }
-        const T* vbase = kv + layer_off + v_off + hk * bs * d;
-        for (int64_t j0 = 0; j0 < g; j0 += 8) {  // 8 heads at a time
-          const uint16_t* pj = pb.data() + j0 * np;
-          float* aj = acc.data() + j0 * d;
-          const int64_t* tj = tab + s * max_blocks;
-          switch (std::min<int64_t>(8, g - j0)) {
-            case 1: pv_heads<1>(vbase, tj, block_stride, bs, d, n, pj, np, aj); break;
-            case 2: pv_heads<2>(vbase, tj, block_stride, bs, d, n, pj, np, aj); break;
-            case 3: pv_heads<3>(vbase, tj, block_stride, bs, d, n, pj, np, aj); break;
-            case 4: pv_heads<4>(vbase, tj, block_stride, bs, d, n, pj, np, aj); break;
-            case 5: pv_heads<5>(vbase, tj, block_stride, bs, d, n, pj, np, aj); break;
-            case 6: pv_heads<6>(vbase, tj, block_stride, bs, d, n, pj, np, aj); break;
-            case 7: pv_heads<7>(vbase, tj, block_stride, bs, d, n, pj, np, aj); break;
-            default: pv_heads<8>(vbase, tj, block_stride, bs, d, n, pj, np, aj); break;
-          }
-        }
+        by_head_chunks(g, [&](int64_t j0, auto G) {
+          pv_pairs<decltype(G)::value, d>(kv + layer_off + v_off + hk * bs * d, tab + s * max_blocks, block_stride, bs, n,
+                               pb.data() + j0 * np, np, acc.data() + j0 * d);
+        });
       } else
 #endif
       {
 #if defined(NS_LANES)
-        pv_lanes_heads<T, d>(kv + layer_off + v_off + hk * bs * d, tab + s * max_blocks, block_stride, bs, n, g,
-                             sc + i * g * width, width, acc.data());
+        by_head_chunks(g, [&](int64_t j0, auto G) {
+          pv_lanes<T, d, decltype(G)::value>(kv + layer_off + v_off + hk * bs * d, tab + s * max_blocks, block_stride, bs, n,
+                                  sc + (i * g + j0) * width, width, acc.data() + j0 * d);
+        });
 #else
         std::fill(acc.begin(), acc.end(), 0.f);
         for (int64_t b = 0; b * bs < n; ++b) {
