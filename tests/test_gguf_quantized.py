@@ -77,17 +77,41 @@ def test_teacher_forced_logprobs_and_greedy_tokens_match_the_dequantized_model(p
                 assert abs(lx.logprob - ly.logprob) < LOGPROB_TOL
 
 
+def _write_gguf(path, types: dict) -> object:
+    """A llama GGUF of random weights: {tensor name: (shape, GGML type)}."""
+    from gguf import GGUFWriter
+    from gguf.quants import quantize
+    rng = np.random.default_rng(0)
+    w = GGUFWriter(str(path), "llama")
+    for name, (shape, qtype) in types.items():
+        q = quantize(rng.standard_normal(shape).astype(np.float32), qtype)
+        w.add_tensor(name, q, raw_dtype=qtype if q.dtype == np.uint8 else None)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _gguf_model(path, cfg, dtype: torch.dtype, keep: bool, kernels, quant_kernels):
+    """The file's model: its blocks kept (`keep`) or dequantized into the parameters."""
+    from nanoserve.models.gguf_weights import iter_gguf
+    from nanoserve.models.llama import LlamaModel
+    from nanoserve.models.loader import _gguf_names
+    m = LlamaModel(cfg, dtype, torch.device("cpu"))
+    weights = iter_gguf(path, cfg, _gguf_names(cfg))
+    m.load_weights(weights if keep else ((n, x.dequantize() if isinstance(x, QuantTensor) else x) for n, x in weights))
+    m.finalize(kernels, quant_kernels)
+    return m
+
+
 def test_mixed_types_fall_back_per_group_and_without_kernels(tmp_path):
     """A llama GGUF with a Q4_0 q, Q8_0 k, Q4_1 v (one fused QKV of three types), an F16 o_proj (kept
     as a dense parameter), Q4_K-free: every projection equals the dequantized model's, including the
     un-permuted Q/K rows; without kernels everything is dequantized into the parameters."""
-    from gguf import GGMLQuantizationType as T, GGUFWriter
-    from gguf.quants import quantize
+    from gguf import GGMLQuantizationType as T
     from transformers import LlamaConfig
 
-    from nanoserve.models.gguf_weights import iter_gguf
-    from nanoserve.models.llama import LlamaModel
-    from nanoserve.models.loader import _gguf_names
     kernels = cpu_kernels.quant()
     if kernels is None:
         pytest.skip("no C++ toolchain")
@@ -101,24 +125,10 @@ def test_mixed_types_fall_back_per_group_and_without_kernels(tmp_path):
              "blk.0.attn_k.weight": ((kv * d, hid), T.Q8_0), "blk.0.attn_v.weight": ((kv * d, hid), T.Q4_1),
              "blk.0.attn_output.weight": ((hid, hid), T.F16), "blk.0.ffn_gate.weight": ((inter, hid), T.Q4_1),
              "blk.0.ffn_up.weight": ((inter, hid), T.Q4_1), "blk.0.ffn_down.weight": ((hid, inter), T.Q8_0)}
-    rng = np.random.default_rng(0)
-    f = tmp_path / "mixed.gguf"
-    w = GGUFWriter(str(f), "llama")
-    for name, (shape, qtype) in types.items():
-        q = quantize(rng.standard_normal(shape).astype(np.float32), qtype)
-        w.add_tensor(name, q, raw_dtype=qtype if q.dtype == np.uint8 else None)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    names = _gguf_names(cfg)
+    f = _write_gguf(tmp_path / "mixed.gguf", types)
 
     def model(keep: bool, quant_kernels) -> LlamaModel:
-        m = LlamaModel(cfg, torch.float32, torch.device("cpu"))
-        weights = iter_gguf(f, cfg, names)
-        m.load_weights(weights if keep else ((n, x.dequantize() if isinstance(x, QuantTensor) else x) for n, x in weights))
-        m.finalize(None, quant_kernels)
-        return m
+        return _gguf_model(f, cfg, torch.float32, keep, None, quant_kernels)
 
     dense, quant, fallback = model(False, None), model(True, kernels), model(True, None)
     layer = quant.layers[0]
@@ -135,3 +145,63 @@ def test_mixed_types_fall_back_per_group_and_without_kernels(tmp_path):
     assert torch.equal(quant._embed(ids), dense._embed(ids))
     for (name, p), (_, q) in zip(fallback.named_parameters(), dense.named_parameters()):
         assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gate_up", ["one type", "two types"])
+def test_decoder_stack_gives_the_python_layer_loop_bits(tmp_path, dtype, gate_up):
+    """csrc/cpu_kernels.cpp's DecoderStack (the layer loop in one C++ call) against the Python loop it
+    replaces (LlamaModel._layers): the same kernels in the same order, so the same logits and the same
+    K/V written, bit for bit, on random steps mixing decodes, fresh chunks and chunks over cached
+    context. QKV of three block types (three kernel calls into column slices); gate/up of one type
+    (the fused GLU kernel) or of two (two calls, then silu * up)."""
+    from gguf import GGMLQuantizationType as T
+    from transformers import LlamaConfig
+
+    from nanoserve.layers.attention import TorchAttention
+    from tests.test_prefill_attention import _batch
+    kernels, quant = cpu_kernels.load(), cpu_kernels.quant()
+    if kernels is None or quant is None:
+        pytest.skip("no C++ toolchain")
+    hid, inter, heads, kv, d, vocab, layers = 256, 512, 4, 2, 64, 64, 2
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hid, intermediate_size=inter, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv, tie_word_embeddings=True)
+    types = {"token_embd.weight": ((vocab, hid), T.Q8_0), "output_norm.weight": ((hid,), T.F32)}
+    for i in range(layers):
+        types.update({f"blk.{i}.attn_norm.weight": ((hid,), T.F32), f"blk.{i}.ffn_norm.weight": ((hid,), T.F32),
+                      f"blk.{i}.attn_q.weight": ((hid, hid), T.Q4_0), f"blk.{i}.attn_k.weight": ((kv * d, hid), T.Q8_0),
+                      f"blk.{i}.attn_v.weight": ((kv * d, hid), T.Q4_1), f"blk.{i}.attn_output.weight": ((hid, hid), T.Q4_1),
+                      f"blk.{i}.ffn_gate.weight": ((inter, hid), T.Q4_1),
+                      f"blk.{i}.ffn_up.weight": ((inter, hid), T.Q4_1 if gate_up == "one type" else T.Q8_0),
+                      f"blk.{i}.ffn_down.weight": ((hid, inter), T.Q8_0)})
+    model = _gguf_model(_write_gguf(tmp_path / "stack.gguf", types), cfg, dtype, True, kernels, quant)
+    assert model.stack is not None and len(model.layers[0].qkv_lin.parts) == 3
+    assert model.layers[0].gate_up_lin.fused_glu == (gate_up == "one type" and quant.packs())
+    stack, compared, calls = model.stack, 0, []
+
+    class Counted:  # the stack itself, its calls counted: each step below must have taken it
+        def forward(self, *args):
+            calls.append((args[6], args[0].shape[0]))  # the step's decodes and tokens
+            return stack.forward(*args)
+
+    for seed in range(40):
+        cache, batch, *_ = _batch(seed, heads, kv, d, dtype, layers=layers)
+        tokens = sum(batch.query_lens)
+        if tokens > model.stack_rows:  # block-layout (AVX2) kernels: only decode-sized steps
+            continue
+        ids = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(seed))
+        positions = torch.tensor([p for n, c in zip(batch.query_lens, batch.context_lens) for p in range(c - n, c)])
+        last = torch.tensor(batch.query_lens).cumsum(0) - 1
+        results = []
+        for use_stack in (True, False):
+            attn = TorchAttention(cache.clone(), heads, d ** -0.5, kernels)
+            attn.prepare(batch)
+            model.stack = Counted() if use_stack else None
+            results.append((model.forward(ids, positions, attn, last), attn.kv_cache))
+        model.stack = stack
+        assert torch.equal(results[0][0], results[1][0]), seed
+        assert torch.equal(results[0][1], results[1][1]), seed
+        compared += 1
+    assert compared >= 3 and len(calls) == compared
+    if quant.packs():  # every step fits the packed kernels: some mixed decodes with prefill chunks
+        assert any(0 < nd < tokens for nd, tokens in calls)

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>
 #include "simd_math.h"
+#include "linear_entry.h"
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/native/CPUBlas.h>
@@ -1088,6 +1089,117 @@ void paged_prefill_attention(at::Tensor q, at::Tensor out, at::Tensor cache, int
 #undef NS_ARGS
 }
 
+// ---- the decoder layers of a step in one call ----------------------------------------------------
+// A step of a small model is as much per-call overhead as math: the Python layer loop costs ~1-2 ms of
+// a 5 ms batch-1 decode step of the embedded model, all of it on the main thread while the other core
+// waits. DecoderStack runs the same calls in the same order (the same kernels, so the same bits) for
+// models whose projections are all kept quantized (layers/quant_linear.py); LlamaModel.forward
+// takes it where the step qualifies and runs the Python loop otherwise.
+struct QuantPart {
+  at::Tensor w;
+  int64_t qtype, start, rows;  // the kernels' type id; the output columns [start, start + rows) it writes
+  QuantLinearFn fn;
+};
+
+// QuantLinear.__call__ / silu_mul on the kernel path (steps within the layer's kernel row limit)
+struct QuantProjection {
+  std::vector<QuantPart> parts;
+  int64_t out_features = 0;
+  c10::optional<at::Tensor> bias;
+  QuantLinearFn glu = nullptr;  // silu(gate) * up in one call, where the layer's kernel fuses it
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+    for (const QuantPart& p : parts)
+      p.fn(x, p.w, p.qtype, parts.size() == 1 ? out : out.narrow(1, p.start, p.rows));
+    return bias ? out.add_(*bias) : out;
+  }
+  at::Tensor silu_mul(const at::Tensor& x) const {
+    if (glu == nullptr) {
+      const std::vector<at::Tensor> gate_up = (*this)(x).chunk(2, -1);
+      return at::silu(gate_up[0]) * gate_up[1];
+    }
+    at::Tensor out = at::empty({x.size(0), out_features / 2}, x.options());
+    glu(x, parts[0].w, parts[0].qtype, out);
+    return out;
+  }
+};
+
+struct StackLayer {
+  at::Tensor input_norm, post_norm;
+  QuantProjection qkv, o, gate_up, down;
+};
+
+static QuantLinearFn linear_fn(const py::capsule& c) {
+  TORCH_CHECK(c.name() != nullptr && std::strcmp(c.name(), kQuantLinearCapsule) == 0, "not a quant_linear entry point");
+  return reinterpret_cast<QuantLinearFn>(c.get_pointer());
+}
+
+// from QuantLinear.kernel_plan(): ([(w, qtype, start, rows, entry)], out_features, bias, glu entry)
+static QuantProjection projection(const py::tuple& plan) {
+  QuantProjection p;
+  for (const py::handle part : plan[0].cast<py::list>()) {
+    const py::tuple t = part.cast<py::tuple>();
+    p.parts.push_back({t[0].cast<at::Tensor>(), t[1].cast<int64_t>(), t[2].cast<int64_t>(), t[3].cast<int64_t>(),
+                       linear_fn(t[4].cast<py::capsule>())});
+  }
+  p.out_features = plan[1].cast<int64_t>();
+  if (!plan[2].is_none()) p.bias = plan[2].cast<at::Tensor>();
+  if (!plan[3].is_none()) p.glu = linear_fn(plan[3].cast<py::capsule>());
+  TORCH_CHECK(!p.parts.empty() && (p.glu == nullptr || p.parts.size() == 1), "bad projection plan");
+  return p;
+}
+
+class DecoderStack {
+ public:
+  DecoderStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps)
+      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps) {}
+
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, py::tuple qkv, py::tuple o, py::tuple gate_up,
+                 py::tuple down) {
+    layers_.push_back({input_norm, post_norm, projection(qkv), projection(o), projection(gate_up), projection(down)});
+  }
+
+  // residual: the embedded tokens [T, hidden], updated in place to the last layer's output (the
+  // caller's final norm reads it). The attention arguments are TorchAttention's of this step:
+  // decodes (the first num_decodes tokens) and prefill chunks (`prefill`: tables, starts, lens, ctxs)
+  at::Tensor forward(at::Tensor residual, at::Tensor cos, at::Tensor sin, at::Tensor cache, at::Tensor slot_blocks,
+                     at::Tensor slot_offsets, int64_t num_decodes, c10::optional<at::Tensor> dec_table,
+                     c10::optional<at::Tensor> dec_ctx, c10::optional<std::vector<at::Tensor>> prefill, double scale,
+                     bool amx) {
+    const int64_t T = residual.size(0), h = heads_, hk = kv_heads_, d = head_dim_, nd = num_decodes;
+    TORCH_CHECK(cache.size(1) == static_cast<int64_t>(layers_.size()) && (nd == 0 || (dec_table && dec_ctx)) &&
+                (nd == T || (prefill && prefill->size() == 4)), "decoder stack: step arguments do not match");
+    c10::optional<at::Tensor> delta;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const StackLayer& L = layers_[i];
+      const at::Tensor x = add_rms_norm(delta, residual, L.input_norm, eps_);
+      const at::Tensor qkv = L.qkv(x);
+      rope_(qkv, h + hk, d, cos, sin);
+      const at::Tensor q = qkv.narrow(1, 0, h * d).view({T, h, d});
+      const at::Tensor k = qkv.narrow(1, h * d, hk * d).view({T, hk, d});
+      const at::Tensor v = qkv.narrow(1, (h + hk) * d, hk * d).view({T, hk, d});
+      const at::Tensor o = at::empty(q.sizes(), q.options());
+      write_kv(k, v, cache, i, slot_blocks, slot_offsets);
+      if (nd) paged_decode_attention(q.narrow(0, 0, nd), cache, i, *dec_table, *dec_ctx, scale, o.narrow(0, 0, nd));
+      if (nd < T) {
+        const std::vector<at::Tensor>& p = *prefill;
+        paged_prefill_attention(q.narrow(0, nd, T - nd), o.narrow(0, nd, T - nd), cache, i, p[0], p[1], p[2], p[3],
+                                scale, amx);
+      }
+      const at::Tensor x2 = add_rms_norm(L.o(o.view({T, h * d})), residual, L.post_norm, eps_);
+      delta = L.down(L.gate_up.silu_mul(x2));
+    }
+    if (delta) residual.add_(*delta);
+    return residual;
+  }
+
+ private:
+  int64_t heads_, kv_heads_, head_dim_;
+  double eps_;
+  std::vector<StackLayer> layers_;
+};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if defined(NS_PHASE_TIMES)
   m.def("phase_times", []() {  // {phase: seconds} since the last call, summed over threads
@@ -1106,6 +1218,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_);
   m.def("write_kv", &write_kv);
   m.def("linear_rows", &linear_rows);
+  py::class_<DecoderStack>(m, "DecoderStack")
+      .def(py::init<int64_t, int64_t, int64_t, double>(), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"),
+           py::arg("eps"))
+      .def("add_layer", &DecoderStack::add_layer)
+      .def("forward", &DecoderStack::forward, py::call_guard<py::gil_scoped_release>());
 #if defined(__AVX512F__)
   m.attr("vectorized") = true;   // the norm and RoPE kernels run 16 lanes at a time (bf16, fp32)
 #else

@@ -48,6 +48,11 @@ class AttentionBackend(ABC):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] for the step's new tokens -> [T, H, D]."""
 
+    def kernel_step(self) -> tuple | None:
+        """This step's arguments for the C++ decoder stack (csrc/cpu_kernels.cpp's DecoderStack.forward,
+        after the activations), where this backend is the CPU kernels' it calls; else None."""
+        return None
+
 
 @dataclass
 class _Prefill:
@@ -107,6 +112,14 @@ class TorchAttention(AttentionBackend):
             blocks = None if ctx == qlen else torch.tensor(bt[:-(-ctx // bs)], device=dev)
             self.prefills.append(_Prefill(start, start + qlen, ctx, blocks))
             start += qlen
+
+    def kernel_step(self) -> tuple | None:
+        if self.kernels is None:
+            return None
+        b, nd = self.batch, self.batch.num_decodes
+        decodes = (self.dec_table, self.dec_ctx) if nd else (None, None)
+        return (self.kv_cache, b.slot_blocks, b.slot_offsets, nd, *decodes,
+                None if self.pre_args is None else list(self.pre_args), self.scale, self.amx)
 
     def _prepare_gather(self, table: torch.Tensor, context_lens: list[int]) -> None:
         # Rows of the whole cache viewed as [N * layers * 2 * kh, bs * D] (a free view: the

@@ -67,6 +67,10 @@ class QuantKernels:
     def quant_linear_glu(self, x: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor) -> None:
         self._module(qtype).quant_linear_glu(x, w, qtype, out)
 
+    def entry_points(self, qtype: int) -> tuple[Any, Any]:
+        """(quant_linear, quant_linear_glu) of the type's module as capsules, for the C++ decoder stack."""
+        return self._module(qtype).entry_points()
+
     def quant_dequantize(self, w: torch.Tensor, qtype: int, out: torch.Tensor) -> None:
         self._module(qtype).quant_dequantize(w, qtype, out)
 

@@ -188,6 +188,14 @@ class QuantLinear:
         gate, up = self(x).chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def kernel_plan(self) -> tuple:
+        """This layer's kernel path for csrc/cpu_kernels.cpp's DecoderStack (which runs it as `__call__`
+        and `silu_mul` do on steps within `max_kernel_rows`): ([(blocks, kernel type, first output
+        column, columns, quant_linear entry)], out_features, bias, the fused GLU's entry or None)."""
+        entries = [self.kernels.entry_points(p.kernel_type) for p in self.parts]
+        parts = [(p.data, p.kernel_type, start, p.shape[0], e[0]) for p, start, e in zip(self.parts, self.offsets, entries)]
+        return parts, self.out_features, self.bias, entries[0][1] if self.fused_glu else None
+
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole weight in `dtype`, in the shared scratch buffer (valid until the next call)."""
         w = self.scratch.take(self.out_features * self.in_features, dtype).view(self.out_features, self.in_features)

@@ -94,6 +94,7 @@ class LlamaModel(nn.Module):
         # their layers
         self.quantized: dict[str, QuantTensor] = {}
         self.embed_rows: QuantEmbedding | None = None
+        self.stack, self.stack_rows = None, 0  # finalize() builds the C++ layer loop where the model has one
 
     def weight_targets(self) -> dict[str, WeightTarget]:
         """HF tensor name -> where (and which slice of it) this rank loads. Checked to cover every
@@ -205,6 +206,7 @@ class LlamaModel(nn.Module):
         hugepages.relocate([p.data for lin in kept for p in getattr(lin, "parts", ())]
                            + ([self.embed_rows.table.data] if self.embed_rows is not None else []))
         hugepages.trim_heap()  # what the load freed (packing, relocating, released parameters)
+        self.stack, self.stack_rows = decoder_stack(self, kernels)
 
     def replace_linears(self, make) -> None:
         """Each dense projection (not one kept in GGUF blocks) rebuilt by `make(weight, bias)` (fp8:
@@ -225,10 +227,17 @@ class LlamaModel(nn.Module):
         """input_ids/positions [T] -> logits [len(logits_indices), vocab] in fp32 (on rank 0 of a
         tensor-parallel group; None on the others)."""
         x = self._embed(input_ids)
+        cos, sin = self.rotary.cos_sin(positions)
+        step = attn.kernel_step() if self.stack is not None and x.shape[0] <= self.stack_rows else None
+        residual = self.stack.forward(x, cos, sin, *step) if step is not None else self._layers(x, cos, sin, attn)
+        x = F.rms_norm(residual[logits_indices], (self.hidden,), self.norm, self.eps)
+        return self.tp.gather_logits(self.lm_head_lin(x).float(), self.vocab_size)
+
+    def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """The decoder layers over the embedded tokens x (updated in place): the last layer's residual stream."""
         h, d, hk = self.num_heads, self.head_dim, self.num_kv_heads
         k_end = self.q_size + self.kv_size
         residual, delta = x, None  # residual += delta happens inside the next norm
-        cos, sin = self.rotary.cos_sin(positions)
         for i, layer in enumerate(self.layers):
             x = self._add_norm(delta, residual, layer.input_norm)
             qkv = layer.qkv_lin(x)
@@ -250,9 +259,7 @@ class LlamaModel(nn.Module):
                 gate, up = layer.gate_up_lin(x).chunk(2, dim=-1)
                 delta = layer.down_lin(F.silu(gate) * up)
             self.tp.all_reduce(delta)
-        residual.add_(delta)
-        x = F.rms_norm(residual[logits_indices], (self.hidden,), self.norm, self.eps)
-        return self.tp.gather_logits(self.lm_head_lin(x).float(), self.vocab_size)
+        return residual.add_(delta)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_rows is not None:
@@ -277,6 +284,22 @@ class LlamaModel(nn.Module):
         if delta is not None:
             residual.add_(delta)
         return F.rms_norm(residual, (self.hidden,), weight, self.eps)
+
+
+def decoder_stack(model: LlamaModel, kernels) -> tuple[object | None, int]:
+    """csrc/cpu_kernels.cpp's DecoderStack (the layer loop of `_layers` in one C++ call, same kernels in
+    the same order) for a CPU model whose every projection is kept quantized, and the most tokens a
+    step may have to take it (where each layer and the fused norm and RoPE take their kernel path);
+    (None, 0) for any other model."""
+    lins = [(layer.qkv_lin, layer.o_lin, layer.gate_up_lin, layer.down_lin) for layer in model.layers]
+    if kernels is None or model.tp.enabled or not hasattr(kernels, "DecoderStack") or \
+            not all(type(lin) is QuantLinear for group in lins for lin in group):
+        return None, 0
+    stack = kernels.DecoderStack(model.num_heads, model.num_kv_heads, model.head_dim, model.eps)
+    for layer, group in zip(model.layers, lins):
+        stack.add_layer(layer.input_norm, layer.post_norm, *(lin.kernel_plan() for lin in group))
+    rows = min(lin.max_kernel_rows for group in lins for lin in group)
+    return stack, rows if kernels.vectorized else min(rows, FUSED_MAX_ROWS)
 
 
 def quant_layers(model: LlamaModel, kernels) -> dict:
