@@ -582,8 +582,12 @@ def quant_twin(path: Path, device: str, kind: str) -> LLM:
     through --quantization fp8 too: `quant` compares both.)"""
     from nanoserve.layers.quant_linear import Q8_0, QuantTensor
     from nanoserve.layers.triton_quant import fp8_maker, q8_0_blocks, triton_quant
-    llm = LLM(str(path), device=device, dtype="bfloat16", kv_cache_gb=0.1, enforce_eager=True,
-              enable_prefix_caching=False)
+    from unittest import mock
+    # finalized again below from its parameters: the first finalize must keep them (on the CPU it would
+    # release those oneDNN packed a copy of)
+    with mock.patch("nanoserve.models.llama.release_copied"):
+        llm = LLM(str(path), device=device, dtype="bfloat16", kv_cache_gb=0.1, enforce_eager=True,
+                  enable_prefix_caching=False)
     model = llm.engine.model
     if kind == "q8_0":
         for name, t in model.weight_targets().items():

@@ -44,10 +44,16 @@ def test_default_model_is_served_from_its_blocks(pair):
     kept = sum(lin.nbytes for layer in quant.layers
                for lin in (layer.qkv_lin, layer.o_lin, layer.gate_up_lin, layer.down_lin)) + quant.lm_head_lin.nbytes
     kept += sum(p.numel() * p.element_size() for p in quant.parameters())
-    dense_bf16 = sum(p.numel() * 2 for p in dense.parameters())
+    lins = [lin for layer in quant.layers for lin in (layer.qkv_lin, layer.o_lin, layer.gate_up_lin, layer.down_lin)]
+    table = quant.embed_rows.table.shape
+    dense_bf16 = 2 * (sum(lin.out_features * lin.in_features for lin in lins) + table[0] * table[1]
+                      + sum(p.numel() for p in quant.parameters()))  # + the norms
     # the file's bytes, nothing added: its Q4_1 layers are 0.31x of bf16, its Q8_0 embedding 0.53x
     assert kept <= (pair[0].engine.source.path / "model.gguf").stat().st_size
     assert kept < 0.37 * dense_bf16, (kept, dense_bf16)
+    for layer in dense.layers:  # oneDNN's packed copies serve the dense layers: their parameters were released
+        for param, lin in ((layer.qkv, layer.qkv_lin), (layer.o, layer.o_lin), (layer.down, layer.down_lin)):
+            assert (param.numel() == 0) == lin.copies_weight
     if quant.lm_head_lin.parts[0].packed:  # packed copies are the process's own: moved onto huge pages
         arena = {p.data.untyped_storage().data_ptr() for layer in quant.layers
                  for lin in (layer.qkv_lin, layer.o_lin, layer.gate_up_lin, layer.down_lin) for p in lin.parts}
@@ -93,7 +99,7 @@ def _write_gguf(path, types: dict) -> object:
     return path
 
 
-def _gguf_model(path, cfg, dtype: torch.dtype, keep: bool, kernels, quant_kernels):
+def _gguf_model(path, cfg, dtype: torch.dtype, keep: bool, kernels, quant_kernels, finalize: bool = True):
     """The file's model: its blocks kept (`keep`) or dequantized into the parameters."""
     from nanoserve.models.gguf_weights import iter_gguf
     from nanoserve.models.llama import LlamaModel
@@ -101,7 +107,8 @@ def _gguf_model(path, cfg, dtype: torch.dtype, keep: bool, kernels, quant_kernel
     m = LlamaModel(cfg, dtype, torch.device("cpu"))
     weights = iter_gguf(path, cfg, _gguf_names(cfg))
     m.load_weights(weights if keep else ((n, x.dequantize() if isinstance(x, QuantTensor) else x) for n, x in weights))
-    m.finalize(kernels, quant_kernels)
+    if finalize:
+        m.finalize(kernels, quant_kernels)
     return m
 
 
@@ -127,10 +134,14 @@ def test_mixed_types_fall_back_per_group_and_without_kernels(tmp_path):
              "blk.0.ffn_up.weight": ((inter, hid), T.Q4_1), "blk.0.ffn_down.weight": ((hid, inter), T.Q8_0)}
     f = _write_gguf(tmp_path / "mixed.gguf", types)
 
-    def model(keep: bool, quant_kernels) -> LlamaModel:
-        return _gguf_model(f, cfg, torch.float32, keep, None, quant_kernels)
+    from nanoserve.models.llama import quant_layers
 
-    dense, quant, fallback = model(False, None), model(True, kernels), model(True, None)
+    # the reference and the fallback unfinalized: finalize() would release the parameters compared below
+    # into oneDNN's packed copies
+    dense = _gguf_model(f, cfg, torch.float32, False, None, None, finalize=False)
+    quant = _gguf_model(f, cfg, torch.float32, True, None, kernels)
+    fallback = _gguf_model(f, cfg, torch.float32, True, None, None, finalize=False)
+    assert not any(quant_layers(fallback, None).values())  # what finalize() starts with: no kernels, every block dequantized
     layer = quant.layers[0]
     assert [p.qtype for p in layer.qkv_lin.parts] == [Q4_0, Q8_0, Q4_1] and not isinstance(layer.o_lin, QuantLinear)
     assert isinstance(quant.lm_head_lin, QuantLinear) and quant.lm_head_lin.parts[0].qtype == Q4_0

@@ -186,7 +186,7 @@ def test_fp8_weight_only_kernel_and_scaled_mm_against_references(kernels, tokens
     assert ((got - exact).abs() <= 2.2 * FP8_REL * magnitude + 2 ** -7 * exact.abs().max().item()).all()
 
 
-def test_tiny_model_in_q8_0_blocks_matches_its_dequantized_twin(tiny_path):
+def test_tiny_model_in_q8_0_blocks_matches_its_dequantized_twin(tiny_path, monkeypatch):
     """Both engines get the same Q8_0 blocks for every projection and the embedding: one runs them
     through the Triton layers, the other dequantizes them into its fp32 parameters; teacher-forced
     prompt logprobs (a prefill of > 16 rows) and greedy decode agree to fp32 noise. The 49k-row LM
@@ -194,7 +194,11 @@ def test_tiny_model_in_q8_0_blocks_matches_its_dequantized_twin(tiny_path):
     from gguf.quants import quantize
 
     from nanoserve import LLM, SamplingParams
+    from nanoserve.models import llama
     from tests.conftest import KV_GB
+
+    # each twin is finalized again below, from its parameters: the engine's own finalize must keep them
+    monkeypatch.setattr(llama, "release_copied", lambda model: None)
 
     def engine(kernels) -> LLM:
         llm = LLM(model=str(tiny_path("qwen2-bias")), dtype="float32", kv_cache_gb=KV_GB, enable_prefix_caching=False)

@@ -26,15 +26,17 @@ SplitRows = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", int, st
 class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  split_rows: SplitRows | None = None) -> None:
-        self.weight, self.bias = weight, bias
-        # keep `weight` referenced: the packed tensor may alias its storage (freeing the
-        # original corrupts the packed weight)
+        self.weight: torch.Tensor | None = weight  # None once released (`copies_weight`)
+        self.bias, self.out_features = bias, weight.shape[0]
         self.packed = _pack(weight, bias)
         self.split_rows = split_rows if self.packed is not None else None
+        # oneDNN's reorder copies the weight (bf16 and fp32 alike on the AVX-512 EPYC), but a packed tensor
+        # that aliased it would be corrupted by freeing it: probed, so the model releases only true copies
+        self.copies_weight = self.packed is not None and not _aliases(self.packed, weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._split(x):
-            return self.split_rows(x, self.packed, self.bias, self.weight.shape[0], "none", None)
+            return self.split_rows(x, self.packed, self.bias, self.out_features, "none", None)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -42,19 +44,30 @@ class Linear:
     def silu(self, x: torch.Tensor) -> torch.Tensor:
         """silu(x W^T + b), the activation applied by oneDNN to the fp32 accumulator (packed only)."""
         if self._split(x):
-            return self.split_rows(x, self.packed, self.bias, self.weight.shape[0], "swish", None)
+            return self.split_rows(x, self.packed, self.bias, self.out_features, "swish", None)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "swish", [], "")
 
     def times(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """(x W^T + b) * other in one oneDNN call (packed only)."""
         if self._split(x):
-            return self.split_rows(x, self.packed, self.bias, self.weight.shape[0], "mul", other)
+            return self.split_rows(x, self.packed, self.bias, self.out_features, "mul", other)
         return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "mul")
 
     def _split(self, x: torch.Tensor) -> bool:
         if self.split_rows is None:
             return False
         return x.shape[0] in SPLIT_ROWS and torch.get_num_threads() == SPLIT_THREADS
+
+
+def _aliases(packed: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the packed weight reads `weight`'s memory: its first row changed and put back."""
+    x = torch.ones(1, weight.shape[1], dtype=weight.dtype)
+    before = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    row = weight[0].clone()
+    weight[0].add_(1)  # every product of output 0 grows by 1: its sum by the row length
+    after = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    weight[0].copy_(row)
+    return not torch.equal(before[0, 0], after[0, 0])
 
 
 def _pack(weight: torch.Tensor, bias: torch.Tensor | None):

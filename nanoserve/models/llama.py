@@ -201,6 +201,7 @@ class LlamaModel(nn.Module):
                 layer.gate_lin, layer.up_lin = (gate, up) if layer.gate_up_lin is None else (None, None)
             layer.down_lin = q.get("down") or Linear(layer.down, split_rows=rows)
         self.lm_head_lin = quant.get("lm_head") or Linear(self.lm_head)
+        release_copied(self)
         # the kept blocks, which every decode step streams whole, on huge pages (a CPU model's only)
         kept = [lin for q in quant.values() for lin in (q.values() if isinstance(q, dict) else [q])]
         hugepages.relocate([p.data for lin in kept for p in getattr(lin, "parts", ())]
@@ -284,6 +285,22 @@ class LlamaModel(nn.Module):
         if delta is not None:
             residual.add_(delta)
         return F.rms_norm(residual, (self.hidden,), weight, self.eps)
+
+
+def release_copied(model: LlamaModel) -> None:
+    """Frees each projection parameter whose every layer computes on its own packed copy (oneDNN's
+    reorder on CPU): otherwise a dense CPU model holds its weights twice (an 8B bf16 checkpoint: 32 GB
+    instead of 16). A tied LM head's table stays: the embedding reads it."""
+    owners = [] if model.tied else [(model.lm_head, [model.lm_head_lin])]
+    for layer in model.layers:
+        gate_up = [layer.gate_up_lin] if layer.gate_up_lin is not None else [layer.gate_lin, layer.up_lin]
+        owners += [(layer.qkv, [layer.qkv_lin]), (layer.o, [layer.o_lin]), (layer.gate_up, gate_up),
+                   (layer.down, [layer.down_lin])]
+    for param, lins in owners:
+        if param.numel() and all(isinstance(lin, Linear) and lin.copies_weight for lin in lins):
+            for lin in lins:
+                lin.weight = None
+            param.data = param.data.new_empty(0)
 
 
 def decoder_stack(model: LlamaModel, kernels) -> tuple[object | None, int]:
