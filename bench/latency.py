@@ -183,10 +183,13 @@ class OtherTree:
 
 
 def weight_bytes(model) -> int:
-    """Bytes of every tensor the model's weights live in: parameters and GGUF blocks (each once)."""
-    tensors = {t.data_ptr(): t.numel() * t.element_size() for t in model.parameters()}
-    lins = [lin for layer in model.layers for lin in vars(layer).values() if hasattr(lin, "parts")]
+    """Bytes of every tensor the model's weights live in: parameters, GGUF blocks and the dense layers'
+    oneDNN copies (each once)."""
+    tensors = {t.data_ptr(): t.numel() * t.element_size() for t in model.parameters() if t.numel()}
+    lins = [lin for layer in model.layers for lin in vars(layer).values() if hasattr(lin, "parts") or hasattr(lin, "packed")]
     for lin in [*lins, model.lm_head_lin, getattr(model.embed_rows, "table", None)]:
+        if getattr(lin, "copies_weight", False):  # an opaque oneDNN tensor of its own (no data pointer)
+            tensors[id(lin.packed)] = lin.packed.numel() * lin.packed.element_size()
         for part in getattr(lin, "parts", [lin] if lin is not None and hasattr(lin, "qtype") else []):
             tensors[part.data.data_ptr()] = part.nbytes
     return sum(tensors.values())

@@ -159,13 +159,14 @@ def test_mixed_types_fall_back_per_group_and_without_kernels(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("gate_up", ["one type", "two types"])
-def test_decoder_stack_gives_the_python_layer_loop_bits(tmp_path, dtype, gate_up):
+@pytest.mark.parametrize("variant", ["quantized", "mixed", "dense"])
+def test_decoder_stack_gives_the_python_layer_loop_bits(tmp_path, dtype, variant):
     """csrc/cpu_kernels.cpp's DecoderStack (the layer loop in one C++ call) against the Python loop it
     replaces (LlamaModel._layers): the same kernels in the same order, so the same logits and the same
     K/V written, bit for bit, on random steps mixing decodes, fresh chunks and chunks over cached
     context. QKV of three block types (three kernel calls into column slices); gate/up of one type
-    (the fused GLU kernel) or of two (two calls, then silu * up)."""
+    (the fused GLU kernel); "mixed": a dense o_proj (oneDNN) and gate/up of two types (two calls, then
+    silu * up); "dense": every block dequantized into oneDNN layers (gate and up two GEMMs with epilogues)."""
     from gguf import GGMLQuantizationType as T
     from transformers import LlamaConfig
 
@@ -181,13 +182,21 @@ def test_decoder_stack_gives_the_python_layer_loop_bits(tmp_path, dtype, gate_up
     for i in range(layers):
         types.update({f"blk.{i}.attn_norm.weight": ((hid,), T.F32), f"blk.{i}.ffn_norm.weight": ((hid,), T.F32),
                       f"blk.{i}.attn_q.weight": ((hid, hid), T.Q4_0), f"blk.{i}.attn_k.weight": ((kv * d, hid), T.Q8_0),
-                      f"blk.{i}.attn_v.weight": ((kv * d, hid), T.Q4_1), f"blk.{i}.attn_output.weight": ((hid, hid), T.Q4_1),
+                      f"blk.{i}.attn_v.weight": ((kv * d, hid), T.Q4_1),
+                      f"blk.{i}.attn_output.weight": ((hid, hid), T.F16 if variant == "mixed" else T.Q4_1),
                       f"blk.{i}.ffn_gate.weight": ((inter, hid), T.Q4_1),
-                      f"blk.{i}.ffn_up.weight": ((inter, hid), T.Q4_1 if gate_up == "one type" else T.Q8_0),
+                      f"blk.{i}.ffn_up.weight": ((inter, hid), T.Q8_0 if variant == "mixed" else T.Q4_1),
                       f"blk.{i}.ffn_down.weight": ((hid, inter), T.Q8_0)})
-    model = _gguf_model(_write_gguf(tmp_path / "stack.gguf", types), cfg, dtype, True, kernels, quant)
-    assert model.stack is not None and len(model.layers[0].qkv_lin.parts) == 3
-    assert model.layers[0].gate_up_lin.fused_glu == (gate_up == "one type" and quant.packs())
+    model = _gguf_model(_write_gguf(tmp_path / "stack.gguf", types), cfg, dtype, variant != "dense", kernels, quant)
+    if variant != "dense" or model.layers[0].qkv_lin.packed is not None:  # dense: where oneDNN packs
+        assert model.stack is not None
+    if model.stack is None:
+        pytest.skip("no oneDNN packing in this torch build")
+    layer = model.layers[0]
+    assert isinstance(layer.o_lin, QuantLinear) == (variant == "quantized")
+    if variant != "dense":
+        assert len(layer.qkv_lin.parts) == 3
+        assert layer.gate_up_lin.fused_glu == (variant == "quantized" and quant.packs())
     stack, compared, calls = model.stack, 0, []
 
     class Counted:  # the stack itself, its calls counted: each step below must have taken it

@@ -10,6 +10,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/native/CPUBlas.h>
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <limits>
@@ -737,11 +738,20 @@ using LinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const std::opt
                             c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>);
 using LinearMulFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const std::optional<at::Tensor>&, c10::string_view);
+static const c10::TypedOperatorHandle<LinearFn>& mkldnn_linear() {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "").typed<LinearFn>();
+  return op;
+}
+static const c10::TypedOperatorHandle<LinearMulFn>& mkldnn_linear_mul() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "binary").typed<LinearMulFn>();
+  return op;
+}
+
 at::Tensor linear_rows(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias, int64_t n_out,
                           std::string attr, c10::optional<at::Tensor> other) {
-  static const auto linear = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "").typed<LinearFn>();
-  static const auto linear_mul =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "binary").typed<LinearMulFn>();
+  const auto& linear = mkldnn_linear();
+  const auto& linear_mul = mkldnn_linear_mul();
   TORCH_CHECK(x.dim() == 2 && (!other || (other->dim() == 2 && other->size(0) == x.size(0) && other->size(1) == n_out)));
   const int64_t rows = x.size(0), parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows));
   const int64_t per = (rows + parts - 1) / parts;
@@ -1090,44 +1100,15 @@ void paged_prefill_attention(at::Tensor q, at::Tensor out, at::Tensor cache, int
 }
 
 // ---- the decoder layers of a step in one call ----------------------------------------------------
-// A step of a small model is as much per-call overhead as math: the Python layer loop costs ~1-2 ms of
-// a 5 ms batch-1 decode step of the embedded model, all of it on the main thread while the other core
-// waits. DecoderStack runs the same calls in the same order (the same kernels, so the same bits) for
-// models whose projections are all kept quantized (layers/quant_linear.py); LlamaModel.forward
-// takes it where the step qualifies and runs the Python loop otherwise.
+// A step of a small model is as much per-call overhead as math: the Python layer loop cost ~1.2 ms of
+// a 4.5 ms batch-1 decode step of the embedded model, all of it on the main thread while the other
+// core waited. DecoderStack makes the same calls in the same order (the same kernels, so the same
+// bits) as LlamaModel._layers for models whose projections are kept quantized (QuantLinear) or dense
+// with oneDNN-packed weights (Linear); LlamaModel.forward takes it where the step qualifies.
 struct QuantPart {
   at::Tensor w;
   int64_t qtype, start, rows;  // the kernels' type id; the output columns [start, start + rows) it writes
   QuantLinearFn fn;
-};
-
-// QuantLinear.__call__ / silu_mul on the kernel path (steps within the layer's kernel row limit)
-struct QuantProjection {
-  std::vector<QuantPart> parts;
-  int64_t out_features = 0;
-  c10::optional<at::Tensor> bias;
-  QuantLinearFn glu = nullptr;  // silu(gate) * up in one call, where the layer's kernel fuses it
-
-  at::Tensor operator()(const at::Tensor& x) const {
-    at::Tensor out = at::empty({x.size(0), out_features}, x.options());
-    for (const QuantPart& p : parts)
-      p.fn(x, p.w, p.qtype, parts.size() == 1 ? out : out.narrow(1, p.start, p.rows));
-    return bias ? out.add_(*bias) : out;
-  }
-  at::Tensor silu_mul(const at::Tensor& x) const {
-    if (glu == nullptr) {
-      const std::vector<at::Tensor> gate_up = (*this)(x).chunk(2, -1);
-      return at::silu(gate_up[0]) * gate_up[1];
-    }
-    at::Tensor out = at::empty({x.size(0), out_features / 2}, x.options());
-    glu(x, parts[0].w, parts[0].qtype, out);
-    return out;
-  }
-};
-
-struct StackLayer {
-  at::Tensor input_norm, post_norm;
-  QuantProjection qkv, o, gate_up, down;
 };
 
 static QuantLinearFn linear_fn(const py::capsule& c) {
@@ -1135,29 +1116,90 @@ static QuantLinearFn linear_fn(const py::capsule& c) {
   return reinterpret_cast<QuantLinearFn>(c.get_pointer());
 }
 
-// from QuantLinear.kernel_plan(): ([(w, qtype, start, rows, entry)], out_features, bias, glu entry)
-static QuantProjection projection(const py::tuple& plan) {
-  QuantProjection p;
-  for (const py::handle part : plan[0].cast<py::list>()) {
-    const py::tuple t = part.cast<py::tuple>();
-    p.parts.push_back({t[0].cast<at::Tensor>(), t[1].cast<int64_t>(), t[2].cast<int64_t>(), t[3].cast<int64_t>(),
-                       linear_fn(t[4].cast<py::capsule>())});
+// One projection as its Python layer computes it: QuantLinear's kernel path (steps within its kernel
+// row limit), or Linear's oneDNN call on the packed weight, by rows over the threads (linear_rows)
+// where Linear._split would take that
+class Projection {
+ public:
+  // from QuantLinear.kernel_plan(): ([(w, qtype, start, rows, entry)], out_features, bias, glu entry),
+  // or Linear.kernel_plan(): (packed, bias, out_features, (split rows from, to, threads) or None)
+  explicit Projection(const py::tuple& plan) {
+    if (py::isinstance<py::list>(plan[0])) {
+      for (const py::handle part : plan[0].cast<py::list>()) {
+        const py::tuple t = part.cast<py::tuple>();
+        parts_.push_back({t[0].cast<at::Tensor>(), t[1].cast<int64_t>(), t[2].cast<int64_t>(), t[3].cast<int64_t>(),
+                          linear_fn(t[4].cast<py::capsule>())});
+      }
+      out_features_ = plan[1].cast<int64_t>();
+      if (!plan[2].is_none()) bias_ = plan[2].cast<at::Tensor>();
+      if (!plan[3].is_none()) glu_ = linear_fn(plan[3].cast<py::capsule>());
+      TORCH_CHECK(!parts_.empty() && (glu_ == nullptr || parts_.size() == 1), "bad projection plan");
+    } else {
+      packed_ = plan[0].cast<at::Tensor>();
+      if (!plan[1].is_none()) bias_ = plan[1].cast<at::Tensor>();
+      out_features_ = plan[2].cast<int64_t>();
+      if (!plan[3].is_none()) {
+        const py::tuple split = plan[3].cast<py::tuple>();
+        split_ = {split[0].cast<int64_t>(), split[1].cast<int64_t>(), split[2].cast<int64_t>()};
+      }
+    }
   }
-  p.out_features = plan[1].cast<int64_t>();
-  if (!plan[2].is_none()) p.bias = plan[2].cast<at::Tensor>();
-  if (!plan[3].is_none()) p.glu = linear_fn(plan[3].cast<py::capsule>());
-  TORCH_CHECK(!p.parts.empty() && (p.glu == nullptr || p.parts.size() == 1), "bad projection plan");
-  return p;
-}
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    if (packed_.defined()) return dense(x, "none", nullptr);
+    at::Tensor out = at::empty({x.size(0), out_features_}, x.options());
+    for (const QuantPart& p : parts_)
+      p.fn(x, p.w, p.qtype, parts_.size() == 1 ? out : out.narrow(1, p.start, p.rows));
+    return bias_ ? out.add_(*bias_) : out;
+  }
+  // QuantLinear.silu_mul: silu(gate) * up of a [gate; up] projection
+  at::Tensor silu_mul(const at::Tensor& x) const {
+    if (glu_ == nullptr) {
+      const std::vector<at::Tensor> gate_up = (*this)(x).chunk(2, -1);
+      return at::silu(gate_up[0]) * gate_up[1];
+    }
+    at::Tensor out = at::empty({x.size(0), out_features_ / 2}, x.options());
+    glu_(x, parts_[0].w, parts_[0].qtype, out);
+    return out;
+  }
+  // Linear.silu and Linear.times (dense only: oneDNN's epilogues)
+  at::Tensor silu(const at::Tensor& x) const { return dense(x, "swish", nullptr); }
+  at::Tensor times(const at::Tensor& x, const at::Tensor& other) const { return dense(x, "mul", &other); }
+
+ private:
+  at::Tensor dense(const at::Tensor& x, const char* attr, const at::Tensor* other) const {
+    TORCH_CHECK(packed_.defined(), "a quantized projection has no oneDNN epilogue");
+    const int64_t rows = x.size(0);
+    if (split_[2] && rows >= split_[0] && rows < split_[1] && at::get_num_threads() == split_[2])
+      return linear_rows(x, packed_, bias_, out_features_, attr, other ? c10::optional<at::Tensor>(*other) : c10::nullopt);
+    if (other) return mkldnn_linear_mul().call(x, *other, packed_, bias_, attr);
+    return mkldnn_linear().call(x, packed_, bias_, attr, c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
+  }
+
+  std::vector<QuantPart> parts_;
+  at::Tensor packed_;  // defined: dense
+  c10::optional<at::Tensor> bias_;
+  int64_t out_features_ = 0;
+  QuantLinearFn glu_ = nullptr;  // silu(gate) * up in one call, where the layer's kernel fuses it
+  std::array<int64_t, 3> split_{0, 0, 0};  // rows [from, to) on this many threads go through linear_rows
+};
+
+struct StackLayer {
+  at::Tensor input_norm, post_norm;
+  Projection qkv, o, gate_up, down;  // dense layers: gate_up is the gate alone, up its partner
+  c10::optional<Projection> up;
+};
 
 class DecoderStack {
  public:
   DecoderStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps)
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps) {}
 
+  // gate_up: a [gate; up] projection (up None), or the gate alone with its oneDNN partner `up`
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, py::tuple qkv, py::tuple o, py::tuple gate_up,
-                 py::tuple down) {
-    layers_.push_back({input_norm, post_norm, projection(qkv), projection(o), projection(gate_up), projection(down)});
+                 c10::optional<py::tuple> up, py::tuple down) {
+    layers_.push_back({input_norm, post_norm, Projection(qkv), Projection(o), Projection(gate_up), Projection(down),
+                       up ? c10::optional<Projection>(Projection(*up)) : c10::nullopt});
   }
 
   // residual: the embedded tokens [T, hidden], updated in place to the last layer's output (the
@@ -1188,7 +1230,7 @@ class DecoderStack {
                                 scale, amx);
       }
       const at::Tensor x2 = add_rms_norm(L.o(o.view({T, h * d})), residual, L.post_norm, eps_);
-      delta = L.down(L.gate_up.silu_mul(x2));
+      delta = L.down(L.up ? L.up->times(x2, L.gate_up.silu(x2)) : L.gate_up.silu_mul(x2));
     }
     if (delta) residual.add_(*delta);
     return residual;

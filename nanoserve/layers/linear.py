@@ -53,6 +53,13 @@ class Linear:
             return self.split_rows(x, self.packed, self.bias, self.out_features, "mul", other)
         return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "mul")
 
+    def kernel_plan(self) -> tuple:
+        """This layer (packed) for csrc/cpu_kernels.cpp's DecoderStack, which calls oneDNN as `__call__`,
+        `silu` and `times` do: (packed weight, bias, out_features, the (rows from, to, threads) that
+        `_split` sends through `split_rows`, or None)."""
+        split = (SPLIT_ROWS.start, SPLIT_ROWS.stop, SPLIT_THREADS) if self.split_rows is not None else None
+        return self.packed, self.bias, self.out_features, split
+
     def _split(self, x: torch.Tensor) -> bool:
         if self.split_rows is None:
             return False

@@ -213,6 +213,7 @@ class LlamaModel(nn.Module):
         """Each dense projection (not one kept in GGUF blocks) rebuilt by `make(weight, bias)` (fp8:
         layers/triton_quant.py), its parameter released. The LM head stays: every logit depends on it,
         for a few percent of the weight bytes."""
+        self.stack = None  # it calls the layers being replaced
         for layer in self.layers:
             if layer.gate_up_lin is None:  # CPU's two packed GEMMs (gate, up): one layer for make()
                 layer.gate_up_lin, layer.gate_lin, layer.up_lin = Linear(layer.gate_up), None, None
@@ -304,18 +305,25 @@ def release_copied(model: LlamaModel) -> None:
 
 
 def decoder_stack(model: LlamaModel, kernels) -> tuple[object | None, int]:
-    """csrc/cpu_kernels.cpp's DecoderStack (the layer loop of `_layers` in one C++ call, same kernels in
-    the same order) for a CPU model whose every projection is kept quantized, and the most tokens a
-    step may have to take it (where each layer and the fused norm and RoPE take their kernel path);
-    (None, 0) for any other model."""
-    lins = [(layer.qkv_lin, layer.o_lin, layer.gate_up_lin, layer.down_lin) for layer in model.layers]
+    """csrc/cpu_kernels.cpp's DecoderStack (the layer loop of `_layers` in one C++ call, the same kernels in
+    the same order) for a CPU model whose every projection is kept quantized or dense on a oneDNN-packed
+    weight, and the most tokens a step may have to take it (where each quantized layer and the fused
+    norm and RoPE take their kernel path); (None, 0) for any other model."""
+    def plannable(lin) -> bool:
+        return type(lin) is QuantLinear or (isinstance(lin, Linear) and lin.packed is not None)
+
+    mlps = [([layer.gate_up_lin, None] if layer.gate_up_lin is not None else [layer.gate_lin, layer.up_lin])
+            for layer in model.layers]
+    lins = [[layer.qkv_lin, layer.o_lin, layer.down_lin, *[lin for lin in mlp if lin is not None]]
+            for layer, mlp in zip(model.layers, mlps)]
     if kernels is None or model.tp.enabled or not hasattr(kernels, "DecoderStack") or \
-            not all(type(lin) is QuantLinear for group in lins for lin in group):
+            not all(plannable(lin) for group in lins for lin in group):
         return None, 0
     stack = kernels.DecoderStack(model.num_heads, model.num_kv_heads, model.head_dim, model.eps)
-    for layer, group in zip(model.layers, lins):
-        stack.add_layer(layer.input_norm, layer.post_norm, *(lin.kernel_plan() for lin in group))
-    rows = min(lin.max_kernel_rows for group in lins for lin in group)
+    for layer, (gate_up, up) in zip(model.layers, mlps):
+        stack.add_layer(layer.input_norm, layer.post_norm, layer.qkv_lin.kernel_plan(), layer.o_lin.kernel_plan(),
+                        gate_up.kernel_plan(), None if up is None else up.kernel_plan(), layer.down_lin.kernel_plan())
+    rows = min([lin.max_kernel_rows for group in lins for lin in group if isinstance(lin, QuantLinear)] or [1 << 62])
     return stack, rows if kernels.vectorized else min(rows, FUSED_MAX_ROWS)
 
 
