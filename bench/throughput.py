@@ -33,10 +33,11 @@ class Nanoserve:
         import torch
 
         from nanoserve import LLM, SamplingParams
-        kw = {k: getattr(args, k) for k in ("block_size", "max_num_batched_tokens", "tensor_parallel_size")
-              if getattr(args, k)}  # else the engine's default
+        kw = {k: getattr(args, k) for k in ("block_size", "max_num_batched_tokens", "tensor_parallel_size",
+                                            "gguf_dequantize") if getattr(args, k)}  # else the engine's default
+        # (unset options stay out: a --base tree older than an option still runs)
         self.llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False, max_num_seqs=args.max_num_seqs,
-                       kv_cache_gb=args.kv_cache_gb, gguf_dequantize=args.gguf_dequantize, **kw)
+                       kv_cache_gb=args.kv_cache_gb, **kw)
         self.SamplingParams = SamplingParams
         self.cores = f"offline LLM, {torch.get_num_threads()} compute thread(s)"
         self.llm.generate(token_prompts(4, 64, seed=-1), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
