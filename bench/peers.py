@@ -185,6 +185,18 @@ def start(spec: ServerSpec, cfg: PeerConfig, num_blocks: int | None = None) -> S
     return Server(spec.label, cmd, port, f"{n} compute thread(s), quantized GGUF as shipped")
 
 
+# waits for its stdin to close (the benchmark closing it, or dying), then lets the vLLM group run: a
+# stopped group's worker would otherwise never read its own closed stdin and exit
+GUARD = """
+import os, signal, sys
+sys.stdin.read()
+try:
+    os.killpg(int(sys.argv[1]), signal.SIGCONT)
+except ProcessLookupError:
+    pass
+"""
+
+
 class VllmOffline:
     """vLLM's offline `LLM` in its own venv, loaded once, one job per stdin line, so a benchmark can
     alternate nanoserve and vLLM runs (A B A B ...) without reloading either. This file is also the
@@ -200,6 +212,10 @@ class VllmOffline:
         self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, start_new_session=True)
         self.startup = self._result()
+        # stopped, the worker cannot see its stdin close: if this process dies without close() (SIGKILL,
+        # an unhandled SIGTERM), the guard, outside the stopped group, sees its own stdin close instead
+        self.guard = subprocess.Popen([sys.executable, "-c", GUARD, str(self.proc.pid)], stdin=subprocess.PIPE,
+                                      start_new_session=True)
         self._signal(signal.SIGSTOP)
 
     def _signal(self, sig: int) -> None:
@@ -231,6 +247,8 @@ class VllmOffline:
 
     def close(self) -> None:
         self._signal(signal.SIGCONT)
+        self.guard.stdin.close()
+        self.guard.wait()
         self.proc.stdin.close()
         try:
             self.proc.wait(60)

@@ -66,15 +66,18 @@ class Linear:
         return x.shape[0] in SPLIT_ROWS and torch.get_num_threads() == SPLIT_THREADS
 
 
+@torch.no_grad()
 def _aliases(packed: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the packed weight reads `weight`'s memory: its first row changed and put back."""
+    """Whether the packed weight reads `weight`'s memory: output 0 with its first row set to zeros, then
+    to ones (fixed values: an increment can vanish in rounding), the row put back after."""
     x = torch.ones(1, weight.shape[1], dtype=weight.dtype)
-    before = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     row = weight[0].clone()
-    weight[0].add_(1)  # every product of output 0 grows by 1: its sum by the row length
-    after = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    outs = []
+    for value in (0, 1):
+        weight[0].fill_(value)
+        outs.append(torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")[0, 0])
     weight[0].copy_(row)
-    return not torch.equal(before[0, 0], after[0, 0])
+    return not torch.equal(outs[0], outs[1])
 
 
 def _pack(weight: torch.Tensor, bias: torch.Tensor | None):
