@@ -23,7 +23,8 @@ worker, keeping the first for its scheduler); default: torch's own. vLLM-CPU kee
 (bench/peers.py, --vllm-cores). --base: every run of either side is a fresh process of this script
 with that checkout's nanoserve. --breakdown: every call of each part of nanoserve's forward pass
 is timed (the linear layers by projection, norms, RoPE, KV write, attention, LM head; the rest is
-the attention backend's Python and copies, batch building, scheduling and sampling).
+the attention backend's Python and copies, batch building, scheduling and sampling), through the
+Python layer loop: the C++ one (csrc's DecoderStack) has no Python between its calls to time.
 --tp-wire: encode + decode of the decode step that rank 0 sends to the other tensor-parallel ranks
 (a batch of rows 16 blocks past --decode-ctx each), with the typed codec and with pickle (what it
 replaced), median of 20,000; no model is loaded.
