@@ -705,10 +705,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_rows", &quant_rows, py::arg("w"), py::arg("qtype"), py::arg("rows"), py::arg("ids"), py::arg("out"));
   m.def("quant_pack", &quant_pack, py::arg("w"), py::arg("qtype"));
   // (linear, glu) as C function pointers for cpu_kernels.cpp's decoder stack (linear_entry.h)
-  m.def("entry_points", []() {
-    const auto entry = [](QuantLinearFn f) { return py::capsule(reinterpret_cast<void*>(f), kQuantLinearCapsule); };
-    return py::make_tuple(entry(&quant_linear), entry(&quant_linear_glu));
-  });
+  m.def("entry_points", []() { return entry_capsules(&quant_linear, &quant_linear_glu); });
   // whether quant_linear takes packed matrices (the layer packs its weights at load where it does)
   m.def("packs", []() {
 #if defined(__AVX512F__) && defined(__AVX512BW__)

@@ -288,15 +288,19 @@ class LlamaModel(nn.Module):
         return F.rms_norm(residual, (self.hidden,), weight, self.eps)
 
 
+def mlp_layers(layer: nn.Module) -> tuple:
+    """(the [gate; up] layer, None), or (gate, up) where they are two (CPU's packed oneDNN GEMMs)."""
+    return (layer.gate_up_lin, None) if layer.gate_up_lin is not None else (layer.gate_lin, layer.up_lin)
+
+
 def release_copied(model: LlamaModel) -> None:
     """Frees each projection parameter whose every layer computes on its own packed copy (oneDNN's
     reorder on CPU): otherwise a dense CPU model holds its weights twice (an 8B bf16 checkpoint: 32 GB
     instead of 16). A tied LM head's table stays: the embedding reads it."""
     owners = [] if model.tied else [(model.lm_head, [model.lm_head_lin])]
     for layer in model.layers:
-        gate_up = [layer.gate_up_lin] if layer.gate_up_lin is not None else [layer.gate_lin, layer.up_lin]
-        owners += [(layer.qkv, [layer.qkv_lin]), (layer.o, [layer.o_lin]), (layer.gate_up, gate_up),
-                   (layer.down, [layer.down_lin])]
+        owners += [(layer.qkv, [layer.qkv_lin]), (layer.o, [layer.o_lin]), (layer.down, [layer.down_lin]),
+                   (layer.gate_up, [lin for lin in mlp_layers(layer) if lin is not None])]
     for param, lins in owners:
         if param.numel() and all(isinstance(lin, Linear) and lin.copies_weight for lin in lins):
             for lin in lins:
@@ -312,18 +316,16 @@ def decoder_stack(model: LlamaModel, kernels) -> tuple[object | None, int]:
     def plannable(lin) -> bool:
         return type(lin) is QuantLinear or (isinstance(lin, Linear) and lin.packed is not None)
 
-    mlps = [([layer.gate_up_lin, None] if layer.gate_up_lin is not None else [layer.gate_lin, layer.up_lin])
-            for layer in model.layers]
-    lins = [[layer.qkv_lin, layer.o_lin, layer.down_lin, *[lin for lin in mlp if lin is not None]]
-            for layer, mlp in zip(model.layers, mlps)]
-    if kernels is None or model.tp.enabled or not hasattr(kernels, "DecoderStack") or \
-            not all(plannable(lin) for group in lins for lin in group):
+    lins = [lin for layer in model.layers
+            for lin in (layer.qkv_lin, layer.o_lin, layer.down_lin, *mlp_layers(layer)) if lin is not None]
+    if kernels is None or model.tp.enabled or not hasattr(kernels, "DecoderStack") or not all(map(plannable, lins)):
         return None, 0
     stack = kernels.DecoderStack(model.num_heads, model.num_kv_heads, model.head_dim, model.eps)
-    for layer, (gate_up, up) in zip(model.layers, mlps):
+    for layer in model.layers:
+        gate_up, up = mlp_layers(layer)
         stack.add_layer(layer.input_norm, layer.post_norm, layer.qkv_lin.kernel_plan(), layer.o_lin.kernel_plan(),
                         gate_up.kernel_plan(), None if up is None else up.kernel_plan(), layer.down_lin.kernel_plan())
-    rows = min([lin.max_kernel_rows for group in lins for lin in group if isinstance(lin, QuantLinear)] or [1 << 62])
+    rows = min([lin.max_kernel_rows for lin in lins if isinstance(lin, QuantLinear)] or [1 << 62])
     return stack, rows if kernels.vectorized else min(rows, FUSED_MAX_ROWS)
 
 
