@@ -136,7 +136,7 @@ def test_grammar_compiles_off_the_step_and_a_slow_one_is_refused(llm):
     that outlasts the bound fails its request with a 400-type error naming the field."""
     import threading
     from nanoserve.engine.grammar import GrammarMatchers
-    g = GrammarMatchers(llm.engine.tokenizer, llm.engine.model.vocab_size, compile_timeout=60)
+    g = GrammarMatchers(lambda: llm.engine.tokenizer, llm.engine.model.vocab_size, compile_timeout=60)
     g.start()
     busy = threading.Event()
     g._pool.submit(busy.wait, 60)  # the grammar thread is occupied: nothing compiles until it is set

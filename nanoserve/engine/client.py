@@ -27,6 +27,7 @@ from nanoserve.engine.placement import CpuPlacement, PlacementRequest
 from nanoserve.engine.protocol import (Abort, Add, Batch, EngineDead, EngineError, EngineSnapshot, FailAll, Finish,
                                        MetricsObserver, ModelInfo, PromptRequest, SnapshotAsk, Stop,
                                        decode_from_engine, make_prompt_request)
+from nanoserve.heap import trim_heap
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import SamplingParams
 
@@ -97,6 +98,7 @@ class EngineClient:
         try:
             from nanoserve.models.loader import ModelSource, load_tokenizer
             tok = load_tokenizer(ModelSource(info.model_name, Path(info.source_path)), self.config.tokenizer)
+            trim_heap()  # what parsing its files left
         except BaseException:
             self._kill()
             raise

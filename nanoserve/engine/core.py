@@ -266,12 +266,6 @@ def serve(config: EngineConfig, ctx: zmq.Context, input_addr: str, output_addr: 
             log.error("cannot start the engine: %s", e, exc_info=not isinstance(e, (ValueError, OSError)))
             out.send(encode(StartFailed(str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")))
             return 2
-        # llguidance's view of the vocabulary, built before serving: neither the first constrained request
-        # nor the steps running then wait for it (~0.3 s, most of it holding the GIL)
-        try:
-            engine.grammars.start().result()
-        except Exception as e:  # then only constrained requests fail, with this error
-            log.warning("llguidance cannot read this tokenizer: %s", e)
         log.info("engine core ready in %.1fs (pid %d)", time.monotonic() - t0, os.getpid())
         out.send(encode(Ready(engine.info, placement)))
         EngineCore(engine, inp, out, parent_pid).run()

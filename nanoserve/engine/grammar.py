@@ -5,8 +5,10 @@ constrained sampling rows filled each step, and the matcher advanced by each sam
 Compiling never happens inside the step: `prepare` hands a grammar to one worker thread and returns
 a Compile to poll; the engine core admits a request only once its grammar is compiled (core.py), and a
 compile that fails or takes longer than COMPILE_TIMEOUT_S fails its request (InvalidRequest naming
-the field). llguidance's view of the vocabulary (~0.3 s, holding the GIL most of that time) is built
-by `start`, which the engine core waits for before it serves, not on the first constrained request.
+the field). llguidance's view of the vocabulary (~0.3 s, holding the GIL most of that time, and ~100 MB
+resident with the transformers tokenizer it is read from) is built on the grammar thread before the first
+compile: a server that never sees a constrained request never pays for it, and its first one waits for it
+(the running sequences do not: the step goes on while a grammar compiles).
 The offline path (`add` of a request whose grammar is still compiling) waits for it.
 
 Lifecycle: a matcher is made when its request is added, advanced once per sampled token, and freed
@@ -18,8 +20,10 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -41,8 +45,9 @@ class Compile:
 
 
 class GrammarMatchers:
-    def __init__(self, tokenizer, vocab_size: int, compile_timeout: float = COMPILE_TIMEOUT_S) -> None:
-        self.hf_tokenizer, self.vocab_size, self.compile_timeout = tokenizer, vocab_size, compile_timeout
+    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int,
+                 compile_timeout: float = COMPILE_TIMEOUT_S) -> None:
+        self.load_tokenizer, self.vocab_size, self.compile_timeout = load_tokenizer, vocab_size, compile_timeout
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-grammar")
         self._tokenizer: Future | None = None   # llguidance's view of the vocabulary
         self._templates: OrderedDict[str, Compile] = OrderedDict()
@@ -54,8 +59,7 @@ class GrammarMatchers:
         return len(self._matchers)
 
     def start(self) -> Future:
-        """Build llguidance's tokenizer on the worker thread now (the engine core waits for it before it
-        serves), so that no constrained request waits for it."""
+        """Build llguidance's tokenizer on the worker thread (once; the first compile waits for it)."""
         if self._tokenizer is None:
             self._tokenizer = self._pool.submit(self._build_tokenizer)
         return self._tokenizer
@@ -63,7 +67,7 @@ class GrammarMatchers:
     def _build_tokenizer(self):
         import llguidance.hf
         t0 = time.perf_counter()
-        tok = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size)
+        tok = llguidance.hf.from_tokenizer(self.load_tokenizer(), n_vocab=self.vocab_size)
         log.debug("llguidance tokenizer built in %.2fs", time.perf_counter() - t0)
         return tok
 

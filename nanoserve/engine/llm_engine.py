@@ -9,18 +9,21 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.grammar import GrammarMatchers
+from nanoserve.heap import trim_heap
 from nanoserve.engine.protocol import ModelInfo, PromptRequest
 from nanoserve.distributed.parallel import TensorParallel, join, leave
 from nanoserve.engine.model_setup import build_shard, host_blocks
-from nanoserve.engine.requests import Request, RequestBuilder, eos_token_ids, max_token_chars
+from nanoserve.engine.requests import Request, RequestBuilder, eos_token_ids
 from nanoserve.engine.workers import (Followers, LocalWorkers, ParallelCopier, Setup, describe_fault, plan_node,
                                       shm_slot_bytes, start_worker, stop_workers)
 from nanoserve.kvcache.host_tier import HostTier
@@ -30,6 +33,7 @@ from nanoserve.layers.sampler import Sampler
 from nanoserve.models.hub import HubOptions
 from nanoserve.models.llama import LlamaModel
 from nanoserve.models.loader import load_config, load_tokenizer, materialize, resolve_model
+from nanoserve.models.tokenizer_facts import facts_of, read_tokenizer_facts
 from nanoserve.outputs import CompletionOutput, RequestOutput
 from nanoserve.sampling_params import InvalidRequest, SamplingParams
 from nanoserve.scheduler import Scheduler
@@ -56,7 +60,7 @@ class LLMEngine:
         hub = HubOptions(config.revision, config.download_dir, config.gguf_file)
         self.source = materialize(resolve_model(config.model, hub), dequantize=config.gguf_dequantize)
         self.hf_config = load_config(self.source)
-        self.tokenizer = load_tokenizer(self.source, config.tokenizer)
+        self._tokenizer, self._tokenizer_lock = None, threading.Lock()
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype(self.device)
         torch.manual_seed(config.seed)
@@ -83,9 +87,11 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.step_tokens,
                                    inline_loads=self.device.type == "cpu")
         self.sampler = Sampler(config.seed, self.device)
-        self.grammars = GrammarMatchers(self.tokenizer, self.model.vocab_size)  # constrained sequences
-        eos_ids = eos_token_ids(self.tokenizer, self.hf_config, self.source.path)
-        self.max_token_chars = max_token_chars(self.tokenizer)
+        self.grammars = GrammarMatchers(lambda: self.tokenizer, self.model.vocab_size)  # constrained sequences
+        tokenizer_dir = Path(config.tokenizer) if config.tokenizer else self.source.path
+        facts = read_tokenizer_facts(tokenizer_dir) or facts_of(self.tokenizer)
+        eos_ids = eos_token_ids(facts.eos_token_id, self.hf_config, self.source.path)
+        self.max_token_chars = facts.max_token_chars
         self.requests: dict[str, Request] = {}
         # which requests a failure inside the current step concerns; None until scheduling has decided
         self.step_request_ids: set[str] | None = None
@@ -93,7 +99,9 @@ class LLMEngine:
         self.model_name = self.source.name
         self.info = ModelInfo(self.model_name, str(self.source.path), self.model.vocab_size, self.max_model_len,
                               self.max_token_chars, tuple(sorted(eos_ids)))
-        self.request_builder = RequestBuilder(self.info, self.tokenizer, eos_ids, self.grammars, self.device)
+        self.request_builder = RequestBuilder(self.info, lambda text, special: self.tokenizer.encode(
+            text, add_special_tokens=special), eos_ids, self.grammars, self.device)
+        trim_heap()  # what reading the tokenizer's files left
         log.info("model %s loaded in %.1fs (%s, %s)", self.model_name, time.monotonic() - t0,
                  self.device, str(self.dtype).removeprefix("torch."))
         log.info("KV cache: device %d blocks x %d tokens = %d tokens, %.2f GiB; %s; max_model_len %d",
@@ -101,6 +109,14 @@ class LLMEngine:
                  num_blocks * self.layout.bytes_per_block / GiB,
                  f"host {host.pool.num_blocks} blocks = {host.pool.num_blocks * block_size} tokens, "
                  f"{host.num_bytes / GiB:.2f} GiB" if host else "host tier off", self.max_model_len)
+
+    @property
+    def tokenizer(self):
+        """transformers' tokenizer, loaded on first use (behind an API process: the first constrained request)."""
+        with self._tokenizer_lock:  # the grammar thread may ask too
+            if self._tokenizer is None:
+                self._tokenizer = load_tokenizer(self.source, self.config.tokenizer)
+            return self._tokenizer
 
     # ---- setup helpers -------------------------------------------------------------------
     def _start_workers(self) -> None:

@@ -1,10 +1,12 @@
 """The engine's requests: a prompt validated against the model's limits (checked again for one that
 arrives validated: the engine trusts no sender) becomes one Sequence per choice, each with its own
-seeded generator; plus the tokenizer facts that validation needs. Reads only immutable state, so
+seeded generator; plus the EOS ids that end its sequences. Reads only immutable state, so
 validation errors reach the caller before anything is queued."""
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
@@ -29,37 +31,24 @@ class Request:
     grammar: Compile | None = None  # its constraint's compile (the engine core admits it once done)
 
 
-def eos_token_ids(tokenizer: Any, hf_config: Any, model_path: Path) -> frozenset[int]:
-    ids: set[int] = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    eos = getattr(hf_config, "eos_token_id", None)
-    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+def eos_token_ids(tokenizer_eos: int | None, hf_config: Any, model_path: Path) -> frozenset[int]:
+    """Every id that ends generation: the tokenizer's EOS, config.json's and generation_config.json's."""
+    ids = {tokenizer_eos} if tokenizer_eos is not None else set()
+    gen = {}
     try:
-        from transformers import GenerationConfig
-        gen = GenerationConfig.from_pretrained(model_path)
-        eos = gen.eos_token_id
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    except Exception:  # no generation_config.json: the tokenizer's EOS is enough
+        gen = json.loads((model_path / "generation_config.json").read_text())
+    except (OSError, ValueError):  # none: the tokenizer's and the config's EOS are enough
         pass
+    for eos in (getattr(hf_config, "eos_token_id", None), gen.get("eos_token_id")):
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     return frozenset(ids)
 
 
-def max_token_chars(tokenizer: Any) -> int:
-    """The longest text one token can stand for: a prompt longer than max_model_len times this
-    cannot fit, whatever its tokenization."""
-    return max((len(t or "") for t in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))),
-               default=1) or 1
-
-
 class RequestBuilder:
-    def __init__(self, info: ModelInfo, tokenizer: Any, eos_ids: frozenset[int], grammars: GrammarMatchers,
-                 device: torch.device) -> None:
-        self.info, self.tokenizer, self.eos_ids, self.grammars, self.device = info, tokenizer, eos_ids, grammars, device
+    def __init__(self, info: ModelInfo, tokenize: Callable[[str, bool], list[int]], eos_ids: frozenset[int],
+                 grammars: GrammarMatchers, device: torch.device) -> None:
+        self.info, self.tokenize, self.eos_ids, self.grammars, self.device = info, tokenize, eos_ids, grammars, device
         self._seq_ids = count()
-
-    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
     def make(self, request_id: str, prompt: str | list[int], params: SamplingParams,
              add_special_tokens: bool = True) -> Request:

@@ -15,7 +15,6 @@ pages, the advice fails quietly and the pages are 4 KiB ones.
 """
 from __future__ import annotations
 
-import ctypes
 import mmap
 from typing import Iterable
 
@@ -69,13 +68,3 @@ def relocate(tensors: Iterable[torch.Tensor]) -> int:
             for t in same:
                 t.set_(storage, (base + off) // t.element_size(), t.shape, t.stride())
     return sum(same[0].nbytes for same in todo.values())
-
-
-def trim_heap() -> None:
-    """Hands the heap's free memory back to the kernel (glibc's malloc_trim), for after a load: glibc
-    keeps freed heap chunks resident, such as the storages relocate() moved out of (without this
-    the embedded model's engine stayed 60 MB larger after relocating, bench/memory.py --servers)."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)  # the process's own symbols: libc's where it is glibc
-    except (AttributeError, OSError):  # not glibc
-        pass

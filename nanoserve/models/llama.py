@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.distributed.parallel import TensorParallel, shard_heads, split, vocab_rows
+from nanoserve.heap import trim_heap
 from nanoserve.layers import hugepages
 from nanoserve.layers.attention import AttentionBackend
 from nanoserve.layers.linear import Linear
@@ -206,7 +207,7 @@ class LlamaModel(nn.Module):
         kept = [lin for q in quant.values() for lin in (q.values() if isinstance(q, dict) else [q])]
         hugepages.relocate([p.data for lin in kept for p in getattr(lin, "parts", ())]
                            + ([self.embed_rows.table.data] if self.embed_rows is not None else []))
-        hugepages.trim_heap()  # what the load freed (packing, relocating, released parameters)
+        trim_heap()  # what the load freed (packing, relocating, released parameters)
         self.stack, self.stack_rows = decoder_stack(self, kernels)
 
     def replace_linears(self, make) -> None:

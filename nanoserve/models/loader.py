@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from nanoserve.sampling_params import InvalidRequest
+from nanoserve.models.model_config import ModelConfig, read_model_config
 from nanoserve.models.hub import HubOptions, HubUnreachable, RepoRef, download, find_cached, offline, parse_repo
 
 if TYPE_CHECKING:  # the API process reads its tokenizer through here and never imports torch
     import torch
 
-SUPPORTED_ARCHS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_LINK = "model.gguf"  # in a GGUF folder materialized without dequantizing: the file the weights stay in
 
@@ -104,14 +104,8 @@ def resolve_model(name: str | None, hub: HubOptions = HubOptions()) -> ModelSour
                          param="model", code="model_not_found")
 
 
-def load_config(src: ModelSource):
-    from transformers import AutoConfig
-    cfg = AutoConfig.from_pretrained(src.path)  # a GGUF source is materialize()d first
-    archs = set(getattr(cfg, "architectures", None) or [])
-    if not archs & SUPPORTED_ARCHS and cfg.model_type not in ("llama", "mistral", "qwen2"):
-        raise InvalidRequest(f"architecture {sorted(archs) or cfg.model_type} is not supported "
-                             f"(supported: {sorted(SUPPORTED_ARCHS)})", param="model")
-    return cfg
+def load_config(src: ModelSource) -> ModelConfig:
+    return read_model_config(src.path)  # a GGUF source is materialize()d first
 
 
 def _gguf_config(path: Path):

@@ -1,0 +1,53 @@
+"""What the engine needs to know of a tokenizer without holding one: its EOS token and the longest
+text one token stands for. A served engine never tokenizes (the API process does), and transformers'
+tokenizer classes cost a process ~125 MB resident with the config machinery they import
+(bench/memory.py); so these are read from the tokenizer's files, as transformers resolves them
+(test_tokenizer_facts compares the two)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class TokenizerFacts:
+    eos_token_id: int | None
+    max_token_chars: int  # longest text one token stands for: a cheap bound on a prompt's token count
+
+
+def facts_of(tokenizer: Any) -> TokenizerFacts:
+    """From a loaded transformers tokenizer."""
+    longest = max((len(t or "") for t in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))), default=1)
+    return TokenizerFacts(tokenizer.eos_token_id, longest or 1)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _content(token: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or a serialized AddedToken."""
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def read_tokenizer_facts(folder: Path) -> TokenizerFacts | None:
+    """From a fast tokenizer's files; None where the folder has no readable tokenizer.json (a slow-only
+    tokenizer, a remote name): then the caller loads the tokenizer and asks it (`facts_of`)."""
+    tok = _read_json(folder / "tokenizer.json")
+    vocab = tok.get("model", {}).get("vocab")
+    if isinstance(vocab, dict):    # BPE, WordPiece, WordLevel: piece -> id
+        ids = dict(vocab)
+    elif isinstance(vocab, list):  # Unigram: [piece, score] by id
+        ids = {piece: i for i, (piece, _) in enumerate(vocab)}
+    else:
+        return None
+    ids.update((t["content"], t["id"]) for t in tok.get("added_tokens", []))
+    config = _read_json(folder / "tokenizer_config.json")
+    ids.update((_content(t), int(i)) for i, t in (config.get("added_tokens_decoder") or {}).items())
+    eos = _content(config.get("eos_token") or _read_json(folder / "special_tokens_map.json").get("eos_token"))
+    return TokenizerFacts(ids.get(eos) if eos else None, max(map(len, ids), default=1) or 1)
