@@ -1,9 +1,9 @@
 """Where a nanoserve engine's resident memory goes, stage by stage: /proc/self/smaps_rollup (Rss, its
 anonymous part, the rest file-backed: shared libraries, memory-mapped weights) after each step of
-loading an in-process engine (the engine process of a server loads the same way), then after a
-batch-1 and a batch-8 generate, then after llguidance's view of the vocabulary, which a server's
-engine process builds at start-up (engine/core.py) and an offline LLM only on its first constrained
-request.
+loading an in-process engine (the engine process of a server loads the same way, but never loads the
+transformers tokenizer the offline LLM loads for its first generate), then after a batch-1 and a
+batch-8 generate, then after llguidance's view of the vocabulary, which an engine builds on its first
+constrained request.
 
     python bench/memory.py --kv-cache-gb 0.25                      # GGUF kept in its blocks
     python bench/memory.py --kv-cache-gb 0.25 --gguf-dequantize
@@ -151,8 +151,8 @@ def main() -> int:
         gguf_reader.WeightsReader._get_field_parts = GGUFReader._get_field_parts
         gguf_reader.WeightsReader.release = lambda self, start, end: None
     for owner, name, label in [(le, "materialize", "materialize (cached folder)"),
-                               (le, "load_config", "load_config (transformers' config)"),
-                               (le, "load_tokenizer", "load_tokenizer"),
+                               (le, "load_config", "load_config"),
+                               (le, "load_tokenizer", "load_tokenizer (offline LLM only)"),
                                (LlamaModel, "load_weights", "model + load_weights"),
                                (LlamaModel, "finalize", "finalize (layers, kernels)"),
                                (ms, "ModelRunner", "runner + KV cache")]:
@@ -167,7 +167,7 @@ def main() -> int:
     llm.generate([[rng.randrange(100, 40000) for _ in range(128)] for _ in range(8)], greedy)
     stages.mark("generate 8 x (128 + 32)")
     llm.engine.grammars.start().result()
-    stages.mark("llguidance vocabulary (server start)")
+    stages.mark("llguidance vocabulary (first constrained request)")
     print(f"{'dequantized' if args.gguf_dequantize else 'kept'}{', stock reader' if args.stock_reader else ''}; "
           f"kv-cache-gb {args.kv_cache_gb}")
     print(stages.table())
