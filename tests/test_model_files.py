@@ -53,23 +53,29 @@ def _same(a: dict, b: dict) -> bool:
 
 @pytest.mark.parametrize("name", list(TINY_CONFIGS))
 def test_config_reads_as_transformers_reads_it(tiny_path, tmp_path, name):
-    """Each tiny checkpoint's config.json (transformers 5's form, rope_parameters), and the same config in
-    the legacy form hub checkpoints carry (rope_theta and rope_scaling at the top, defaults left out): the
-    model built from our reading equals the one built from AutoConfig's, RoPE table included."""
+    """Each tiny checkpoint's config.json (transformers 5's form, rope_parameters), that form with another
+    RoPE base, and the legacy form hub checkpoints carry (rope_theta and rope_scaling at the top, defaults
+    left out) with that base: the model built from our reading equals the one built from AutoConfig's reading
+    of the same file, RoPE table included (and the other base does change the table)."""
     from transformers import AutoConfig
-    folder = tiny_path(name)
-    d = json.loads((folder / "config.json").read_text())
-    hf_facts = _model_facts(AutoConfig.from_pretrained(folder))
-    assert _same(_model_facts(read_model_config(folder)), hf_facts)
-    params = d.pop("rope_parameters")
-    d["rope_theta"] = params.pop("rope_theta")
+    d = json.loads((tiny_path(name) / "config.json").read_text())
+    other = json.loads(json.dumps(d))
+    other["rope_parameters"]["rope_theta"] = 500000.0
+    params = dict(other["rope_parameters"])
+    legacy = {k: v for k, v in other.items() if k != "rope_parameters"}
+    legacy["rope_theta"] = params.pop("rope_theta")
     if params.get("rope_type", "default") != "default":
-        d["rope_scaling"] = params
+        legacy["rope_scaling"] = params
     defaults = _hf_class(d["model_type"])()
-    legacy = {k: v for k, v in d.items() if k not in FIELDS or v != getattr(defaults, k)}
-    (tmp_path / "config.json").write_text(json.dumps(legacy))
-    assert _same(_model_facts(read_model_config(tmp_path)), hf_facts)
-    assert _same(_model_facts(AutoConfig.from_pretrained(tmp_path)), hf_facts)  # the legacy form is right
+    legacy = {k: v for k, v in legacy.items() if k not in FIELDS or v != getattr(defaults, k)}
+    built = []
+    for i, form in enumerate((d, other, legacy)):
+        (tmp_path / str(i)).mkdir()
+        (tmp_path / str(i) / "config.json").write_text(json.dumps(form))
+        ours = _model_facts(read_model_config(tmp_path / str(i)))
+        assert _same(ours, _model_facts(AutoConfig.from_pretrained(tmp_path / str(i)))), i
+        built.append(ours)
+    assert not _same(built[0], built[1]) and _same(built[1], built[2])
 
 
 def test_unsupported_or_missing_config_is_refused(tmp_path):
@@ -88,31 +94,52 @@ def _saved(tmp_path: Path, backend, name: str, **special) -> Path:
     return out
 
 
+def _edit(folder: Path, name: str, change) -> None:
+    d = json.loads((folder / name).read_text()) if (folder / name).exists() else {}
+    change(d)
+    (folder / name).write_text(json.dumps(d))
+
+
 def test_tokenizer_facts_read_as_transformers_gives_them(embedded_dir, tmp_path):
-    """EOS id and the longest token, from the files, against the loaded tokenizer: the embedded model's
-    byte-level BPE, a Unigram and a WordPiece vocabulary, an EOS added by tokenizer_config.json only, an EOS
-    named only in special_tokens_map.json, and none at all."""
+    """EOS id and the longest token from the files, against the loaded tokenizer (transformers 5), for: the
+    embedded model's byte-level BPE, a Unigram vocabulary with a long additional special token, a WordPiece
+    one, none named, special_tokens_map.json naming another EOS than tokenizer_config.json (the map wins).
+    Where the files cannot say (no tokenizer.json, an EOS outside the vocabulary, a tokenizer class with
+    a default of its own) the reader says None and the engine asks the tokenizer."""
+    import shutil
+
     from tokenizers import Tokenizer, models
     from transformers import AutoTokenizer
+
+    from nanoserve.models.loader import GENERIC_TOKENIZERS
     unigram = Tokenizer(models.Unigram([("<unk>", 0.0), ("▁the", -1.0), ("▁a_rather_long_piece", -2.0), ("x", -3.0)], 0))
-    wordpiece = Tokenizer(models.WordPiece({"[UNK]": 0, "[SEP]": 1, "play": 2, "##ing": 3}, unk_token="[UNK]"))
-    folders = [embedded_dir,
-               _saved(tmp_path, unigram, "unigram", unk_token="<unk>", eos_token="</s_added_here_only>"),
-               _saved(tmp_path, wordpiece, "wordpiece", unk_token="[UNK]", eos_token="[SEP]"),
-               _saved(tmp_path, Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]")), "no-eos")]
-    legacy = tmp_path / "special-tokens-map"
-    legacy.mkdir()
-    (legacy / "tokenizer.json").write_text((folders[2] / "tokenizer.json").read_text())
-    (legacy / "special_tokens_map.json").write_text(json.dumps({"eos_token": {"content": "[SEP]"}, "unk_token": "[UNK]"}))
-    folders.append(legacy)
-    seen = []
-    for folder in folders:
-        facts = read_tokenizer_facts(folder)
-        assert facts == facts_of(AutoTokenizer.from_pretrained(folder)), folder.name
-        seen.append(facts)
-    assert seen[0] == TokenizerFacts(2, 81) and seen[1].eos_token_id == 4 and seen[3].eos_token_id is None
-    assert seen[4].eos_token_id == 1
-    assert read_tokenizer_facts(tmp_path) is None  # no tokenizer.json: the caller asks the tokenizer
+    wordpiece = Tokenizer(models.WordPiece({"[UNK]": 0, "[SEP]": 1, "[CLS]": 2, "play": 3, "##ing": 4}, unk_token="[UNK]"))
+    folders = {"embedded": embedded_dir,
+               "unigram": _saved(tmp_path, unigram, "unigram", unk_token="<unk>", eos_token="</s>",
+                                 additional_special_tokens=["<|a_special_token_longer_than_any_piece|>"]),
+               "wordpiece": _saved(tmp_path, wordpiece, "wordpiece", unk_token="[UNK]", eos_token="[SEP]"),
+               "no-eos": _saved(tmp_path, Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]")), "no-eos")}
+    shutil.copytree(folders["wordpiece"], tmp_path / "map-wins")
+    _edit(tmp_path / "map-wins", "special_tokens_map.json", lambda d: d.update(eos_token={"content": "[CLS]"}))
+    folders["map-wins"] = tmp_path / "map-wins"
+    unread = {"no-tokenizer.json": tmp_path / "empty"}
+    unread["no-tokenizer.json"].mkdir()
+    shutil.copytree(folders["wordpiece"], tmp_path / "eos-outside")
+    _edit(tmp_path / "eos-outside", "tokenizer_config.json", lambda d: d.update(eos_token="[NEW_EOS]"))
+    unread["eos-outside"] = tmp_path / "eos-outside"
+    shutil.copytree(folders["no-eos"], tmp_path / "class-default")
+    _edit(tmp_path / "class-default", "tokenizer_config.json", lambda d: d.update(tokenizer_class="LlamaTokenizerFast"))
+    unread["class-default"] = tmp_path / "class-default"
+    seen = {}
+    for name, folder in folders.items():
+        seen[name] = read_tokenizer_facts(folder, GENERIC_TOKENIZERS)
+        assert seen[name] == facts_of(AutoTokenizer.from_pretrained(folder)), name
+    assert seen["embedded"] == TokenizerFacts(2, 81) and seen["no-eos"].eos_token_id is None
+    assert seen["unigram"].max_token_chars == len("<|a_special_token_longer_than_any_piece|>")
+    assert (seen["wordpiece"].eos_token_id, seen["map-wins"].eos_token_id) == (1, 2)
+    for name, folder in unread.items():
+        assert read_tokenizer_facts(folder, GENERIC_TOKENIZERS) is None, name
+    assert facts_of(AutoTokenizer.from_pretrained(unread["eos-outside"])).eos_token_id == 5  # what the engine then uses
 
 
 ENGINE_SCRIPT = """
@@ -120,23 +147,33 @@ import sys
 from nanoserve import LLM, SamplingParams
 from nanoserve.structured import StructuredSpec
 llm = LLM(None, dtype="float32", kv_cache_gb={kv}, enable_prefix_caching=False)
-print(sorted(m for m in ("transformers", "llguidance") if m in sys.modules), llm.engine.info.eos_token_ids,
-      llm.engine.info.max_token_chars)
-out = llm.generate([[1, 9690, 198]], SamplingParams(max_tokens=8, temperature=0,
-                   structured=StructuredSpec("choice", '["yes", "no"]')))
-print(sorted(m for m in ("transformers", "llguidance") if m in sys.modules), repr(out[0].outputs[0].text))
+eng = llm.engine  # driven as the engine core drives it: token ids in and out, no text
+print("transformers" in sys.modules, eng._tokenizer is not None, eng.info.eos_token_ids, eng.info.max_token_chars)
+eng.add_request("plain", [1, 9690, 198], SamplingParams(max_tokens=4, temperature=0))
+while eng.has_unfinished():
+    eng.step()
+print("transformers" in sys.modules, eng._tokenizer is not None)
+eng.add_request("choice", [1, 9690, 198], SamplingParams(max_tokens=8, temperature=0,
+                structured=StructuredSpec("choice", '["yes", "no"]')))
+out = []
+while eng.has_unfinished():
+    out += [o for o in eng.step() if o.finished]
+print("transformers" in sys.modules, eng._tokenizer is not None,
+      repr(eng.tokenizer.decode(out[0].outputs[0].token_ids, skip_special_tokens=True)))
 """
 
 
 def test_engine_loads_transformers_and_llguidance_only_when_needed(embedded_dir):
-    """A fresh engine (the engine process of a server loads the same way) reads its config and tokenizer
-    facts without importing transformers or llguidance (~190 MB resident, bench/memory.py); the first
-    constrained request brings in both, and is constrained."""
+    """A fresh engine driven on token ids, as the engine process of a server drives it, reads its config and
+    tokenizer facts without importing transformers or loading a tokenizer (with llguidance's vocabulary
+    ~190 MB resident, bench/memory.py), serves unconstrained requests without them, and its first
+    constrained request loads them on the grammar thread and is constrained."""
     from transformers import AutoTokenizer
     out = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT.format(kv=KV_GB)], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    before, after = out.stdout.strip().splitlines()[-2:]
+    start, plain, constrained = out.stdout.strip().splitlines()[-3:]
     tok = AutoTokenizer.from_pretrained(embedded_dir)
-    assert before == f"[] {(tok.eos_token_id,)} {facts_of(tok).max_token_chars}"
-    assert after.startswith("['llguidance', 'transformers'] ") and after.split(" ", 2)[2] in ("'yes'", "'no'")
+    assert start == f"False False {(tok.eos_token_id,)} {facts_of(tok).max_token_chars}"
+    assert plain == "False False"
+    assert constrained in ("True True 'yes'", "True True 'no'")

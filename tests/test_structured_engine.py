@@ -137,7 +137,7 @@ def test_grammar_compiles_off_the_step_and_a_slow_one_is_refused(llm):
     import threading
     from nanoserve.engine.grammar import GrammarMatchers
     g = GrammarMatchers(lambda: llm.engine.tokenizer, llm.engine.model.vocab_size, compile_timeout=60)
-    g.start()
+    g.start().result()  # the vocabulary first: a compile's clock starts once it is there
     busy = threading.Event()
     g._pool.submit(busy.wait, 60)  # the grammar thread is occupied: nothing compiles until it is set
     spec = json_spec(SCHEMAS["array_enum"], "response_format")
@@ -154,4 +154,27 @@ def test_grammar_compiles_off_the_step_and_a_slow_one_is_refused(llm):
     bad = g.prepare(StructuredSpec("grammar", "start: nothing_defined", "guided_grammar"))
     with pytest.raises(InvalidRequest):
         bad.future.result(timeout=60)
+    g.close()
+
+
+def test_a_tokenizer_llguidance_cannot_read_refuses_constrained_requests_only(caplog):
+    """The vocabulary is built by the first constrained request: when that fails (here the tokenizer does not
+    load), it is logged once and every constrained request is refused naming its field, with the reason."""
+    import time
+    from nanoserve.engine.grammar import GrammarMatchers
+    loads = []
+
+    def broken():
+        loads.append(1)
+        raise OSError("no tokenizer here")
+    g = GrammarMatchers(broken, 1000, compile_timeout=60)
+    for spec in (json_spec(SCHEMAS["array_enum"], "response_format"), StructuredSpec("regex", r"\d+", "structured_outputs")):
+        c = g.prepare(spec)
+        deadline = time.monotonic() + 60
+        while not c.future.done() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(InvalidRequest) as e:
+            g.ready(c)
+        assert e.value.param == spec.param and "cannot read its tokenizer" in str(e.value) and "no tokenizer here" in str(e.value)
+    assert len(loads) == 1 and sum("structured outputs are unavailable" in r.message for r in caplog.records) == 1
     g.close()

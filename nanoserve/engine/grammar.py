@@ -65,15 +65,24 @@ class GrammarMatchers:
         return self._tokenizer
 
     def _build_tokenizer(self):
-        import llguidance.hf
         t0 = time.perf_counter()
-        tok = llguidance.hf.from_tokenizer(self.load_tokenizer(), n_vocab=self.vocab_size)
+        try:
+            import llguidance.hf
+            tok = llguidance.hf.from_tokenizer(self.load_tokenizer(), n_vocab=self.vocab_size)
+        except Exception as e:  # kept: every constrained request is refused with it, the rest are served
+            log.error("structured outputs are unavailable: llguidance cannot read this model's tokenizer: %s", e)
+            raise
         log.debug("llguidance tokenizer built in %.2fs", time.perf_counter() - t0)
         return tok
 
     def _compile(self, spec: StructuredSpec, grammar: str):
         import llguidance
-        tpl = llguidance.LLMatcher(self._tokenizer.result(), grammar)
+        try:
+            vocabulary = self._tokenizer.result()
+        except Exception as e:
+            raise InvalidRequest(f"{spec.param}: structured outputs are unavailable for this model: llguidance "
+                                 f"cannot read its tokenizer ({type(e).__name__}: {e})", param=spec.param) from e
+        tpl = llguidance.LLMatcher(vocabulary, grammar)
         if tpl.is_error():
             raise InvalidRequest(f"{spec.param}: the {spec.kind} constraint cannot be compiled: {tpl.get_error()}",
                                  param=spec.param)
@@ -97,6 +106,9 @@ class GrammarMatchers:
         if c.future.done():
             c.future.result()  # raises what the compile raised
             return True
+        if not self._tokenizer.done():  # the first compile waits for the vocabulary: its clock has not started
+            c.started = time.monotonic()
+            return False
         if time.monotonic() - c.started > self.compile_timeout:
             raise InvalidRequest(f"{c.spec.param}: the {c.spec.kind} constraint took longer than "
                                  f"{self.compile_timeout:g}s to compile", param=c.spec.param)

@@ -32,7 +32,7 @@ from nanoserve.kvcache.transfer import make_copier
 from nanoserve.layers.sampler import Sampler
 from nanoserve.models.hub import HubOptions
 from nanoserve.models.llama import LlamaModel
-from nanoserve.models.loader import load_config, load_tokenizer, materialize, resolve_model
+from nanoserve.models.loader import GENERIC_TOKENIZERS, load_config, load_tokenizer, materialize, resolve_model
 from nanoserve.models.tokenizer_facts import facts_of, read_tokenizer_facts
 from nanoserve.outputs import CompletionOutput, RequestOutput
 from nanoserve.sampling_params import InvalidRequest, SamplingParams
@@ -89,7 +89,7 @@ class LLMEngine:
         self.sampler = Sampler(config.seed, self.device)
         self.grammars = GrammarMatchers(lambda: self.tokenizer, self.model.vocab_size)  # constrained sequences
         tokenizer_dir = Path(config.tokenizer) if config.tokenizer else self.source.path
-        facts = read_tokenizer_facts(tokenizer_dir) or facts_of(self.tokenizer)
+        facts = read_tokenizer_facts(tokenizer_dir, GENERIC_TOKENIZERS) or facts_of(self.tokenizer)
         eos_ids = eos_token_ids(facts.eos_token_id, self.hf_config, self.source.path)
         self.max_token_chars = facts.max_token_chars
         self.requests: dict[str, Request] = {}

@@ -1,7 +1,7 @@
 """What the model code reads of a checkpoint's config.json, read without transformers: importing its
 config classes costs a process ~80 MB of resident memory and ~1.5 s (bench/memory.py) for a dozen
-numbers. A missing key takes transformers' default for that model_type (test_model_config compares
-them), so a config.json written with transformers' `use_diff` reads the same here as there."""
+numbers. A missing key takes transformers' default for that model_type (tests/test_model_files.py
+compares them), so a config.json written with transformers' `use_diff` reads the same here as there."""
 from __future__ import annotations
 
 import json
@@ -55,14 +55,14 @@ class ModelConfig:
         # an explicit null means "derive it" (kv heads, head_dim) except for eos_token_id, where it means none
         get = {**DEFAULTS[kind], **{k: v for k, v in d.items() if v is not None}}.get
         heads, hidden = get("num_attention_heads"), get("hidden_size")
-        params = d.get("rope_parameters") or {}
-        scaling = d.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+        params = d.get("rope_parameters") or {}  # transformers 5's form: where present, it wins
+        scaling = (params if params.get("rope_type", "default") != "default" else None) if params else d.get("rope_scaling")
         return cls(model_type=kind, architectures=archs, vocab_size=get("vocab_size"), hidden_size=hidden,
                    intermediate_size=get("intermediate_size"), num_hidden_layers=get("num_hidden_layers"),
                    num_attention_heads=heads, num_key_value_heads=get("num_key_value_heads", heads),
                    head_dim=get("head_dim", hidden // heads),
                    max_position_embeddings=get("max_position_embeddings"), rms_norm_eps=get("rms_norm_eps", 1e-6),
-                   rope_theta=float(get("rope_theta") or params.get("rope_theta") or 10000.0), rope_scaling=scaling,
+                   rope_theta=float(params.get("rope_theta") or get("rope_theta") or 10000.0), rope_scaling=scaling,
                    tie_word_embeddings=bool(get("tie_word_embeddings", False)),
                    attention_bias=bool(get("attention_bias", False)),
                    eos_token_id=d["eos_token_id"] if "eos_token_id" in d else DEFAULTS[kind]["eos_token_id"])

@@ -2,7 +2,7 @@
 text one token stands for. A served engine never tokenizes (the API process does), and transformers'
 tokenizer classes cost a process ~125 MB resident with the config machinery they import
 (bench/memory.py); so these are read from the tokenizer's files, as transformers resolves them
-(test_tokenizer_facts compares the two)."""
+(tests/test_model_files.py compares the two)."""
 from __future__ import annotations
 
 import json
@@ -35,9 +35,11 @@ def _content(token: Any) -> str | None:
     return token.get("content") if isinstance(token, dict) else token
 
 
-def read_tokenizer_facts(folder: Path) -> TokenizerFacts | None:
-    """From a fast tokenizer's files; None where the folder has no readable tokenizer.json (a slow-only
-    tokenizer, a remote name): then the caller loads the tokenizer and asks it (`facts_of`)."""
+def read_tokenizer_facts(folder: Path, generic_classes: tuple[str, ...]) -> TokenizerFacts | None:
+    """From a fast tokenizer's files; None where the files cannot say what transformers would: no readable
+    tokenizer.json (a slow-only tokenizer, a remote name), an EOS named but not in the vocabulary (transformers
+    adds it as a new id), or none named by a tokenizer class not in `generic_classes` (its class may have a
+    default). The caller then loads the tokenizer and asks it (`facts_of`)."""
     tok = _read_json(folder / "tokenizer.json")
     vocab = tok.get("model", {}).get("vocab")
     if isinstance(vocab, dict):    # BPE, WordPiece, WordLevel: piece -> id
@@ -48,6 +50,12 @@ def read_tokenizer_facts(folder: Path) -> TokenizerFacts | None:
         return None
     ids.update((t["content"], t["id"]) for t in tok.get("added_tokens", []))
     config = _read_json(folder / "tokenizer_config.json")
+    special = {**config, **_read_json(folder / "special_tokens_map.json")}  # the map wins, as in transformers
     ids.update((_content(t), int(i)) for i, t in (config.get("added_tokens_decoder") or {}).items())
-    eos = _content(config.get("eos_token") or _read_json(folder / "special_tokens_map.json").get("eos_token"))
-    return TokenizerFacts(ids.get(eos) if eos else None, max(map(len, ids), default=1) or 1)
+    eos = _content(special.get("eos_token"))
+    if (eos is not None and eos not in ids) or (eos is None and config.get("tokenizer_class") not in generic_classes):
+        return None
+    declared = [_content(t) or "" for k, t in special.items() if k.endswith("_token")]
+    declared += [_content(t) or "" for t in special.get("additional_special_tokens") or []]
+    longest = max(map(len, [*ids, *declared]), default=1)
+    return TokenizerFacts(ids.get(eos) if eos else None, longest or 1)
