@@ -68,14 +68,17 @@ def test_config_reads_as_transformers_reads_it(tiny_path, tmp_path, name):
         legacy["rope_scaling"] = params
     defaults = _hf_class(d["model_type"])()
     legacy = {k: v for k, v in legacy.items() if k not in FIELDS or v != getattr(defaults, k)}
+    both = {k: v for k, v in d.items()}  # both forms, as a hand-edited config can carry: the legacy scaling wins
+    both.update(rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, rope_theta=10000.0,
+                rope_scaling={"type": "linear", "factor": 2.0})
     built = []
-    for i, form in enumerate((d, other, legacy)):
+    for i, form in enumerate((d, other, legacy, both)):
         (tmp_path / str(i)).mkdir()
         (tmp_path / str(i) / "config.json").write_text(json.dumps(form))
         ours = _model_facts(read_model_config(tmp_path / str(i)))
         assert _same(ours, _model_facts(AutoConfig.from_pretrained(tmp_path / str(i)))), i
         built.append(ours)
-    assert not _same(built[0], built[1]) and _same(built[1], built[2])
+    assert not _same(built[0], built[1]) and _same(built[1], built[2]) and not _same(built[3], built[0])
 
 
 def test_unsupported_or_missing_config_is_refused(tmp_path):
@@ -103,7 +106,8 @@ def _edit(folder: Path, name: str, change) -> None:
 def test_tokenizer_facts_read_as_transformers_gives_them(embedded_dir, tmp_path):
     """EOS id and the longest token from the files, against the loaded tokenizer (transformers 5), for: the
     embedded model's byte-level BPE, a Unigram vocabulary with a long additional special token, a WordPiece
-    one, none named, special_tokens_map.json naming another EOS than tokenizer_config.json (the map wins).
+    one (its config also carrying add_bos_token: true), none named, special_tokens_map.json naming another EOS
+    than tokenizer_config.json (the map wins, unless the config has added_tokens_decoder).
     Where the files cannot say (no tokenizer.json, an EOS outside the vocabulary, a tokenizer class with
     a default of its own) the reader says None and the engine asks the tokenizer."""
     import shutil
@@ -119,6 +123,13 @@ def test_tokenizer_facts_read_as_transformers_gives_them(embedded_dir, tmp_path)
                                  additional_special_tokens=["<|a_special_token_longer_than_any_piece|>"]),
                "wordpiece": _saved(tmp_path, wordpiece, "wordpiece", unk_token="[UNK]", eos_token="[SEP]"),
                "no-eos": _saved(tmp_path, Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]")), "no-eos")}
+    _edit(folders["wordpiece"], "tokenizer_config.json", lambda d: d.update(add_bos_token=True, add_eos_token=False))
+    shutil.copytree(folders["wordpiece"], tmp_path / "config-wins")  # a config with added_tokens_decoder: no map read
+    _edit(tmp_path / "config-wins", "tokenizer_config.json", lambda d: d.update(added_tokens_decoder={
+        "1": {"content": "[SEP]", "special": True, "lstrip": False, "rstrip": False, "normalized": False,
+              "single_word": False}}))
+    _edit(tmp_path / "config-wins", "special_tokens_map.json", lambda d: d.update(eos_token="[CLS]"))
+    folders["config-wins"] = tmp_path / "config-wins"
     shutil.copytree(folders["wordpiece"], tmp_path / "map-wins")
     _edit(tmp_path / "map-wins", "special_tokens_map.json", lambda d: d.update(eos_token={"content": "[CLS]"}))
     folders["map-wins"] = tmp_path / "map-wins"
@@ -136,7 +147,7 @@ def test_tokenizer_facts_read_as_transformers_gives_them(embedded_dir, tmp_path)
         assert seen[name] == facts_of(AutoTokenizer.from_pretrained(folder)), name
     assert seen["embedded"] == TokenizerFacts(2, 81) and seen["no-eos"].eos_token_id is None
     assert seen["unigram"].max_token_chars == len("<|a_special_token_longer_than_any_piece|>")
-    assert (seen["wordpiece"].eos_token_id, seen["map-wins"].eos_token_id) == (1, 2)
+    assert (seen["wordpiece"].eos_token_id, seen["map-wins"].eos_token_id, seen["config-wins"].eos_token_id) == (1, 2, 1)
     for name, folder in unread.items():
         assert read_tokenizer_facts(folder, GENERIC_TOKENIZERS) is None, name
     assert facts_of(AutoTokenizer.from_pretrained(unread["eos-outside"])).eos_token_id == 5  # what the engine then uses

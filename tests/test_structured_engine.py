@@ -178,3 +178,37 @@ def test_a_tokenizer_llguidance_cannot_read_refuses_constrained_requests_only(ca
         assert e.value.param == spec.param and "cannot read its tokenizer" in str(e.value) and "no tokenizer here" in str(e.value)
     assert len(loads) == 1 and sum("structured outputs are unavailable" in r.message for r in caplog.records) == 1
     g.close()
+
+
+def test_a_compile_is_timed_from_when_the_vocabulary_is_there(llm):
+    """The first constrained request loads the vocabulary before its compile runs: the compile's bound counts
+    from then, and the vocabulary has a bound of its own."""
+    import threading
+    import time
+    from nanoserve.engine.grammar import GrammarMatchers
+    spec = json_spec(SCHEMAS["array_enum"], "response_format")
+    loaded, hold = threading.Event(), threading.Event()
+
+    def slow_load():
+        loaded.wait(60)
+        return llm.engine.tokenizer
+    g = GrammarMatchers(slow_load, llm.engine.model.vocab_size, compile_timeout=0, vocab_timeout=60)
+    g.start()
+    g._pool.submit(hold.wait, 60)  # after the vocabulary, before the compile: it stays pending
+    c = g.prepare(spec)
+    time.sleep(0.05)
+    assert not g.ready(c)  # a 0 s bound, but the vocabulary is still loading
+    loaded.set()
+    g.start().result(timeout=60)
+    with pytest.raises(InvalidRequest, match="took longer than 0s to compile"):
+        g.ready(c)
+    hold.set()
+    g.close()
+    stuck = threading.Event()
+    g = GrammarMatchers(lambda: stuck.wait(60), llm.engine.model.vocab_size, vocab_timeout=0)
+    c = g.prepare(spec)
+    with pytest.raises(InvalidRequest, match="reading this model's vocabulary took longer than 0s") as e:
+        g.ready(c)
+    assert e.value.param == "response_format"
+    stuck.set()
+    g.close()

@@ -34,6 +34,9 @@ from nanoserve.structured import COMPILE_TIMEOUT_S, StructuredSpec
 log = logging.getLogger("nanoserve")
 
 CACHE_SIZE = 128  # distinct grammars kept compiled
+# the vocabulary's own bound (importing transformers, loading the tokenizer, llguidance's view: ~1 s for
+# the embedded model's 49k tokens); a compile's clock starts once it is there
+VOCAB_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -46,8 +49,9 @@ class Compile:
 
 class GrammarMatchers:
     def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int,
-                 compile_timeout: float = COMPILE_TIMEOUT_S) -> None:
+                 compile_timeout: float = COMPILE_TIMEOUT_S, vocab_timeout: float = VOCAB_TIMEOUT_S) -> None:
         self.load_tokenizer, self.vocab_size, self.compile_timeout = load_tokenizer, vocab_size, compile_timeout
+        self.vocab_timeout, self._vocab_started = vocab_timeout, 0.0
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-grammar")
         self._tokenizer: Future | None = None   # llguidance's view of the vocabulary
         self._templates: OrderedDict[str, Compile] = OrderedDict()
@@ -61,6 +65,7 @@ class GrammarMatchers:
     def start(self) -> Future:
         """Build llguidance's tokenizer on the worker thread (once; the first compile waits for it)."""
         if self._tokenizer is None:
+            self._vocab_started = time.monotonic()
             self._tokenizer = self._pool.submit(self._build_tokenizer)
         return self._tokenizer
 
@@ -107,6 +112,9 @@ class GrammarMatchers:
             c.future.result()  # raises what the compile raised
             return True
         if not self._tokenizer.done():  # the first compile waits for the vocabulary: its clock has not started
+            if time.monotonic() - self._vocab_started > self.vocab_timeout:
+                raise InvalidRequest(f"{c.spec.param}: structured outputs are not ready: reading this model's "
+                                     f"vocabulary took longer than {self.vocab_timeout:g}s", param=c.spec.param)
             c.started = time.monotonic()
             return False
         if time.monotonic() - c.started > self.compile_timeout:

@@ -55,8 +55,10 @@ class ModelConfig:
         # an explicit null means "derive it" (kv heads, head_dim) except for eos_token_id, where it means none
         get = {**DEFAULTS[kind], **{k: v for k, v in d.items() if v is not None}}.get
         heads, hidden = get("num_attention_heads"), get("hidden_size")
-        params = d.get("rope_parameters") or {}  # transformers 5's form: where present, it wins
-        scaling = (params if params.get("rope_type", "default") != "default" else None) if params else d.get("rope_scaling")
+        # as transformers 5 converts them: a legacy rope_scaling wins over rope_parameters, and the base comes
+        # from the winner, else the top-level rope_theta
+        params = d.get("rope_scaling") or d.get("rope_parameters") or {}
+        scaling = params if params.get("rope_type", params.get("type", "default")) != "default" else None
         return cls(model_type=kind, architectures=archs, vocab_size=get("vocab_size"), hidden_size=hidden,
                    intermediate_size=get("intermediate_size"), num_hidden_layers=get("num_hidden_layers"),
                    num_attention_heads=heads, num_key_value_heads=get("num_key_value_heads", heads),

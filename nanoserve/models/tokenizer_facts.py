@@ -50,12 +50,13 @@ def read_tokenizer_facts(folder: Path, generic_classes: tuple[str, ...]) -> Toke
         return None
     ids.update((t["content"], t["id"]) for t in tok.get("added_tokens", []))
     config = _read_json(folder / "tokenizer_config.json")
-    special = {**config, **_read_json(folder / "special_tokens_map.json")}  # the map wins, as in transformers
+    # transformers 5 reads special_tokens_map.json (and lets it win) only where the config has no added_tokens_decoder
+    special = config if config.get("added_tokens_decoder") else {**config, **_read_json(folder / "special_tokens_map.json")}
     ids.update((_content(t), int(i)) for i, t in (config.get("added_tokens_decoder") or {}).items())
     eos = _content(special.get("eos_token"))
     if (eos is not None and eos not in ids) or (eos is None and config.get("tokenizer_class") not in generic_classes):
         return None
-    declared = [_content(t) or "" for k, t in special.items() if k.endswith("_token")]
-    declared += [_content(t) or "" for t in special.get("additional_special_tokens") or []]
+    tokens = [t for k, t in special.items() if k.endswith("_token")] + list(special.get("additional_special_tokens") or [])
+    declared = [c for c in map(_content, tokens) if isinstance(c, str)]  # not add_bos_token's true
     longest = max(map(len, [*ids, *declared]), default=1)
     return TokenizerFacts(ids.get(eos) if eos else None, longest or 1)
