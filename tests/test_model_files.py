@@ -109,7 +109,7 @@ def test_tokenizer_facts_read_as_transformers_gives_them(embedded_dir, tmp_path)
     one (its config also carrying add_bos_token: true), none named, special_tokens_map.json naming another EOS
     than tokenizer_config.json (the map wins, unless the config has added_tokens_decoder).
     Where the files cannot say (no tokenizer.json, an EOS outside the vocabulary, a tokenizer class with
-    a default of its own) the reader says None and the engine asks the tokenizer."""
+    a default of its own, a shape not foreseen) the reader says None and the engine asks the tokenizer."""
     import shutil
 
     from tokenizers import Tokenizer, models
@@ -141,6 +141,9 @@ def test_tokenizer_facts_read_as_transformers_gives_them(embedded_dir, tmp_path)
     shutil.copytree(folders["no-eos"], tmp_path / "class-default")
     _edit(tmp_path / "class-default", "tokenizer_config.json", lambda d: d.update(tokenizer_class="LlamaTokenizerFast"))
     unread["class-default"] = tmp_path / "class-default"
+    shutil.copytree(folders["wordpiece"], tmp_path / "odd-shape")
+    _edit(tmp_path / "odd-shape", "tokenizer_config.json", lambda d: d.update(added_tokens_decoder={"one": {}}))
+    unread["odd-shape"] = tmp_path / "odd-shape"
     seen = {}
     for name, folder in folders.items():
         seen[name] = read_tokenizer_facts(folder, GENERIC_TOKENIZERS)

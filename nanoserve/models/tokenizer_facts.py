@@ -39,7 +39,14 @@ def read_tokenizer_facts(folder: Path, generic_classes: tuple[str, ...]) -> Toke
     """From a fast tokenizer's files; None where the files cannot say what transformers would: no readable
     tokenizer.json (a slow-only tokenizer, a remote name), an EOS named but not in the vocabulary (transformers
     adds it as a new id), or none named by a tokenizer class not in `generic_classes` (its class may have a
-    default). The caller then loads the tokenizer and asks it (`facts_of`)."""
+    default), or files of a shape not foreseen here. The caller then loads the tokenizer and asks it (`facts_of`)."""
+    try:
+        return _facts(folder, generic_classes)
+    except (AttributeError, KeyError, TypeError, ValueError):  # files of a shape not foreseen here
+        return None
+
+
+def _facts(folder: Path, generic_classes: tuple[str, ...]) -> TokenizerFacts | None:
     tok = _read_json(folder / "tokenizer.json")
     vocab = tok.get("model", {}).get("vocab")
     if isinstance(vocab, dict):    # BPE, WordPiece, WordLevel: piece -> id
