@@ -10,9 +10,9 @@ constrained request.
     python bench/memory.py --kv-cache-gb 0.25 --stock-reader       # the gguf package's reader as it is
 
 `--servers` measures whole servers instead, side by side in one run: `nanoserve` with the GGUF kept and
-with --gguf-dequantize (and llama.cpp's llama-server where --llama-server finds one), each started fresh,
-sent one 256-token completion of 32 tokens, then read: VmRSS summed over its process group (the API
-process and the engine process for nanoserve), each process listed.
+with --gguf-dequantize (and llama.cpp's llama-server where --llama-server finds one), each started fresh
+--runs times (alternated), sent one 256-token completion of 32 tokens, then read: VmRSS summed over its
+process group (the API process and the engine process for nanoserve), each process listed; medians.
 
     python bench/memory.py --servers --kv-cache-gb 0.25 [--llama-server PATH]
 """
@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -87,37 +88,51 @@ def group_rss(leader: int) -> list[tuple[int, float, str]]:
     return rows
 
 
+def server_rss(spec, cfg, prompt: list[int]) -> list[tuple[int, float, str]]:
+    """One fresh server: one completion served, then every process of its group."""
+    from peers import start
+    srv = start(spec, cfg)
+    try:
+        body = {"model": "smollm2" if spec.kind == "llamacpp" else None, "prompt": prompt, "max_tokens": 32}
+        if spec.kind == "nanoserve":
+            with urllib.request.urlopen(srv.base_url + "/models") as r:
+                body["model"] = json.load(r)["data"][0]["id"]
+        req = urllib.request.Request(srv.base_url + "/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            assert r.status == 200
+        time.sleep(1)
+        return group_rss(srv.proc.pid)
+    finally:
+        srv.stop()
+
+
 def servers(args: argparse.Namespace) -> int:
-    from common import auto_dtype, cpu_name
-    from peers import PeerConfig, ServerSpec, start
+    from common import alternated, auto_dtype, cpu_name, write_json
+    from peers import PeerConfig, ServerSpec
     dtype = auto_dtype() if args.dtype == "auto" else args.dtype
     cfg = PeerConfig(dtype, args.kv_cache_gb, llama_server=args.llama_server, llamacpp_ctx=4096, llamacpp_slots=4)
     specs = ["kept=nanoserve", "dequantized=nanoserve --gguf-dequantize"]
     if os.access(args.llama_server, os.X_OK):
         specs.append("llamacpp")
     prompt = [random.Random(0).randrange(100, 40000) for _ in range(256)]
-    totals = {}
+    totals: dict[str, list[float]] = {}
     print(f"{cpu_name()}; dtype {dtype}; kv-cache-gb {args.kv_cache_gb}")
-    for spec in map(ServerSpec.parse, specs):
-        srv = start(spec, cfg)
-        try:
-            body = {"model": "smollm2" if spec.kind == "llamacpp" else None, "prompt": prompt, "max_tokens": 32}
-            if spec.kind == "nanoserve":
-                with urllib.request.urlopen(srv.base_url + "/models") as r:
-                    body["model"] = json.load(r)["data"][0]["id"]
-            req = urllib.request.Request(srv.base_url + "/completions", json.dumps(body).encode(),
-                                         {"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=300) as r:
-                assert r.status == 200
-            time.sleep(1)
-            rows = group_rss(srv.proc.pid)
-        finally:
-            srv.stop()
-        totals[spec.label] = sum(r[1] for r in rows)
-        print(f"{spec.label}: {totals[spec.label]:.0f} MB over {len(rows)} process(es)")
-        for pid, rss, cmd in rows:
-            print(f"    {rss:7.0f} MB  {cmd[:90]}")
-    print(f"dequantized / kept: {totals['dequantized'] / totals['kept']:.2f}x")
+    for run in range(args.runs):
+        for spec in alternated(list(map(ServerSpec.parse, specs)), run):
+            rows = server_rss(spec, cfg, prompt)
+            totals.setdefault(spec.label, []).append(sum(r[1] for r in rows))
+            print(f"run {run} {spec.label}: {totals[spec.label][-1]:.0f} MB over {len(rows)} process(es)")
+            for pid, rss, cmd in rows:
+                print(f"    {rss:7.0f} MB  {cmd[:90]}")
+    med = {label: statistics.median(v) for label, v in totals.items()}
+    for label, v in totals.items():
+        print(f"{label}: median {med[label]:.0f} MB (runs {' / '.join(f'{x:.0f}' for x in v)})")
+    ratios = [d / k for d, k in zip(totals["dequantized"], totals["kept"])]
+    print(f"dequantized / kept: {med['dequantized'] / med['kept']:.2f}x (median / median; per run "
+          f"{', '.join(f'{r:.2f}' for r in ratios)})")
+    write_json(args.json, {"cpu": cpu_name(), "dtype": dtype, "kv_cache_gb": args.kv_cache_gb, "runs_mb": totals,
+                           "median_mb": med, "ratio_dequantized_over_kept": med["dequantized"] / med["kept"]})
     return 0
 
 
@@ -131,6 +146,8 @@ def main() -> int:
                     help="load GGUF blocks with the gguf package's reader unchanged (every array element parsed, "
                          "no page released): the A/B of models/gguf_reader.py")
     ap.add_argument("--servers", action="store_true", help="whole servers' resident memory (see above)")
+    ap.add_argument("--runs", type=int, default=3, help="--servers: fresh starts of each, alternated (medians)")
+    ap.add_argument("--json", default=None, metavar="FILE", help="--servers: also write the result here")
     ap.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER", "llama-server"))
     args = ap.parse_args()
     if args.servers:
