@@ -13,7 +13,6 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -32,7 +31,8 @@ from nanoserve.kvcache.transfer import make_copier
 from nanoserve.layers.sampler import Sampler
 from nanoserve.models.hub import HubOptions
 from nanoserve.models.llama import LlamaModel
-from nanoserve.models.loader import GENERIC_TOKENIZERS, load_config, load_tokenizer, materialize, resolve_model
+from nanoserve.models.loader import (GENERIC_TOKENIZERS, load_config, load_tokenizer, materialize, resolve_model,
+                                     tokenizer_dir)
 from nanoserve.models.tokenizer_facts import facts_of, read_tokenizer_facts
 from nanoserve.outputs import CompletionOutput, RequestOutput
 from nanoserve.sampling_params import InvalidRequest, SamplingParams
@@ -88,8 +88,8 @@ class LLMEngine:
                                    inline_loads=self.device.type == "cpu")
         self.sampler = Sampler(config.seed, self.device)
         self.grammars = GrammarMatchers(lambda: self.tokenizer, self.model.vocab_size)  # constrained sequences
-        tokenizer_dir = Path(config.tokenizer) if config.tokenizer else self.source.path
-        facts = read_tokenizer_facts(tokenizer_dir, GENERIC_TOKENIZERS) or facts_of(self.tokenizer)
+        facts = (read_tokenizer_facts(tokenizer_dir(self.source, config.tokenizer), GENERIC_TOKENIZERS)
+                 or facts_of(self.tokenizer))
         eos_ids = eos_token_ids(facts.eos_token_id, self.hf_config, self.source.path)
         self.max_token_chars = facts.max_token_chars
         self.requests: dict[str, Request] = {}
@@ -99,8 +99,7 @@ class LLMEngine:
         self.model_name = self.source.name
         self.info = ModelInfo(self.model_name, str(self.source.path), self.model.vocab_size, self.max_model_len,
                               self.max_token_chars, tuple(sorted(eos_ids)))
-        self.request_builder = RequestBuilder(self.info, lambda text, special: self.tokenizer.encode(
-            text, add_special_tokens=special), eos_ids, self.grammars, self.device)
+        self.request_builder = RequestBuilder(self.info, self.tokenize, eos_ids, self.grammars, self.device)
         trim_heap()  # what reading the tokenizer's files left
         log.info("model %s loaded in %.1fs (%s, %s)", self.model_name, time.monotonic() - t0,
                  self.device, str(self.dtype).removeprefix("torch."))
@@ -153,7 +152,7 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        return self.request_builder.tokenize(prompt, add_special_tokens)
+        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                      add_special_tokens: bool = True) -> Request:

@@ -144,11 +144,16 @@ def _gguf_config(path: Path):
 GENERIC_TOKENIZERS = ("PreTrainedTokenizerFast", "TokenizersBackend")  # one class (v5 names it the latter)
 
 
+def tokenizer_dir(src: ModelSource, tokenizer: str | None = None) -> Path:
+    """Where the model's tokenizer files are: --tokenizer's folder, else the model's."""
+    return Path(tokenizer) if tokenizer else src.path
+
+
 def load_tokenizer(src: ModelSource, tokenizer: str | None = None):
     """AutoTokenizer's choice. Where a local folder names the generic fast class (GGUF-made folders, Llama 3)
     that class is loaded directly: AutoTokenizer would pick the same one, but importing it imports torch
     (transformers' config machinery), ~200 MB the API process that reads its tokenizer here does not need."""
-    where = Path(tokenizer) if tokenizer else src.path
+    where = tokenizer_dir(src, tokenizer)
     try:
         named = json.loads((where / "tokenizer_config.json").read_text()).get("tokenizer_class")
     except (OSError, ValueError):
