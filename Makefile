@@ -22,15 +22,15 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/pip install -q -e ".[test]" "$(TORCH)"
 	touch $@
 
+# The C++ kernels (nanoserve/csrc/) are built at install, into the venv, for this CPU (nanoserve/kernels/
+# build.py: keyed by source, flags, CPU features and torch); an install that has them builds nothing.
 install: $(VENV)/.installed
+	$(BIN)/python -m nanoserve.kernels
 install-test: $(VENV)/.installed-test
-
-# The C++ kernels (nanoserve/csrc/) compile on first use, keyed by source, CPU flags and torch version;
-# building them here means the server's first start and the test workers do not wait on it.
+	$(BIN)/python -m nanoserve.kernels
 kernels: install
-	$(BIN)/python -c "from nanoserve.layers.cpu_kernels import build_all; build_all()"
 
-serve: install kernels
+serve: install
 	$(BIN)/nanoserve --host 127.0.0.1 --port 8000
 
 # Two pytest-xdist workers, one test file at a time each (module servers and engines stay shared),
@@ -40,7 +40,7 @@ serve: install kernels
 # threads that spin while waiting burn the other process's core (fresh clone, quiet EPYC, one run
 # each: 301 s of pytest and 11.6 CPU-min spinning, 261 s and 10.1 CPU-min passive).
 TEST_WORKERS ?= 2
-test: install-test kernels
+test: install-test
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # while developing: everything but the tests that start a server or an engine core

@@ -20,7 +20,8 @@ TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # formats server/tools.py reads t
 def opt(default, help: str, **cli) -> typing.Any:
     """A field that is also a command-line flag. `cli` keys: choices, metavar, group, flag (spelling
     other than --field-name; for a bool defaulting to True, a flag that turns it off), aliases (more
-    spellings), negatable (--x/--no-x), mutex (name of a mutually exclusive set)."""
+    spellings), negatable (--x/--no-x), off_aliases (more spellings of --no-x, kept out of --help), mutex
+    (name of a mutually exclusive set)."""
     return field(default=default, metadata={"help": help, **cli})
 
 
@@ -81,8 +82,10 @@ class EngineConfig:
                                       "cached KV (cold blocks are copied to the host tier ahead of eviction); "
                                       "0 = sized from observed demand (the default)", metavar="BLOCKS",
                                       group="KV cache")
-    enable_prefix_caching: bool = opt(True, "disable prefix caching (every prompt is computed in full)",
-                                      flag="--no-prefix-caching", group="KV cache")
+    enable_prefix_caching: bool = opt(True, "reuse the KV cache of prompt prefixes computed before; "
+                                      "--no-enable-prefix-caching (or --no-prefix-caching) computes every "
+                                      "prompt in full", negatable=True, off_aliases=("--no-prefix-caching",),
+                                      group="KV cache")
     max_num_seqs: int = opt(128, "most sequences in one batch", group="scheduling")
     max_num_batched_tokens: int | None = opt(None, "token budget of one engine step (prefill chunks + decodes); "
                                              "default: 1024 on CPU, 2048 on CUDA", group="scheduling")
@@ -138,7 +141,7 @@ class EngineConfig:
             if self.resolved_dtype(device) == torch.float32:
                 raise ValueError("--quantization fp8 computes in bf16 or fp16: drop --dtype float32")
         if self.host_cache_gb and not self.enable_prefix_caching:
-            raise ValueError("--host-cache-gb needs prefix caching; drop --no-prefix-caching")
+            raise ValueError("--host-cache-gb needs prefix caching; drop --no-enable-prefix-caching")
 
     @property
     def step_tokens(self) -> int:
@@ -269,6 +272,8 @@ def _add_class_flags(parser: argparse.ArgumentParser, cls: type, groups: dict[st
             kw["type"] = next(t for t in typing.get_args(typ) or (typ,) if t is not type(None))
             kw.update({k: meta[k] for k in ("choices", "metavar") if k in meta})
         group.add_argument(meta.get("flag") or "--" + f.name.replace("_", "-"), *meta.get("aliases", ()), **kw)
+        for alias in meta.get("off_aliases", ()):  # an older spelling, still accepted
+            group.add_argument(alias, dest=f.name, action="store_false", help=argparse.SUPPRESS)
 
 
 def from_args(cls: type, args: argparse.Namespace):

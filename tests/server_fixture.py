@@ -6,6 +6,7 @@ no process behind (the engine-core process must die with it)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -24,6 +25,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
         return s.getsockname()[1]
+
+
+def start_errors(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, list[list[str]]]:
+    """Start the real CLI where it should refuse to start: its exit code, its stderr, and the error
+    records there, each as its lines (a record runs until the next record's timestamp, uvicorn's level
+    or a traceback not logged)."""
+    cmd = [sys.executable, "-m", "nanoserve.server.cli", "--host", HOST, "--port", str(free_port()), *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=dict(os.environ, **(env or {})))
+    records = re.split(r"\n(?=\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ |[A-Z]+: |Traceback )", out.stderr.strip())
+    errors = [r.splitlines() for r in records if re.match(r"(\S+ \S+ )?ERROR|Traceback ", r)]
+    return out.returncode, out.stderr, errors
 
 
 class ServerProcess:

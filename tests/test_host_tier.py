@@ -3,6 +3,7 @@ per-tier accounting, host LRU, in-flight pinning, and one shared copy-in for con
 from __future__ import annotations
 
 import random
+import re
 import threading
 
 import pytest
@@ -243,8 +244,27 @@ def test_manager_property_setup_reaches_the_host_tier():
     assert got == [0, 0, 4]
 
 
-def test_host_budget_beyond_available_memory_is_refused(tiny_model):
-    with pytest.raises(ValueError, match="more than this machine has available"):
-        LLM(str(tiny_model), dtype="float32", host_cache_gb=100_000, kv_cache_gb=KV_GB)
+class ModelLookedFor(Exception):
+    pass
+
+
+def test_budgets_beyond_available_memory_are_refused_before_the_model_is_looked_for(tiny_model, monkeypatch):
+    """On CPU the device KV cache and the host tier are both host memory: together they must fit what is
+    available, checked before the model is looked for (a download, a read, a dequantization)."""
+    from nanoserve.engine import llm_engine, model_setup
+
+    def look_for(*_):
+        raise ModelLookedFor
+    monkeypatch.setattr(llm_engine, "resolve_model", look_for)
+    monkeypatch.setattr(model_setup, "host_memory_available", lambda: 2 << 30)
+    refused = {"--host-cache-gb 3 asks for 3.0 GiB": dict(host_cache_gb=3),
+               "--kv-cache-gb 2.5 asks for 2.5 GiB": dict(kv_cache_gb=2.5),
+               "--kv-cache-gb 1.5 + --host-cache-gb 1 ask for 2.5 GiB": dict(kv_cache_gb=1.5, host_cache_gb=1)}
+    for said, budgets in refused.items():
+        with pytest.raises(ValueError, match=f"^{re.escape(said)} of host memory, more than this machine has "
+                                             r"available \(2\.0 GiB\)$"):
+            LLM(str(tiny_model), device="cpu", **budgets)
+    with pytest.raises(ModelLookedFor):  # what fits goes on to the model
+        LLM(str(tiny_model), device="cpu", kv_cache_gb=1.5, host_cache_gb=0.5)
     with pytest.raises(ValueError, match="needs prefix caching"):
         LLM(str(tiny_model), dtype="float32", host_cache_gb=0.01, enable_prefix_caching=False, kv_cache_gb=KV_GB)

@@ -214,6 +214,15 @@ def one_line_error(name: str, options: HubOptions) -> str:
     return msg
 
 
+def not_found_error(name: str, options: HubOptions) -> str:
+    """Two lines: where the model was looked for, and how to get it."""
+    with pytest.raises(InvalidRequest) as ei:
+        resolve_model(name, options)
+    msg = str(ei.value)
+    assert msg.count("\n") == 1 and ei.value.code == "model_not_found"
+    return msg
+
+
 def test_first_download_fetches_only_what_the_loader_reads_into_download_dir(hub, tiny_files, tmp_path):
     hub.requests.clear()
     src = resolve_model("tiny-org/tiny-llama", opts(hub, tmp_path / "dl"))
@@ -236,16 +245,20 @@ def test_cache_is_used_with_the_hub_stopped_and_offline_keeps_todays_error(tiny_
     assert resolve_model("tiny-org/tiny-llama", opts(own, tmp_path)) == first
     assert resolve_model("tiny-org/tiny-gguf:q8_0", opts(own, tmp_path)) == gguf
     # a repo not in the cache, hub unreachable: today's error, saying what was tried
-    msg = one_line_error("tiny-org/other", opts(own, tmp_path))
-    assert "could not be reached" in msg and "download it on a machine with network" in msg
+    msg = not_found_error("tiny-org/other", opts(own, tmp_path))
+    assert "could not be reached" in msg and f"`hf download tiny-org/other --cache-dir {tmp_path}` on a" in msg
     from huggingface_hub import constants
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     assert resolve_model("tiny-org/tiny-llama", opts(own, tmp_path)) == first
-    msg = one_line_error("tiny-org/other", opts(own, tmp_path))
+    msg = not_found_error("tiny-org/other", opts(own, tmp_path))
     local = models_dir() / "tiny-org/other"
     assert msg == (f"model 'tiny-org/other' not found; looked in: path 'tiny-org/other'; local store {local}; HF cache "
-                   "for tiny-org/other. To get it: download it on a machine with network (`huggingface-cli download "
-                   f"tiny-org/other`) and copy ~/.cache/huggingface here, or put an HF folder / .gguf file at {local}")
+                   "for tiny-org/other (HF_HUB_OFFLINE: no download)\nTo get it: `hf download tiny-org/other "
+                   f"--cache-dir {tmp_path}` on a machine with network, then copy {tmp_path} here; or put an HF "
+                   "folder / .gguf file in the local store")
+    msg = not_found_error("tiny-org/other-gguf:Q8_0", HubOptions(revision="v2"))  # the one file, the revision
+    assert "`hf download tiny-org/other-gguf --include '*Q8_0*.gguf' --revision v2` on a machine" in msg
+    assert "then copy ~/.cache/huggingface here" in msg
 
 
 def test_401_404_gated_revision_and_bin_only_are_one_line_each(hub, tmp_path, monkeypatch):
@@ -355,3 +368,17 @@ def test_server_downloads_and_serves_then_the_engine_starts_from_the_cache_with_
         again = llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
     assert own.requests == []  # nothing was asked of the (stopped) hub
     assert again.outputs[0].text == served  # the same weights, greedy
+
+
+@pytest.mark.parametrize("placement", ["--engine-process", "--no-engine-process"])
+def test_the_server_prints_a_model_not_found_once_in_at_most_three_lines(tmp_path, placement):
+    """The real CLI, offline, asked for a repo its (empty) HF cache lacks: exit code 2 and the error once,
+    whichever side found it, with a download command that exists in huggingface_hub 1.x/2.x."""
+    from server_fixture import start_errors
+    code, stderr, errors = start_errors("--model", "tiny-org/not-cached", placement,
+                                        env={"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path)})
+    assert code == 2, stderr
+    [error] = errors
+    assert len(error) <= 3 and len("\n".join(error)) < 500, error
+    assert stderr.count("not found") == 1 and "`hf download tiny-org/not-cached` on a machine" in error[-1]
+    assert "huggingface-cli" not in stderr

@@ -206,9 +206,25 @@ def test_packed_layout_refuses_what_does_not_fit_it(kernels):
     assert w.rows(16, 20).shape == (4, 64) and w.rows(16, 20).data.shape[0] == 1
 
 
+def assert_unfused_glu_within_bound(x: torch.Tensor, gate: QuantTensor, up: QuantTensor, got: torch.Tensor) -> None:
+    """The unfused path: gate and up each a GEMM on the weights rounded to the activation dtype (fp32
+    sums, rounded once), then silu and the product each rounded: a few units of that dtype's rounding
+    relative to |up| (|gate| + |silu(gate)|), plus the fp32 sums' own error."""
+    import torch.nn.functional as F
+    xd = x.double()
+    g, u = (xd @ w.dequantize().to(x.dtype).double().T for w in (gate, up))
+    want = F.silu(g) * u
+    eps = torch.finfo(x.dtype).eps
+    sums = (xd.abs() @ gate.dequantize().abs().double().T + xd.abs() @ up.dequantize().abs().double().T)
+    bound = 2 * eps * u.abs() * (g.abs() + F.silu(g).abs()) + 1e-6 * sums * (u.abs() + g.abs() + 1)
+    assert ((got.double() - want).abs() <= bound).all()
+
+
 @pytest.mark.parametrize("name", [*TYPES, "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gate_up_is_fused_into_silu_times_up(kernels, name, dtype):
+@pytest.mark.parametrize("amx", ["0", "1"])  # the decisions of a CPU without AMX tiles, and of one with them
+def test_gate_up_is_fused_into_silu_times_up(kernels, name, dtype, monkeypatch, amx):
+    monkeypatch.setenv("NANOSERVE_CPU_AMX", amx)
     """A packed [gate; up] layer computes silu(gate) * up in one call: the fp32 product of the kernel's own
     gate and up sums (silu to ~1 ulp), rounded to the output dtype once; the unfused path where it cannot."""
     import torch.nn.functional as F
@@ -218,8 +234,8 @@ def test_gate_up_is_fused_into_silu_times_up(kernels, name, dtype):
     if not kernels.packs(qtype):
         pytest.skip("the fused gate/up needs the packed layout (AVX-512)")
     make = quantized if name in TYPES else kq
-    gate, up = make(48, 256, qtype, 1).packed_for(kernels), make(48, 256, qtype, 2).packed_for(kernels)
-    lin = QuantLinear([gate, up], kernels, Scratch())
+    gate, up = make(48, 256, qtype, 1), make(48, 256, qtype, 2)
+    lin = QuantLinear([gate.packed_for(kernels), up.packed_for(kernels)], kernels, Scratch())
     assert lin.fused_glu
     for tokens in (1, 9, 300):
         x = (torch.randn(tokens, 256) * 2).to(dtype)
@@ -230,7 +246,11 @@ def test_gate_up_is_fused_into_silu_times_up(kernels, name, dtype):
         kernels.quant_linear_glu(x, lin.parts[0].data, lin.parts[0].kernel_type, fused32)
         assert ((fused32.double() - want).abs() <= 1e-6 * want.abs() + 1e-9).all()
         got = lin.silu_mul(x)
-        assert got.dtype == dtype and torch.equal(got, fused32.to(dtype))
+        assert got.dtype == dtype
+        if tokens <= lin.max_kernel_rows:
+            assert torch.equal(got, fused32.to(dtype))
+        else:  # AMX: dequantize + GEMM in the activation dtype, silu and the product rounded in it
+            assert_unfused_glu_within_bound(x, gate, up, got)
     odd = QuantLinear([quantized(40, 96, Q4_1, 3).packed_for(kernels), quantized(40, 96, Q4_1, 4).packed_for(kernels)],
                       kernels, Scratch())
     assert not odd.fused_glu  # halves of 40 rows are not whole groups: silu and the product in torch

@@ -561,13 +561,24 @@ def test_metrics_add_up(server, client, model, tokenizer):
         assert f"nanoserve:{name}" in text
 
 
+def _tie_nats() -> float:
+    """How far apart the reference's top two may be where a batched greedy output leaves it. bf16 logits:
+    one ulp is up to 0.25. Where prefill GEMMs take AMX tiles (or $NANOSERVE_CPU_AMX=1 takes those
+    decisions), a batched prefill beyond the packed kernel's rows runs dequantize + bf16 GEMM while a lone
+    one runs the int8-activation kernel: two roundings of the same product (each bounded in
+    test_quant_kernels.py), seen 0.375 nats apart on the embedded model."""
+    from nanoserve.layers import cpu_kernels
+    quant = cpu_kernels.quant()
+    return 0.6 if quant is not None and quant.int8_activations() and quant.gemm_prefill() else 0.3
+
+
 def _same_or_near_tie(got, ref) -> bool:
     """Greedy outputs agree, or first diverge where the reference's top two were a near tie (batched
     and single forward passes may round differently; that is not a wrong answer)."""
     for j, (g, r) in enumerate(zip(got.tokens, ref.tokens)):
         if g != r:
             alts = ref.top_logprobs[j]
-            return g in alts and max(alts.values()) - alts[g] < 0.3  # bf16 logits: one ulp is up to 0.25
+            return g in alts and max(alts.values()) - alts[g] < _tie_nats()
     return len(got.tokens) == len(ref.tokens)
 
 

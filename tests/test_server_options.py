@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -14,8 +15,10 @@ import httpx
 import openai
 import pytest
 
-from nanoserve.config import EngineConfig, ServerConfig
-from server_fixture import ServerProcess, assert_error, m, post_in_background, stream_in_background
+from nanoserve.config import EngineConfig, ServerConfig, from_args
+from nanoserve.server.cli import build_parser
+from server_fixture import (HOST, ServerProcess, assert_error, free_port, m, post_in_background, start_errors,
+                            stream_in_background)
 
 KEY = "sk-test-1234"
 LONG_PROMPT = ("The quick brown fox jumps over the lazy dog while the farmer watches from the porch and "
@@ -35,6 +38,32 @@ def test_help_explains_every_flag():
         assert entry is not None, flag
         assert f.metadata["help"].split(" (")[0] in " ".join(entry.group(1).split()), flag
     assert "NANOSERVE_API_KEY" in out.stdout
+
+
+def test_prefix_caching_takes_vllm_flags_and_the_older_spelling():
+    parser = build_parser()
+    cases = {(): True, ("--enable-prefix-caching",): True, ("--no-enable-prefix-caching",): False,
+             ("--no-prefix-caching",): False, ("--no-prefix-caching", "--enable-prefix-caching"): True}
+    for argv, on in cases.items():
+        assert from_args(EngineConfig, parser.parse_args(list(argv))).enable_prefix_caching is on, argv
+    with pytest.raises(ValueError, match="drop --no-enable-prefix-caching"):
+        from_args(EngineConfig, parser.parse_args(["--no-prefix-caching", "--host-cache-gb", "1"]))
+
+
+@pytest.mark.parametrize("case", ["port taken", "host tier", "kv cache"])
+def test_start_up_errors_are_printed_once_in_at_most_three_lines_before_the_model_loads(case):
+    """Refused with exit code 2, the reason printed once (not by the engine and the API side both), and
+    before the weights are read: the port by the API process, the memory budgets at the engine's start."""
+    with socket.create_server((HOST, port := free_port())):  # taken while the server starts
+        args, said = {"port taken": (["--port", str(port)], f"cannot listen on {HOST}:{port}"),
+                      "host tier": (["--host-cache-gb", "100000"], "--host-cache-gb 100000 asks for"),
+                      "kv cache": (["--device", "cpu", "--kv-cache-gb", "100000"], "--kv-cache-gb 100000 asks for"),
+                      }[case]
+        code, stderr, errors = start_errors(*args)
+    assert code == 2, stderr
+    [error] = errors
+    assert len(error) <= 3 and said in error[0] and stderr.count(said) == 1, stderr
+    assert "weights:" not in stderr
 
 
 @pytest.fixture(scope="module")

@@ -263,7 +263,9 @@ def serve(config: EngineConfig, ctx: zmq.Context, input_addr: str, output_addr: 
         try:
             engine = import_by_name(make_engine or "nanoserve.engine.llm_engine:LLMEngine")(config)
         except Exception as e:
-            log.error("cannot start the engine: %s", e, exc_info=not isinstance(e, (ValueError, OSError)))
+            # the API side prints the error (once); only a bug's traceback, which stays here, is logged here
+            if not isinstance(e, (ValueError, OSError)):
+                log.exception("the engine failed to start")
             out.send(encode(StartFailed(str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")))
             return 2
         log.info("engine core ready in %.1fs (pid %d)", time.monotonic() - t0, os.getpid())

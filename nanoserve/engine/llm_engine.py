@@ -21,7 +21,7 @@ from nanoserve.engine.grammar import GrammarMatchers
 from nanoserve.heap import trim_heap
 from nanoserve.engine.protocol import ModelInfo, PromptRequest
 from nanoserve.distributed.parallel import TensorParallel, join, leave
-from nanoserve.engine.model_setup import build_shard, host_blocks
+from nanoserve.engine.model_setup import build_shard, check_memory, host_blocks, startup_phase
 from nanoserve.engine.requests import Request, RequestBuilder, eos_token_ids
 from nanoserve.engine.workers import (Followers, LocalWorkers, ParallelCopier, Setup, describe_fault, plan_node,
                                       shm_slot_bytes, start_worker, stop_workers)
@@ -57,11 +57,12 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         t0 = time.monotonic()
+        self.device = config.resolved_device()
+        check_memory(config, self.device)  # before a download or a weight read
         hub = HubOptions(config.revision, config.download_dir, config.gguf_file)
         self.source = materialize(resolve_model(config.model, hub), dequantize=config.gguf_dequantize)
         self.hf_config = load_config(self.source)
         self._tokenizer, self._tokenizer_lock = None, threading.Lock()
-        self.device = config.resolved_device()
         self.dtype = config.resolved_dtype(self.device)
         torch.manual_seed(config.seed)
         self.tp, self.followers, self.local_workers = TensorParallel(), None, None
@@ -103,11 +104,6 @@ class LLMEngine:
         trim_heap()  # what reading the tokenizer's files left
         log.info("model %s loaded in %.1fs (%s, %s)", self.model_name, time.monotonic() - t0,
                  self.device, str(self.dtype).removeprefix("torch."))
-        log.info("KV cache: device %d blocks x %d tokens = %d tokens, %.2f GiB; %s; max_model_len %d",
-                 num_blocks, block_size, num_blocks * block_size,
-                 num_blocks * self.layout.bytes_per_block / GiB,
-                 f"host {host.pool.num_blocks} blocks = {host.pool.num_blocks * block_size} tokens, "
-                 f"{host.num_bytes / GiB:.2f} GiB" if host else "host tier off", self.max_model_len)
 
     @property
     def tokenizer(self):
@@ -145,10 +141,15 @@ class LLMEngine:
         blocks = host_blocks(self.config, self.layout, self.tp.size)
         if not blocks:
             return None
-        copier = make_copier(self.device)
-        if self.followers is not None:
-            copier = ParallelCopier(copier, self.followers)
-        return HostTier(blocks, self.runner.kv_cache, copier)
+        with startup_phase("host tier") as phase:
+            copier = make_copier(self.device)
+            if self.followers is not None:
+                copier = ParallelCopier(copier, self.followers)
+            host = HostTier(blocks, self.runner.kv_cache, copier)
+            how = f"pinned in {len(host.pinned_ranges)} range(s)" if self.device.type == "cuda" else "allocated"
+            phase.what = (f"{blocks} blocks = {blocks * self.layout.block_size} tokens, "
+                          f"{host.num_bytes * self.tp.size / GiB:.2f} GiB {how}")
+        return host
 
     # ---- requests -------------------------------------------------------------------------
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:

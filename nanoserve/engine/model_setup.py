@@ -5,6 +5,9 @@ drift apart, and the collectives inside it (the block count, CUDA's memory profi
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -32,27 +35,65 @@ class ModelShard:
     max_model_len: int
 
 
+@dataclass
+class Phase:
+    what: str = ""  # said in the phase's log line, set by its body
+
+
+@contextmanager
+def startup_phase(name: str, quiet: bool = False) -> Iterator[Phase]:
+    """One log line for a start-up phase, with its time (`quiet` for the tensor-parallel ranks but
+    rank 0: they build the same); a phase that raises logs nothing, its error says enough."""
+    phase, t0 = Phase(), time.monotonic()
+    yield phase
+    if not quiet:
+        log.info("%s: %s in %.1fs", name, phase.what, time.monotonic() - t0)
+
+
 def build_shard(config: EngineConfig, source: ModelSource, hf_config, device: torch.device, dtype: torch.dtype,
                 tp: TensorParallel) -> ModelShard:
-    model = LlamaModel(hf_config, dtype, device, tp)
-    if config.load_format == "dummy":  # benchmarks: random weights made on the device, nothing read
-        model.init_dummy(config.seed + tp.rank)
-    else:
-        model.load_weights(iter_weights(source, progress=tp.rank == 0))
-    cpu = device.type == "cpu"
-    model.finalize(cpu_kernels.load() if cpu else None, _quant_kernels(device) if model.quantized else None)
-    if config.quantization == "fp8":
-        from nanoserve.layers.triton_quant import fp8_maker
-        model.replace_linears(fp8_maker(device))
-    backend, flash, block_size = resolve_attention(config.attention_backend, device, dtype,
-                                                   config.block_size, config.flash_attn_module)
-    layout = KVLayout(model.num_layers, block_size, model.num_kv_heads, model.head_dim, dtype, backend)
-    opts = RunnerOptions(flash, config.max_num_seqs, config.step_tokens,
-                         max_model_len=config.max_model_len or 0, cuda_graphs=not config.enforce_eager)
-    num_blocks = tp.min_over_ranks(_num_device_blocks(config, model, layout, device, opts, tp.size))
-    max_model_len = _max_model_len(config, hf_config.max_position_embeddings, num_blocks * block_size)
-    opts.max_model_len = max_model_len
-    return ModelShard(model, layout, ModelRunner(model, layout, num_blocks, device, opts), num_blocks, max_model_len)
+    quiet = tp.rank != 0
+    if device.type == "cpu":  # a missing build is made (and announced) before the weights' wait, not inside it
+        cpu_kernels.prepare()
+    with startup_phase("weights", quiet) as phase:
+        model = LlamaModel(hf_config, dtype, device, tp)
+        if config.load_format == "dummy":  # benchmarks: random weights made on the device, nothing read
+            model.init_dummy(config.seed + tp.rank)
+            phase.what = f"{source.name}, random (--load-format dummy)"
+        else:
+            model.load_weights(iter_weights(source, progress=tp.rank == 0))
+            phase.what = f"{source.name} read from {source.path}"
+    with startup_phase("kernels", quiet) as phase:
+        kernels = cpu_kernels.load() if device.type == "cpu" else None
+        quant = _quant_kernels(device) if model.quantized else None
+        model.finalize(kernels, quant)
+        if config.quantization == "fp8":
+            from nanoserve.layers.triton_quant import fp8_maker
+            model.replace_linears(fp8_maker(device))
+        backend, flash, block_size = resolve_attention(config.attention_backend, device, dtype,
+                                                       config.block_size, config.flash_attn_module)
+        phase.what = _kernels_chosen(config, device, backend.__name__, quant is not None)
+    with startup_phase("KV cache", quiet) as phase:
+        layout = KVLayout(model.num_layers, block_size, model.num_kv_heads, model.head_dim, dtype, backend)
+        opts = RunnerOptions(flash, config.max_num_seqs, config.step_tokens,
+                             max_model_len=config.max_model_len or 0, cuda_graphs=not config.enforce_eager)
+        num_blocks = tp.min_over_ranks(_num_device_blocks(config, model, layout, device, opts, tp.size))
+        max_model_len = _max_model_len(config, hf_config.max_position_embeddings, num_blocks * block_size)
+        opts.max_model_len = max_model_len
+        runner = ModelRunner(model, layout, num_blocks, device, opts)
+        phase.what = (f"{num_blocks} blocks x {block_size} tokens = {num_blocks * block_size} tokens, "
+                      f"{num_blocks * layout.bytes_per_block * tp.size / GiB:.2f} GiB on {device.type}, "
+                      f"max_model_len {max_model_len}{'' if config.host_cache_gb else ', host tier off'}")
+    return ModelShard(model, layout, runner, num_blocks, max_model_len)
+
+
+def _kernels_chosen(config: EngineConfig, device: torch.device, attention: str, quant: bool) -> str:
+    """What computes: on CPU the kernels layers/cpu_kernels.py chose for this CPU (the attention backend
+    class runs them), on CUDA the attention backend and what GGUF blocks and fp8 weights run on."""
+    if device.type == "cpu":
+        return cpu_kernels.describe()  # what the attention backend and the linear layers call on CPU
+    linear = "fp8 Triton" if config.quantization == "fp8" else "GGUF blocks Triton" if quant else "torch"
+    return f"attention {attention}, linear {linear}"
 
 
 def _quant_kernels(device: torch.device):
@@ -125,3 +166,21 @@ def host_blocks(config: EngineConfig, layout: KVLayout, ranks: int) -> int:
     if blocks < 1:
         raise ValueError(f"--host-cache-gb {gb} holds no block ({layout.bytes_per_block * ranks / GiB:.4f} GiB each)")
     return blocks
+
+
+def check_memory(config: EngineConfig, device: torch.device) -> None:
+    """Refuse budgets that cannot fit before a weight is read (on CPU the device KV cache and the host
+    tier are both host memory). The budgets are for all ranks: each node holds its share of them."""
+    kv = 0.0 if config.num_kv_blocks else config.kv_cache_gb or 0.0
+    asked = {"--kv-cache-gb": kv if device.type == "cpu" else 0.0, "--host-cache-gb": config.host_cache_gb}
+    asked = {flag: gb for flag, gb in asked.items() if gb}
+    need, available = sum(asked.values()) * GiB / config.nnodes, host_memory_available()
+    if need > available:
+        raise ValueError(f"{' + '.join(f'{flag} {gb:g}' for flag, gb in asked.items())} "
+                         f"ask{'' if len(asked) > 1 else 's'} for {need / GiB:.1f} GiB of host memory"
+                         f"{' per node' if config.nnodes > 1 else ''}, more than this machine has available "
+                         f"({available / GiB:.1f} GiB)")
+    per_gpu = kv / config.tensor_parallel_size
+    if device.type == "cuda" and kv and per_gpu * GiB > (free := torch.cuda.mem_get_info(device)[0]):
+        raise ValueError(f"--kv-cache-gb {kv:g} asks for {per_gpu:.1f} GiB per GPU; this GPU has "
+                         f"{free / GiB:.1f} GiB free")

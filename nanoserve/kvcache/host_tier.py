@@ -122,8 +122,9 @@ def alloc_host_cache(shape: tuple[int, ...], dtype: torch.dtype, pin: bool, max_
         release = weakref.finalize(cache, _unregister, registered)
     gib = flat.numel() / GiB
     dt = time.perf_counter() - t0
-    log.info("host KV pool: %.2f GiB %s in %.1fs (%.2f s/GiB, %d range(s))", gib,
-             "pinned" if pin else "allocated", dt, dt / max(gib, 1e-9), len(ranges))
+    # the engine's start-up log has the tier's line; this one is per rank, and its rate is for tuning
+    log.debug("host KV pool: %.2f GiB %s in %.1fs (%.2f s/GiB, %d range(s))", gib,
+              "pinned" if pin else "allocated", dt, dt / max(gib, 1e-9), len(ranges))
     return HostCache(cache, release, ranges)
 
 

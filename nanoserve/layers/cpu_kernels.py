@@ -1,7 +1,5 @@
-"""C++ CPU kernels (nanoserve/csrc/cpu_kernels.cpp), compiled on first use with
-torch.utils.cpp_extension (gcc + ninja) and cached on disk (TORCH_EXTENSIONS_DIR) under a name
-keyed by the source's bytes, this CPU's flags (the code is built with -march=native) and torch's
-version.
+"""C++ CPU kernels (nanoserve/csrc/cpu_kernels.cpp), built once per install for this CPU (nanoserve/kernels/
+build.py: `make install` and the Docker image build them; a start that finds none builds them first, announced).
 
 `paged_decode_attention` attends one query token per sequence over its KV blocks in place: the
 torch path must first gather every block into a contiguous tensor (an index_select that copies all
@@ -12,27 +10,27 @@ embedded model at 8 sequences x ~300 tokens, one core, it alone took the decode 
 ~49 ms. `add_rms_norm`, `rope_` and `write_kv` each replace several small eager ops of a layer (a
 decode step of a small model is as much per-op overhead as math); bench/latency.py
 measures the whole step. `paged_prefill_attention` attends every prefill chunk of a step (fresh or
-over cached context) flash-style on GEMM tiles (bf16 on AMX, `amx()`, or on AVX512_BF16 through
+over cached context) flash-style on GEMM tiles (bf16 on AMX, `gemm_amx()`, or on AVX512_BF16 through
 VDPBF16PS; fp32 elsewhere).
-The experiment bench/prefill_rate.py (at c256b25) measured its FLOP rate against the linear layers' and PyTorch's SDPA.
 
 `quant()` serves GGUF weights kept in their blocks: csrc/quant_kernels.cpp (Q4_0/Q4_1/Q8_0) and
 csrc/kquant_kernels.cpp (Q4_K/Q6_K), two modules behind one router (`QuantKernels`).
 
-Without a compiler, or with NANOSERVE_CPU_KERNELS=0, `load()` returns None and the torch path runs;
-tests compare the two."""
+Without a compiler or a prebuilt build, or with NANOSERVE_CPU_KERNELS=0, `load()` returns None and the
+torch path runs; tests compare the two."""
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from nanoserve.kernels import build
 from nanoserve.layers.quant_linear import BLOCKS, PACKED, Q4_K, Q6_K
 
 log = logging.getLogger("nanoserve")
@@ -86,6 +84,10 @@ class QuantKernels:
             return self.blocks.packs()
         return callable(getattr(self.kquants, "packs", None)) and self.kquants.packs()
 
+    def gemm_prefill(self) -> bool:
+        """Whether packed matrices leave prefill-sized steps to the dequantize + GEMM path (AMX tiles)."""
+        return gemm_amx(self.blocks)
+
     def int8_activations(self, qtype: int | None = None) -> bool:
         return self._module(qtype or 0).int8_activations()
 
@@ -127,34 +129,84 @@ def keeps(qtype: int) -> bool:
     return qtype in BLOCKS and (qtype not in K_TYPES or kquant() is not None)
 
 
+def _target() -> str:
+    # NANOSERVE_CPU_MARCH (e.g. haswell) builds another instruction set's code path on this machine,
+    # to test the AVX2 / scalar fallbacks
+    return os.environ.get("NANOSERVE_CPU_MARCH", "native")
+
+
+MODULES = {"nanoserve_cpu": SOURCE, "nanoserve_quant": QUANT_SOURCE, "nanoserve_kquant": KQUANT_SOURCE}
+
+
 def _build(prefix: str, source: Path):
     if os.environ.get("NANOSERVE_CPU_KERNELS", "1") == "0":
         return None
-    # NANOSERVE_CPU_MARCH (e.g. haswell) builds another instruction set's code path on this machine,
-    # to test the AVX2 / scalar fallbacks
-    march = os.environ.get("NANOSERVE_CPU_MARCH", "native")
     try:
-        from torch.utils.cpp_extension import load as build
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-        headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what the sources include
-        key = hashlib.sha256(source.read_bytes() + headers +
-                             (flags + torch.__version__ + march.replace("native", "")).encode()).hexdigest()[:12]
-        wide = ["-mprefer-vector-width=512"] if march == "native" else []
-        return build(f"{prefix}_{key}", sources=[str(source)],
-                     extra_cflags=["-O3", f"-march={march}", *wide, "-ffp-contract=off",
-                                   "-fopenmp", "-fopenmp-simd"],
-                     extra_ldflags=["-fopenmp"], verbose=False)
+        loaded = build.load_or_build(build.Module(prefix, source), _target())
     except Exception as e:  # noqa: BLE001 - any build problem means: use the torch path
         log.warning("CPU kernels (%s) unavailable, using the torch path (%s: %s)", source.name, type(e).__name__,
                     str(e).strip().splitlines()[-1] if str(e).strip() else "")
         return None
+    if loaded is None:
+        log.warning("CPU kernels (%s) unavailable: no compiler and no prebuilt build this CPU runs; using the "
+                    "torch path", source.name)
+        return None
+    module, target = loaded
+    module.build_target = target  # which build a start runs, for its log (describe)
+    return module
 
 
-def build_all() -> None:
-    """Build (or find) every module before anything uses them: `make test` runs this first, since its two
-    pytest workers would otherwise both wait on one ~35 s build at the start of the suite."""
+def prepare() -> None:
+    """Builds every module this install lacks for this CPU, side by side, announced by one line before and
+    one after; a start calls it before the model loads, so a build is never a silent wait inside a step."""
+    if os.environ.get("NANOSERVE_CPU_KERNELS", "1") == "0":
+        return
+    try:
+        todo = [build.Module(p, src) for p, src in MODULES.items() if build.missing(build.Module(p, src), _target())]
+    except Exception:  # noqa: BLE001 - loading reports the same problem, once per module
+        return
+    if not todo:
+        return
+    root = build.kernels_dir()
+    target = build.target_for(_target(), build.compiler() or "c++")
+    log.info("building CPU kernels for %s: once per install, about %.0f s", target.describe(),
+             build.estimate_seconds(root) or build.DEFAULT_SECONDS)
+    t0 = time.monotonic()
     from concurrent.futures import ThreadPoolExecutor
-    with ThreadPoolExecutor(3) as pool:  # each build is a ninja subprocess: they run side by side
-        built = list(pool.map(lambda f: f(), (load, _blocks, kquant)))
-    print("CPU kernels:", ", ".join(m.__name__ if m else "unavailable (torch path)" for m in built))
+
+    def one(module: build.Module) -> str:
+        try:
+            build.ensure_built(module, _target(), root, announce=False)
+            return module.prefix
+        except Exception as e:  # noqa: BLE001 - that module falls back to torch, logged when it loads
+            return f"{module.prefix} failed ({type(e).__name__})"
+    with ThreadPoolExecutor(len(todo)) as pool:  # each build is a ninja subprocess: they run side by side
+        done = list(pool.map(one, todo))
+    log.info("built CPU kernels in %.1f s: %s, into %s", time.monotonic() - t0, ", ".join(done), root)
+
+
+def gemm_amx(module: Any) -> bool:
+    """Whether prefill-sized GEMMs take AMX tiles here: the kernels' answer (oneDNN can pack bf16 for
+    AMX), unless $NANOSERVE_CPU_AMX=0/1 decides, so that any CPU runs the decisions made for AMX (packed
+    weights leave large steps to dequantize + GEMM; bf16 GEMMs split by rows) and CI covers them. The
+    prefill attention's tiles follow the hardware alone: its AMX and VDPBF16PS paths give other bits."""
+    forced = os.environ.get("NANOSERVE_CPU_AMX")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return module is not None and bool(module.amx() if hasattr(module, "amx") else module.gemm_prefill())
+
+
+def describe() -> str:
+    """The CPU kernels a start chose, for its log: the build loaded and the paths it takes on this CPU."""
+    kernels, quant_kernels = load(), quant()
+    if kernels is None:
+        return "torch fallback (no C++ build)"
+    bf16_build = quant_kernels is not None and "bf16" in quant_kernels.isa()  # built with AVX512_BF16
+    tiles = "AMX" if kernels.amx() else "VDPBF16PS" if bf16_build else "fp32"
+    text = (f"C++ {kernels.build_target} build; bf16 prefill attention on {tiles} tiles; "
+            f"prefill GEMMs {'on AMX tiles' if gemm_amx(kernels) else 'by oneDNN'}")
+    if quant_kernels is None:
+        return text + "; GGUF weights dequantized (no quantized kernels)"
+    activations = "int8 (VNNI)" if quant_kernels.int8_activations() else "fp32"
+    return (f"{text}; GGUF kept in blocks: {quant_kernels.isa()}, {'packed' if quant_kernels.packs() else 'block'} "
+            f"layout, {activations} activations, K-quants {'yes' if quant_kernels.kquants is not None else 'no'}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -143,6 +144,17 @@ def download(ref: RepoRef, opts: HubOptions) -> HubModel:
                                  endpoint=opts.endpoint, allow_patterns=[gguf] if gguf else HF_FOLDER_FILES,
                                  ignore_patterns=None if gguf else NOT_LOADED)
     return HubModel(Path(path), gguf)
+
+
+def download_command(ref: RepoRef, opts: HubOptions) -> str:
+    """The command of huggingface_hub's own CLI (`hf`, 1.x and later) that fetches the repo (the one .gguf
+    of a tagged GGUF repo) into the cache `find_cached` reads."""
+    words = ["hf", "download", ref.repo]
+    if opts.gguf_file or ref.quant:
+        words += [opts.gguf_file] if opts.gguf_file else ["--include", f"*{ref.quant}*.gguf"]
+    words += ["--revision", opts.revision] if opts.revision else []
+    words += ["--cache-dir", opts.download_dir] if opts.download_dir else []
+    return shlex.join(words)
 
 
 def _ignored(f: str) -> bool:

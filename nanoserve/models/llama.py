@@ -19,6 +19,7 @@ from nanoserve.distributed.parallel import TensorParallel, shard_heads, split, v
 from nanoserve.heap import trim_heap
 from nanoserve.layers import hugepages
 from nanoserve.layers.attention import AttentionBackend
+from nanoserve.layers.cpu_kernels import gemm_amx
 from nanoserve.layers.linear import Linear
 from nanoserve.layers.quant_linear import QuantEmbedding, QuantLinear, QuantTensor, Scratch
 from nanoserve.layers.rotary import RotaryEmbedding, rotate
@@ -185,7 +186,7 @@ class LlamaModel(nn.Module):
         quant = quant_layers(self, quant_kernels)
         # bf16 on AMX: prefill-sized GEMMs split by rows over the threads (layers/linear.py); in fp32,
         # and without AMX (not measured), oneDNN's own split
-        rows = (kernels.linear_rows if kernels is not None and kernels.amx() and self.embed.dtype == torch.bfloat16
+        rows = (kernels.linear_rows if kernels is not None and gemm_amx(kernels) and self.embed.dtype == torch.bfloat16
                 else None)
         for i, layer in enumerate(self.layers):
             q = quant.get(i, {})

@@ -14,7 +14,8 @@ from tqdm import tqdm
 
 from nanoserve.sampling_params import InvalidRequest
 from nanoserve.models.model_config import ModelConfig, read_model_config
-from nanoserve.models.hub import HubOptions, HubUnreachable, RepoRef, download, find_cached, offline, parse_repo
+from nanoserve.models.hub import (HubOptions, HubUnreachable, RepoRef, download, download_command,
+                                  find_cached, offline, parse_repo)
 
 if TYPE_CHECKING:  # the API process reads its tokenizer through here and never imports torch
     import torch
@@ -88,7 +89,7 @@ def resolve_model(name: str | None, hub: HubOptions = HubOptions()) -> ModelSour
         looked.append(f"short name in {registry_file} -> {repo}")
     ref = parse_repo(repo) if not Path(repo).is_absolute() else None
     if ref:
-        looked.append(f"HF cache for {repo}")
+        looked.append(f"HF cache for {repo}{' (HF_HUB_OFFLINE: no download)' if offline() else ''}")
         if (cached := _from_hf_cache(name, ref, hub)) is not None:
             return cached
     if entry and entry.get("embedded"):  # its own copy beats a download of the same model
@@ -98,9 +99,12 @@ def resolve_model(name: str | None, hub: HubOptions = HubOptions()) -> ModelSour
             return _from_hub(name, ref, hub)
         except HubUnreachable as e:
             looked.append(str(e))
-    hint = (f"download it on a machine with network (`huggingface-cli download {ref.repo if ref else repo}`) "
-            f"and copy ~/.cache/huggingface here, or put an HF folder / .gguf file at {local}")
-    raise InvalidRequest(f"model {name!r} not found; looked in: {'; '.join(looked)}. To get it: {hint}",
+    get = (f"`{download_command(ref, hub)}` on a machine with network, then copy "
+           f"{hub.download_dir or '~/.cache/huggingface'} here" if ref
+           else "give a path, a short name of the local store, or a hub id owner/name")
+    # two lines, what was looked for and what to do: a start-up error, not an API one
+    raise InvalidRequest(f"model {name!r} not found; looked in: {'; '.join(looked)}\n"
+                         f"To get it: {get}; or put an HF folder / .gguf file in the local store",
                          param="model", code="model_not_found")
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import socket
 import sys
 
 from nanoserve.config import EngineConfig, ServerConfig, add_flags, from_args
@@ -44,6 +46,16 @@ def _start_engine(config: EngineConfig, opts: ServerConfig, on_dead):
     return client
 
 
+def _check_port(host: str, port: int) -> None:
+    """Refuse a port that is taken before the model loads: uvicorn finds out only once it is loaded.
+    (Binds as uvicorn does: SO_REUSEADDR, so a port left in TIME_WAIT passes.)"""
+    try:
+        socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET).close()
+    except OSError as e:  # a bind error's errno, or a resolver's (negative) and its text
+        reason = os.strerror(e.errno) if (e.errno or 0) > 0 else e.strerror or str(e)
+        raise OSError(f"cannot listen on {host}:{port} (--host, --port): {reason}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -72,8 +84,9 @@ def main(argv: list[str] | None = None) -> int:
             server.should_exit = True
 
     try:
+        _check_port(opts.host, opts.port)
         aengine = _start_engine(config, opts, stop_serving)
-    except (ValueError, FileNotFoundError, OSError, EngineStartError) as e:
+    except (ValueError, OSError, EngineStartError) as e:  # the one place a start-up error is printed
         log.error("cannot start: %s", e)
         return 2
     model_name = aengine.frontend.model_name

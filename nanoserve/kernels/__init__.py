@@ -1,0 +1,1 @@
+"""Building and loading the C++ extension modules (build.py); `python -m nanoserve.kernels` builds them."""

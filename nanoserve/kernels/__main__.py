@@ -1,0 +1,42 @@
+"""`python -m nanoserve.kernels`: build this install's CPU kernels now (make install runs it), for this CPU
+or, with --baselines, for the named targets a machine without a compiler can load (the Docker image)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from nanoserve.kernels import build
+    p = argparse.ArgumentParser(prog="python -m nanoserve.kernels", description=__doc__)
+    p.add_argument("--baselines", action="store_true",
+                   help=f"build the portable targets ({', '.join(build.BASELINES)}) instead of this CPU's")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    from nanoserve.layers import cpu_kernels
+    if not args.baselines:
+        cpu_kernels.prepare()
+        print("CPU kernels:", cpu_kernels.describe())
+        # no compiler is no failure (the torch path runs, or a prebuilt build); a failed build is
+        return 1 if cpu_kernels.load() is None and build.compiler() is not None else 0
+    from concurrent.futures import ThreadPoolExecutor
+
+    def targets_of(module: build.Module) -> list[str]:  # one thread a module: each holds its own lock
+        errors = []
+        for target in build.BASELINES:
+            try:
+                build.ensure_built(module, target)
+            except Exception as e:  # noqa: BLE001 - report every target's failure, then exit 1
+                errors.append(f"{module.prefix} for {target}: {type(e).__name__}: {str(e).strip()[-500:]}")
+        return errors
+    with ThreadPoolExecutor(len(cpu_kernels.MODULES)) as pool:  # each build is a ninja subprocess
+        errors = sum(pool.map(targets_of, [build.Module(p, src) for p, src in cpu_kernels.MODULES.items()]), [])
+    print("\n".join(errors) or f"baselines built into {build.kernels_dir()}", file=sys.stderr if errors else sys.stdout)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())
