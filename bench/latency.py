@@ -343,7 +343,7 @@ def write_random_gguf(path: Path, size: GgufSize, qtype_name: str, seed: int = 0
 
 def tp_wire(batches: list[int], ctx: int, reps: int = 20_000) -> None:
     import pickle
-    from nanoserve.engine.tp_messages import Step, decode, encode
+    from nanoserve.parallel.messages import Step, decode, encode
     from nanoserve.runner.step_plan import StepPlan
 
     def median_us(fn) -> float:

@@ -157,7 +157,7 @@ def main() -> int:
     import torch  # noqa: F401
     stages.mark("import torch")
     import nanoserve.engine.llm_engine as le
-    import nanoserve.engine.model_setup as ms
+    import nanoserve.parallel.shard as ms
     from nanoserve import LLM, SamplingParams
     from nanoserve.models.llama import LlamaModel
     stages.mark("import nanoserve")

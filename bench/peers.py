@@ -148,7 +148,7 @@ def nanoserve_tree() -> Path:
 
 
 def nanoserve_cores(flags: list[str]) -> str:
-    from nanoserve.engine.placement import plan_placement
+    from nanoserve.parallel.placement import plan_placement
     threads = int(flags[flags.index("--cpu-threads") + 1]) if "--cpu-threads" in flags else None
     return plan_placement("cpu", threads, "--no-engine-process" not in flags).describe()
 

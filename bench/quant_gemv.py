@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from nanoserve.layers import cpu_kernels  # noqa: E402
+from nanoserve.kernels import cpu_kernels  # noqa: E402
 from nanoserve.layers.quant_linear import Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, QuantLinear, QuantTensor, Scratch  # noqa: E402
 
 TYPES = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0, "Q4_K": Q4_K, "Q6_K": Q6_K}

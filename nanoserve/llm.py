@@ -9,7 +9,7 @@ from tqdm import tqdm
 from nanoserve.config import EngineConfig
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.requests import Request
-from nanoserve.engine.output_processor import OutputProcessor
+from nanoserve.client.output_processor import OutputProcessor
 from nanoserve.engine.protocol import DeltaEncoder
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import SamplingParams

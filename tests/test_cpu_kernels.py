@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (nanoserve/layers/cpu_kernels.py) against the torch path they replace
+"""The C++ CPU kernels (nanoserve/kernels/cpu_kernels.py) against the torch path they replace
 (prefill attention: tests/test_prefill_attention.py):
 paged decode attention over random block tables (GQA ratios 1/3/4/10, head_dim 64/128, block sizes
 5/16/24/32, contexts on and off block boundaries, fp32 and bf16), the fused residual-add + RMSNorm (bit-exact with HF's
@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from nanoserve.layers import cpu_kernels
+from nanoserve.kernels import cpu_kernels
 from nanoserve.layers.attention import AttentionBatch, TorchAttention
 
 

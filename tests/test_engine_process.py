@@ -20,8 +20,8 @@ import httpx
 import pytest
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.client import EngineClient
-from nanoserve.engine.placement import plan_placement
+from nanoserve.client.engine_client import EngineClient
+from nanoserve.parallel.placement import plan_placement
 from nanoserve.engine.protocol import EngineDead, EngineError
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams
@@ -230,7 +230,7 @@ def test_engine_dies_with_a_sigkilled_api_process(tiny):
     script = textwrap.dedent(f"""
         import sys, time
         from nanoserve.config import EngineConfig
-        from nanoserve.engine.client import EngineClient
+        from nanoserve.client.engine_client import EngineClient
         c = EngineClient(EngineConfig(model={str(tiny)!r}, dtype="float32", num_kv_blocks=16), log_level="warning")
         c.start()
         print(c.pid, flush=True)

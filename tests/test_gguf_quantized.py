@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.layers import cpu_kernels
+from nanoserve.kernels import cpu_kernels
 from nanoserve.layers.quant_linear import Q4_0, Q4_1, Q8_0, QuantEmbedding, QuantLinear, QuantTensor
 from tests.conftest import KV_GB
 

@@ -251,12 +251,13 @@ class ModelLookedFor(Exception):
 def test_budgets_beyond_available_memory_are_refused_before_the_model_is_looked_for(tiny_model, monkeypatch):
     """On CPU the device KV cache and the host tier are both host memory: together they must fit what is
     available, checked before the model is looked for (a download, a read, a dequantization)."""
-    from nanoserve.engine import llm_engine, model_setup
+    from nanoserve.engine import llm_engine
+    from nanoserve.parallel import shard
 
     def look_for(*_):
         raise ModelLookedFor
     monkeypatch.setattr(llm_engine, "resolve_model", look_for)
-    monkeypatch.setattr(model_setup, "host_memory_available", lambda: 2 << 30)
+    monkeypatch.setattr(shard, "host_memory_available", lambda: 2 << 30)
     refused = {"--host-cache-gb 3 asks for 3.0 GiB": dict(host_cache_gb=3),
                "--kv-cache-gb 2.5 asks for 2.5 GiB": dict(kv_cache_gb=2.5),
                "--kv-cache-gb 1.5 + --host-cache-gb 1 ask for 2.5 GiB": dict(kv_cache_gb=1.5, host_cache_gb=1)}

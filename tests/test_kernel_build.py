@@ -167,7 +167,7 @@ def test_a_native_build_names_this_cpus_features_and_a_baseline_only_its_own():
         pytest.skip("not an x86 CPU with AVX2")
     assert v3.requires >= {"avx2", "fma", "f16c"} and not any(f.startswith("avx512") for f in v3.requires)
     assert native.requires <= build.cpu_flags() and v3.requires <= native.requires
-    module = build.Module("nanoserve_cpu", ROOT / "nanoserve" / "csrc" / "cpu_kernels.cpp")
+    module = build.Module("nanoserve_cpu", ROOT / "nanoserve" / "kernels" / "csrc" / "cpu_kernels.cpp")
     assert build.build_key(module, native, "12") != build.build_key(module, v3, "12")
 
 

@@ -1,5 +1,5 @@
 """K-quant weights (Q4_K, Q6_K) kept in their blocks (csrc/kquant_kernels.cpp behind
-layers/cpu_kernels.QuantKernels, layers/quant_linear.py) against the gguf package's dequantization
+kernels/cpu_kernels.QuantKernels, layers/quant_linear.py) against the gguf package's dequantization
 followed by a float64 matmul: random but valid super-blocks (gguf cannot quantize to K types), fp32 and
 bf16 activations, ragged row counts, token counts on both sides of the GEMV/GEMM switch; the
 dequantizer bit for bit; batch invariance bit for bit; refused shapes; the loader keeping the blocks
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from nanoserve.layers import cpu_kernels
+from nanoserve.kernels import cpu_kernels
 from nanoserve.layers.quant_linear import GEMV_MAX_ROWS, Q4_K, Q6_K, QuantEmbedding, QuantLinear, QuantTensor, Scratch
 
 TYPES = {"Q4_K": Q4_K, "Q6_K": Q6_K}
@@ -278,7 +278,7 @@ CHECK = """
 import torch, numpy as np, sys
 sys.path.insert(0, "tests")
 from test_kquant_kernels import kq, reference, Q4_K, Q6_K
-from nanoserve.layers import cpu_kernels
+from nanoserve.kernels import cpu_kernels
 k = cpu_kernels.kquant()
 print(k.isa())
 for qt in (Q4_K, Q6_K):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "nanoserve"
 # top to bottom; a module's place is its first name under nanoserve/ ("" = the package's __init__)
-LAYERS = [{"", "llm", "server"}, {"engine"}, {"scheduler"}, {"kvcache"}, {"runner"}, {"models"}, {"layers", "kernels"},
+LAYERS = [{"", "llm", "server"}, {"client"}, {"engine"}, {"parallel"}, {"scheduler"}, {"kvcache"}, {"runner"}, {"models"}, {"layers", "kernels"},
           {"config", "errors", "outputs", "sampling_params", "sequence", "structured", "chat", "detokenizer",
            "distributed", "heap"}]
 MAX_FILE_LINES, MAX_CLASS_LINES = 400, 250

@@ -1,4 +1,4 @@
-"""The C++ paged prefill attention (layers/cpu_kernels.py) against the torch path (SDPA) on
+"""The C++ paged prefill attention (kernels/cpu_kernels.py) against the torch path (SDPA) on
 randomized batches: decodes, fresh prompts, continuations and prefix hits in one step, GQA 1/3/4,
 head_dim 64/128, chunks and contexts on and off block and tile boundaries; fp32 tightly, bf16 with
 and without bf16 tiles (`amx`: AMX where the CPU has it, else VDPBF16PS on AVX512_BF16) within bf16

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from nanoserve.layers import cpu_kernels
+from nanoserve.kernels import cpu_kernels
 from nanoserve.layers.quant_linear import (GEMV_MAX_ROWS, PACKED_MAX_ROWS, Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, QuantEmbedding,
                                            QuantLinear, QuantTensor, Scratch)
 

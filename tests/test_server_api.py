@@ -567,7 +567,7 @@ def _tie_nats() -> float:
     decisions), a batched prefill beyond the packed kernel's rows runs dequantize + bf16 GEMM while a lone
     one runs the int8-activation kernel: two roundings of the same product (each bounded in
     test_quant_kernels.py), seen 0.375 nats apart on the embedded model."""
-    from nanoserve.layers import cpu_kernels
+    from nanoserve.kernels import cpu_kernels
     quant = cpu_kernels.quant()
     return 0.6 if quant is not None and quant.int8_activations() and quant.gemm_prefill() else 0.3
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.client import EngineClient
+from nanoserve.client.engine_client import EngineClient
 from nanoserve.engine.protocol import EngineError
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.app import create_app

@@ -22,8 +22,8 @@ from hypothesis import given, strategies as st
 from conftest import hf_greedy, random_prompts
 from nanoserve.distributed.parallel import TensorParallel, shard_heads, vocab_rows
 from nanoserve.distributed.shm import ShmChannel, ShmCollectives
-from nanoserve.engine.tp_messages import decode
-from nanoserve.engine.workers import CopyCommand, Followers, ParallelCopier
+from nanoserve.parallel.messages import decode
+from nanoserve.parallel.leader import CopyCommand, Followers, ParallelCopier
 from nanoserve.kvcache.host_tier import HostTier
 from nanoserve.kvcache.transfer import ThreadCopier
 from nanoserve.llm import LLM

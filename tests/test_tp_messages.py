@@ -1,4 +1,4 @@
-"""The tensor-parallel step messages on the wire (engine/tp_messages.py): typed msgpack, never
+"""The tensor-parallel step messages on the wire (parallel/messages.py): typed msgpack, never
 pickle. Every message round-trips; random bytes, a truncated message, another wire version and a
 crafted pickle are refused with a clear error, by the codec and by a real worker process (over the
 shared-memory channel of one node and over the gloo broadcasts between nodes), which exits 2 having
@@ -22,8 +22,8 @@ import torch
 
 from nanoserve.distributed.parallel import Rendezvous, join, leave
 from nanoserve.distributed.shm import ShmChannel, map_segment
-from nanoserve.engine.tp_messages import WIRE_VERSION, CopyCommand, MessageError, Setup, Step, Stop, decode, encode
-from nanoserve.engine.workers import WorkerSpec
+from nanoserve.parallel.messages import WIRE_VERSION, CopyCommand, MessageError, Setup, Step, Stop, decode, encode
+from nanoserve.parallel.leader import WorkerSpec
 from nanoserve.runner.step_plan import StepPlan, plan_warmup_prefill
 from server_fixture import free_port
 
@@ -114,7 +114,7 @@ def test_a_worker_refuses_bad_frames_and_runs_nothing(transport, tmp_path):
         port = free_port()
         rv = Rendezvous("127.0.0.1", port, 2, timeout_s=60, shm_slot_bytes=4096 if transport == "shm" else 0)
         spec = WorkerSpec(1, rv, None, 1, None, None, "info")
-        worker = subprocess.Popen([sys.executable, "-m", "nanoserve.engine.worker", json.dumps(asdict(spec))],
+        worker = subprocess.Popen([sys.executable, "-m", "nanoserve.parallel.worker", json.dumps(asdict(spec))],
                                   stderr=subprocess.PIPE, text=True)
         try:
             tp, channel = join(rv, 0, torch.device("cpu"))

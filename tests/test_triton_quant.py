@@ -126,7 +126,7 @@ def test_cuda_engines_get_these_kernels_or_none_without_triton(monkeypatch):
     import sys
     from types import SimpleNamespace
 
-    from nanoserve.engine.model_setup import _quant_kernels
+    from nanoserve.parallel.shard import _quant_kernels
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=132))
     got = _quant_kernels(torch.device("cuda", 7))
     assert isinstance(got, TritonQuant) and got.fill == 264 and got.linear_layer is TritonQuantLinear

@@ -1,4 +1,4 @@
-"""The step messages from rank 0 to the other tensor-parallel ranks, as bytes (engine/tp_messages.py
+"""The step messages from rank 0 to the other tensor-parallel ranks, as bytes (parallel/messages.py
 encodes and decodes them; nothing here unpickles), sent by torch.distributed broadcasts on a gloo
 group, so one mechanism serves one node and several.
 

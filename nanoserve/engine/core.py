@@ -24,7 +24,7 @@ from concurrent.futures import FIRST_COMPLETED, wait
 import zmq
 
 from nanoserve.config import EngineConfig, import_by_name
-from nanoserve.engine.placement import (CpuPlacement, PlacementRequest, apply_engine_placement, die_with_parent,
+from nanoserve.parallel.placement import (CpuPlacement, PlacementRequest, apply_engine_placement, die_with_parent,
                                        engine_placement)
 from nanoserve.engine.requests import Request
 from nanoserve.engine.protocol import (Abort, Add, Batch, DeltaEncoder, EngineDead, EngineSnapshot, FailAll,

@@ -21,9 +21,9 @@ from nanoserve.engine.grammar import GrammarMatchers
 from nanoserve.heap import trim_heap
 from nanoserve.engine.protocol import ModelInfo, PromptRequest
 from nanoserve.distributed.parallel import TensorParallel, join, leave
-from nanoserve.engine.model_setup import build_shard, check_memory, host_blocks, startup_phase
+from nanoserve.parallel.shard import build_shard, check_memory, host_blocks, startup_phase
 from nanoserve.engine.requests import Request, RequestBuilder, eos_token_ids
-from nanoserve.engine.workers import (Followers, LocalWorkers, ParallelCopier, Setup, describe_fault, plan_node,
+from nanoserve.parallel.leader import (Followers, LocalWorkers, ParallelCopier, Setup, describe_fault, plan_node,
                                       shm_slot_bytes, start_worker, stop_workers)
 from nanoserve.kvcache.host_tier import HostTier
 from nanoserve.kvcache.manager import KVCacheManager

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Union
 
-from nanoserve.engine.placement import CpuPlacement
+from nanoserve.parallel.placement import CpuPlacement
 from nanoserve.kvcache.report import TierReport
 from nanoserve.outputs import RequestOutput, TokenLogprob
 from nanoserve.sampling_params import InvalidRequest, SamplingParams

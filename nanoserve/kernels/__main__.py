@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"build the portable targets ({', '.join(build.BASELINES)}) instead of this CPU's")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    from nanoserve.layers import cpu_kernels
+    from nanoserve.kernels import cpu_kernels
     if not args.baselines:
         cpu_kernels.prepare()
         print("CPU kernels:", cpu_kernels.describe())

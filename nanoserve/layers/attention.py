@@ -63,7 +63,7 @@ class _Prefill:
 
 
 class TorchAttention(AttentionBackend):
-    """CPU (and any device) backend. On CPU the C++ kernels of layers/cpu_kernels.py read the
+    """CPU (and any device) backend. On CPU the C++ kernels of kernels/cpu_kernels.py read the
     blocks in place: one call attends all decodes, one all prefill chunks (fresh prompts, prefix
     hits and continuations alike: their new K/V are written to the cache first). Without them (no
     compiler, another device, NANOSERVE_CPU_KERNELS=0): decodes by one gather per layer of K and V
@@ -71,7 +71,7 @@ class TorchAttention(AttentionBackend):
     prefill chunks by SDPA per sequence, on the chunk itself or on its gathered context."""
 
     def __init__(self, kv_cache: torch.Tensor, num_heads: int, scale: float, kernels=None) -> None:
-        """`kernels`: layers/cpu_kernels.py's module (CPU caches only), or None for the torch path."""
+        """`kernels`: kernels/cpu_kernels.py's module (CPU caches only), or None for the torch path."""
         super().__init__(kv_cache, num_heads, scale)
         # the kernels are built for head_dim 64 and 128 (the Llama family's)
         self.kernels = kernels if kv_cache.shape[-1] in (64, 128) else None

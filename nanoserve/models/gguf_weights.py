@@ -1,6 +1,6 @@
 """GGUF tensors as the model loads them when they stay quantized: Q4_0, Q4_1, Q8_0, Q4_K and Q6_K
 matrices as their raw blocks (memory-mapped by the gguf package's reader: nothing is converted, nothing
-copied; the K-quants only where their kernels built: layers/cpu_kernels.keeps), 1-D and float tensors
+copied; the K-quants only where their kernels built: kernels/cpu_kernels.keeps), 1-D and float tensors
 as fp32, every other quantized type dequantized here (logged once, by name).
 
 A GGUF folder made by `loader.materialize(..., dequantize=False)` holds the config and tokenizer
@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from nanoserve.layers.cpu_kernels import keeps
+from nanoserve.kernels.cpu_kernels import keeps
 from nanoserve.layers.quant_linear import TYPE_NAMES, QuantTensor
 
 log = logging.getLogger("nanoserve")

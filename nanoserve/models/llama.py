@@ -19,7 +19,7 @@ from nanoserve.distributed.parallel import TensorParallel, shard_heads, split, v
 from nanoserve.heap import trim_heap
 from nanoserve.layers import hugepages
 from nanoserve.layers.attention import AttentionBackend
-from nanoserve.layers.cpu_kernels import gemm_amx
+from nanoserve.kernels.cpu_kernels import gemm_amx
 from nanoserve.layers.linear import Linear
 from nanoserve.layers.quant_linear import QuantEmbedding, QuantLinear, QuantTensor, Scratch
 from nanoserve.layers.rotary import RotaryEmbedding, rotate
@@ -179,7 +179,7 @@ class LlamaModel(nn.Module):
     def finalize(self, kernels=None, quant_kernels=None) -> None:
         """After loading: wrap the projection weights in (CPU-prepacked) linear layers, or in
         quantized ones where the checkpoint's blocks were kept (`quant_kernels`: their kernels; without
-        them the blocks are dequantized here); `kernels` (layers/cpu_kernels.py, given for CPU models
+        them the blocks are dequantized here); `kernels` (kernels/cpu_kernels.py, given for CPU models
         only) fuses each residual add with the RMSNorm after it and applies RoPE in place; the
         attention backend takes it from here too."""
         self.kernels = kernels

@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import nanoserve
 from nanoserve.chat import render_chat
-from nanoserve.engine.client import EngineClient
+from nanoserve.client.engine_client import EngineClient
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import InvalidRequest
 from nanoserve.server.metrics import ServerMetrics

@@ -35,8 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _start_engine(config: EngineConfig, opts: ServerConfig, on_dead):
     """The engine core in its own process (the API process then keeps one core), or in a thread."""
-    from nanoserve.engine.client import EngineClient
-    from nanoserve.engine.placement import PlacementRequest, apply_api_placement
+    from nanoserve.client.engine_client import EngineClient
+    from nanoserve.parallel.placement import PlacementRequest, apply_api_placement
     client = EngineClient(config, placement=PlacementRequest(opts.cpu_threads), log_level=opts.log_level,
                           on_dead=on_dead, in_process=not opts.engine_process)
     client.start()
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                         stream=sys.stderr)
 
     if config.node_rank > 0:  # this node only runs tensor-parallel workers; node 0 serves the API
-        from nanoserve.engine.workers import run_node_workers
+        from nanoserve.parallel.leader import run_node_workers
         return run_node_workers(config)
 
     from nanoserve.engine.protocol import EngineStartError

@@ -14,7 +14,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from nanoserve.config import ServerConfig
-from nanoserve.engine.client import EngineClient
+from nanoserve.client.engine_client import EngineClient
 
 log = logging.getLogger("nanoserve.server")
 

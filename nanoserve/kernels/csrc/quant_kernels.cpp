@@ -1,5 +1,5 @@
 // GGUF block-quantized weights (Q4_0, Q4_1, Q8_0) computed on directly, built on first use by
-// nanoserve/layers/cpu_kernels.py (-march=native unless NANOSERVE_CPU_MARCH says otherwise).
+// nanoserve/kernels/cpu_kernels.py (-march=native unless NANOSERVE_CPU_MARCH says otherwise).
 //
 // Two layouts. The GGUF blocks as they are (AVX2 and scalar builds): each 32-weight block is
 // dequantized in registers with exactly the arithmetic of the gguf package's dequantize (Q4_0/Q8_0:

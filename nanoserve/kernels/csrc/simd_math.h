@@ -1,5 +1,5 @@
 // Vector pieces the kernel modules share (cpu_kernels.cpp, quant_kernels.cpp, kquant_kernels.cpp); each
-// module's build key covers this header too (layers/cpu_kernels.py)
+// module's build key covers this header too (kernels/cpu_kernels.py)
 #pragma once
 #include <cstdint>
 #if defined(__AVX512F__) || defined(__AVX2__)

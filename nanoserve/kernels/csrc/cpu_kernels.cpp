@@ -1,4 +1,4 @@
-// nanoserve's C++ CPU kernels, built on first use by nanoserve/layers/cpu_kernels.py
+// nanoserve's C++ CPU kernels, built on first use by nanoserve/kernels/cpu_kernels.py
 // (torch.utils.cpp_extension, -march=native; cached by a hash of this file, the CPU flags and torch).
 // ATen and pybind11's tensor casters, not <torch/extension.h>: that one brings torch's whole C++
 // frontend (autograd, nn, optim) and took a third more compile time (30 s against 20 s a module)

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.core_handle import CoreHandle
-from nanoserve.engine.output_processor import OutputProcessor
-from nanoserve.engine.placement import CpuPlacement, PlacementRequest
+from nanoserve.client.core_handle import CoreHandle
+from nanoserve.client.output_processor import OutputProcessor
+from nanoserve.parallel.placement import CpuPlacement, PlacementRequest
 from nanoserve.engine.protocol import (Abort, Add, Batch, EngineDead, EngineError, EngineSnapshot, FailAll, Finish,
                                        MetricsObserver, ModelInfo, PromptRequest, SnapshotAsk, Stop,
                                        decode_from_engine, make_prompt_request)

@@ -1,4 +1,4 @@
-"""C++ CPU kernels (nanoserve/csrc/cpu_kernels.cpp), built once per install for this CPU (nanoserve/kernels/
+"""C++ CPU kernels (nanoserve/kernels/csrc/cpu_kernels.cpp), built once per install for this CPU (nanoserve/kernels/
 build.py: `make install` and the Docker image build them; a start that finds none builds them first, announced).
 
 `paged_decode_attention` attends one query token per sequence over its KV blocks in place: the
@@ -34,7 +34,7 @@ from nanoserve.kernels import build
 from nanoserve.layers.quant_linear import BLOCKS, PACKED, Q4_K, Q6_K
 
 log = logging.getLogger("nanoserve")
-SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_kernels.cpp"
+SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.cpp"
 QUANT_SOURCE = SOURCE.with_name("quant_kernels.cpp")
 KQUANT_SOURCE = SOURCE.with_name("kquant_kernels.cpp")
 K_TYPES = frozenset({Q4_K, Q6_K})  # served by the K-quant module, every other kept type by the blocks one

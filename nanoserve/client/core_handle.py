@@ -16,7 +16,7 @@ import threading
 import zmq
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.placement import (CpuPlacement, PlacementRequest, apply_engine_placement, compute_process_env,
+from nanoserve.parallel.placement import (CpuPlacement, PlacementRequest, apply_engine_placement, compute_process_env,
                                         engine_placement)
 from nanoserve.engine.protocol import EngineStartError, ModelInfo, Ready, decode_from_engine, encode
 

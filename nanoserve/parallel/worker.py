@@ -3,11 +3,11 @@ does (model_setup.build_shard), then runs whatever rank 0 sends, in order: each 
 (on its own slices of the two tiers), then the step's forward. It never decides anything.
 
 It stops on Stop (exit 0), and on a message that does not decode as the one expected (exit 2:
-malformed, truncated or of another version; engine/tp_messages.py), running nothing of it.
+malformed, truncated or of another version; parallel/messages.py), running nothing of it.
 Anything else that goes wrong ends the process with a non-zero code: rank 0 then sees a closed
 connection inside its next collective and fails its requests, rather than run on with ranks that
 disagree. Started by rank 0 on its own node, by `nanoserve --node-rank K` on the others:
-`python -m nanoserve.engine.worker SPEC_JSON`."""
+`python -m nanoserve.parallel.worker SPEC_JSON`."""
 from __future__ import annotations
 
 import json
@@ -20,10 +20,10 @@ import torch
 
 from nanoserve.config import EngineConfig
 from nanoserve.distributed.parallel import Rendezvous, join, leave
-from nanoserve.engine.model_setup import build_shard, host_blocks
-from nanoserve.engine.placement import die_with_parent
-from nanoserve.engine.tp_messages import CopyCommand, MessageError, Setup, Step, Stop, decode
-from nanoserve.engine.workers import WorkerSpec
+from nanoserve.parallel.shard import build_shard, host_blocks
+from nanoserve.parallel.placement import die_with_parent
+from nanoserve.parallel.messages import CopyCommand, MessageError, Setup, Step, Stop, decode
+from nanoserve.parallel.leader import WorkerSpec
 from nanoserve.kvcache.host_tier import alloc_host_cache
 from nanoserve.kvcache.transfer import copy_block_async, copy_blocks
 from nanoserve.models.loader import ModelSource, load_config

@@ -1,5 +1,5 @@
 // GGUF K-quant weights (Q4_K, Q6_K: the types of the usual Q4_K_M files) computed on directly, built
-// on first use by nanoserve/layers/cpu_kernels.py (-march=native unless NANOSERVE_CPU_MARCH says
+// on first use by nanoserve/kernels/cpu_kernels.py (-march=native unless NANOSERVE_CPU_MARCH says
 // otherwise). Same interface and contract as quant_kernels.cpp, for 256-weight super-blocks:
 //
 // Q4_K (144 bytes): fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins (8 sub-blocks of 32), 128

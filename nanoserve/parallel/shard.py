@@ -15,7 +15,7 @@ import torch
 from nanoserve.config import EngineConfig
 from nanoserve.distributed.parallel import TensorParallel
 from nanoserve.kvcache.host_tier import host_memory_available
-from nanoserve.layers import cpu_kernels
+from nanoserve.kernels import cpu_kernels
 from nanoserve.layers.backend_choice import resolve_attention
 from nanoserve.models.llama import LlamaModel
 from nanoserve.models.loader import ModelSource, iter_weights
@@ -88,7 +88,7 @@ def build_shard(config: EngineConfig, source: ModelSource, hf_config, device: to
 
 
 def _kernels_chosen(config: EngineConfig, device: torch.device, attention: str, quant: bool) -> str:
-    """What computes: on CPU the kernels layers/cpu_kernels.py chose for this CPU (the attention backend
+    """What computes: on CPU the kernels kernels/cpu_kernels.py chose for this CPU (the attention backend
     class runs them), on CUDA the attention backend and what GGUF blocks and fp8 weights run on."""
     if device.type == "cpu":
         return cpu_kernels.describe()  # what the attention backend and the linear layers call on CPU

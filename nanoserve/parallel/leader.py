@@ -1,5 +1,5 @@
 """The other tensor-parallel ranks, seen from the engine (rank 0): starting the ones on this node,
-the messages they get (engine/tp_messages.py: typed, never pickled), and the KV copies they mirror.
+the messages they get (parallel/messages.py: typed, never pickled), and the KV copies they mirror.
 
 One scheduler, N workers. Rank 0 plans each step (runner/step_plan.py) and broadcasts it before its
 own forward; the ranks meet in the model's collectives. Block ids are the same on every rank (each
@@ -27,8 +27,8 @@ from nanoserve.config import EngineConfig
 from nanoserve.distributed.channel import MessageChannel
 from nanoserve.distributed.parallel import ParallelFault, Rendezvous, TensorParallel, leave
 from nanoserve.distributed.shm import ShmChannel
-from nanoserve.engine.placement import compute_process_env
-from nanoserve.engine.tp_messages import CopyCommand, Message, Setup, Step, Stop, encode  # Setup: for llm_engine
+from nanoserve.parallel.placement import compute_process_env
+from nanoserve.parallel.messages import CopyCommand, Message, Setup, Step, Stop, encode  # Setup: for llm_engine
 from nanoserve.kvcache.transfer import Copier, Transfer
 from nanoserve.runner.step_plan import StepPlan
 
@@ -148,7 +148,7 @@ def start_worker(spec: WorkerSpec) -> subprocess.Popen:
     path = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
     env = compute_process_env()
     env["PYTHONPATH"] = path + os.pathsep + os.environ.get("PYTHONPATH", "")
-    return subprocess.Popen([sys.executable, "-m", "nanoserve.engine.worker", json.dumps(asdict(spec))], env=env)
+    return subprocess.Popen([sys.executable, "-m", "nanoserve.parallel.worker", json.dumps(asdict(spec))], env=env)
 
 
 def cpu_slices(cpus: list[int], ranks: int) -> list[tuple[int, ...] | None]:
