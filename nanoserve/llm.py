@@ -10,7 +10,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.requests import Request
 from nanoserve.client.output_processor import OutputProcessor
-from nanoserve.engine.protocol import DeltaEncoder
+from nanoserve.engine.protocol import DeltaEncoder, StepFailed
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.chat import render_chat
@@ -66,7 +66,7 @@ class LLM:
         bar = tqdm(total=len(reqs), desc="Generating", disable=not use_tqdm)
         try:
             while len(done) < len(reqs):
-                for out in self.engine.step():
+                for out in self._step():
                     self._process(out, pending, done, bar)
         except BaseException:
             for r in reqs:  # leave the engine clean for the next call
@@ -76,6 +76,12 @@ class LLM:
         finally:
             bar.close()
         return [done[r.request_id] for r in reqs]
+
+    def _step(self) -> list[RequestOutput]:
+        try:
+            return self.engine.step()
+        except StepFailed as e:  # offline, every request is the caller's: raise what the step raised
+            raise e.cause
 
     def _process(self, out: RequestOutput, pending: dict, done: dict[str, RequestOutput], bar) -> None:
         if out.request_id in done:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from nanoserve.kvcache.manager import KVCacheManager, LoadState, Supply
+from nanoserve.kvcache.manager import Admission, KVCacheManager, LoadState, Supply
 from nanoserve.sequence import Sequence, SeqStatus
 
 
@@ -78,6 +78,15 @@ class Scheduler:
         spinning (a load someone waits for, or a save a deferred sequence needs)."""
         self.kv.wait_for_transfer(timeout)
 
+    def next_step_kind(self) -> str:
+        """'decode' when the coming step can only be one token per running sequence; 'mixed' when some
+        prompt work may run in it (a running prefill, a prefix load in flight, or a waiting request
+        with a free batch slot; scheduling may still defer it). Decided before the step, so a
+        'decode' step is never one that did prefill work."""
+        if self.loading or (self.waiting and len(self.running) < self.max_num_seqs):
+            return "mixed"
+        return "decode" if all(s.num_tokens - s.num_computed_tokens <= 1 for s in self.running) else "mixed"
+
     def kv_demand(self, lookahead: int = 8) -> int:
         """Device blocks the next step is expected to take beyond recent allocations: a block per
         running sequence, and what the next admissible waiting requests need (their host hits
@@ -134,15 +143,13 @@ class Scheduler:
         return out
 
     def _admit(self, seq: Sequence, budget: int) -> bool:
-        deferred = self.kv.policy.num_deferred
-        if self.kv.admit(seq, budget, reserve=len(self.running)):
-            return True
-        if not self.inline_loads or self.kv.policy.num_deferred == deferred:
-            return False
+        admission = self.kv.admit(seq, budget, reserve=len(self.running))
+        if admission is not Admission.WAIT_FOR_SAVES or not self.inline_loads:
+            return bool(admission)
         # CPU: the saves it waits for are memcpys of a few ms; deferring costs it (and everyone queued
         # behind it) a whole step. Measured on docqa: 3 of 16 round-2 admissions deferred a step each.
         self.kv.complete_saves(self.inline_load_wait)
-        return self.kv.admit(seq, budget, reserve=len(self.running))
+        return bool(self.kv.admit(seq, budget, reserve=len(self.running)))
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
@@ -167,7 +174,7 @@ class Scheduler:
         self.kv.check_invariants()
         holders = self.running + self.loading
         in_tables = sum(len(s.block_table) for s in holders)
-        refs = sum(self.kv.pool.ref_count)
+        refs = self.kv.held_references()
         assert refs == in_tables, f"ref counts {refs} != blocks held by running/loading sequences {in_tables}"
         assert all(not s.block_table for s in self.waiting), "waiting sequence holds blocks"
         assert all(self.kv.load_state(s) is LoadState.READY for s in self.running), "running before its load"

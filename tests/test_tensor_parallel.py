@@ -151,7 +151,7 @@ def test_two_ranks_match_one_rank_and_hf(name, collectives, tiny_path, monkeypat
     """gqa-tied: 2 KV heads, one per rank; rope-scaling: 1 KV head, replicated; qwen2: QKV bias,
     untied LM head. Collectives through shared memory (one CPU node), and through gloo."""
     if collectives == "gloo":  # rank 0 sizes the shared-memory slots; 0 = none
-        monkeypatch.setattr("nanoserve.engine.llm_engine.shm_slot_bytes", lambda *a: 0)
+        monkeypatch.setattr("nanoserve.parallel.ranks.shm_slot_bytes", lambda *a: 0)
     path = tiny_path(name)
     prompts = random_prompts(4, 3, 60, seed=7)
     kw = dict(dtype="float32", block_size=16, num_kv_blocks=64)
@@ -161,7 +161,7 @@ def test_two_ranks_match_one_rank_and_hf(name, collectives, tiny_path, monkeypat
         parallel = [o.outputs[0].token_ids for o in two.generate(prompts, GREEDY)]
         assert two.engine.model.num_heads == 2 and two.engine.model.embed.shape[0] == 49152 // 2
         room = os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 256 << 20  # else gloo
-        assert (two.engine.tp.shm is not None) == (collectives == "shm" and room)
+        assert (two.engine.ranks.tp.shm is not None) == (collectives == "shm" and room)
     assert parallel == single == hf_greedy(path, prompts, GREEDY.max_tokens)
 
 

@@ -54,12 +54,31 @@ class Frontend:
 
 @dataclass
 class _Stream:
+    """One request's way back to its caller: the asyncio queue it reads, and its latency so far."""
     loop: asyncio.AbstractEventLoop
     q: asyncio.Queue
     processor: OutputProcessor
     arrival: float
     last_token: float | None = None
     num_tokens: int = 0
+
+    def put(self, item: RequestOutput | BaseException) -> None:  # from the receiver thread
+        self.loop.call_soon_threadsafe(self.q.put_nowait, item)
+
+    def observe(self, obs: MetricsObserver, out: RequestOutput, now: float) -> None:
+        """Latency metrics as the client sees them: from arrival at the API to outputs leaving it."""
+        try:
+            ntok = sum(len(c.token_ids) for c in out.outputs)
+            if ntok > self.num_tokens:
+                if self.last_token is None:
+                    obs.on_first_token(now - self.arrival)
+                else:
+                    obs.on_inter_token(now - self.last_token)
+                self.last_token, self.num_tokens = now, ntok
+            if out.finished:
+                obs.on_finished(now - self.arrival)
+        except Exception:
+            log.exception("metrics observer failed")
 
 
 class EngineClient:
@@ -250,10 +269,10 @@ class EngineClient:
             out, stopped = st.processor.apply(d)
             if not d.finished:  # the engine still runs the stopped choices: free their KV now
                 stops += [Finish(d.request_id, [i], out.outputs[i].stop_reason) for i in stopped]
-            self._observe(st, out, now)
+            st.observe(self.observer, out, now)
             if out.finished:
                 done.append(d.request_id)
-            st.loop.call_soon_threadsafe(st.q.put_nowait, out)
+            st.put(out)
         with self._lock:
             for rid in done:
                 self._streams.pop(rid, None)
@@ -263,7 +282,7 @@ class EngineClient:
             for e in batch.errors:
                 st = self._streams.pop(e.request_id, None)
                 if st is not None:
-                    st.loop.call_soon_threadsafe(st.q.put_nowait, e.exception())
+                    st.put(e.exception())
             for reply in batch.snapshots:
                 self._snapshot = reply.snapshot
                 waiter = self._snap_waiters.pop(reply.token, None)
@@ -272,22 +291,6 @@ class EngineClient:
         try:
             for s in batch.steps:
                 self.observer.on_step(s.kind, s.seconds)
-        except Exception:
-            log.exception("metrics observer failed")
-
-    def _observe(self, st: _Stream, out: RequestOutput, now: float) -> None:
-        """Latency metrics as the client sees them: from arrival at the API to outputs leaving it."""
-        obs = self.observer
-        try:
-            ntok = sum(len(c.token_ids) for c in out.outputs)
-            if ntok > st.num_tokens:
-                if st.last_token is None:
-                    obs.on_first_token(now - st.arrival)
-                else:
-                    obs.on_inter_token(now - st.last_token)
-                st.last_token, st.num_tokens = now, ntok
-            if out.finished:
-                obs.on_finished(now - st.arrival)
         except Exception:
             log.exception("metrics observer failed")
 
@@ -303,7 +306,7 @@ class EngineClient:
             streams, self._streams = self._streams, {}
             waiters, self._snap_waiters = self._snap_waiters, {}
         for st in streams.values():
-            st.loop.call_soon_threadsafe(st.q.put_nowait, err)
+            st.put(err)
         for loop, fut in waiters.values():
             loop.call_soon_threadsafe(_set_result, fut, self._snapshot)
         if self.exit_reason is not None:

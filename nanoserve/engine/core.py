@@ -29,23 +29,12 @@ from nanoserve.parallel.placement import (CpuPlacement, PlacementRequest, apply_
 from nanoserve.engine.requests import Request
 from nanoserve.engine.protocol import (Abort, Add, Batch, DeltaEncoder, EngineDead, EngineSnapshot, FailAll,
                                        Finish, OutputDelta, Ready, RequestError, SnapshotAsk, SnapshotReply,
-                                       StartFailed, StepTime, Stop, ToEngine, decode_to_engine, encode)
+                                       StartFailed, StepFailed, StepTime, Stop, ToEngine, decode_to_engine, encode)
 from nanoserve.outputs import RequestOutput
 
 log = logging.getLogger("nanoserve.engine_core")
 
 IDLE_POLL_MS = 1000  # how often an idle engine in its own process checks that its parent is still there
-
-
-def step_kind(engine) -> str:
-    """'decode' when the coming step can only be one token per running sequence; 'mixed' when some
-    prompt work may run in it (a running prefill, a prefix load in flight, or a waiting request
-    with a free batch slot; the scheduler may still defer it). Decided before the step, so a
-    'decode' step is never one that did prefill work."""
-    sch = engine.scheduler
-    if sch.loading or (sch.waiting and len(sch.running) < sch.max_num_seqs):
-        return "mixed"
-    return "decode" if all(s.num_tokens - s.num_computed_tokens <= 1 for s in sch.running) else "mixed"
 
 
 class EngineCore:
@@ -89,13 +78,13 @@ class EngineCore:
             if not eng.has_unfinished():
                 self._check_invariants()
                 continue
-            kind, t0 = step_kind(eng), time.perf_counter()
+            kind, steps, t0 = eng.next_step_kind(), eng.stats.steps, time.perf_counter()
             try:
                 outs = eng.step()
             except Exception as e:  # fail what was in that step, keep serving
                 self._fail_step(e)
             else:
-                if eng.step_request_ids:  # not the empty steps that wait for host copies
+                if eng.stats.steps > steps:  # not the empty steps that wait for host copies
                     self._steps.append(StepTime(kind, time.perf_counter() - t0))
                 for out in outs:
                     self._emit(out)
@@ -173,9 +162,8 @@ class EngineCore:
             del self.encoders[out.request_id]
 
     def _flush(self) -> None:
-        sch = self.engine.scheduler
-        counts = (self.adds_seen, len({s.request_id for s in sch.running}),
-                  len({s.request_id for s in sch.waiting}) + len(self.compiling))
+        running, waiting = self.engine.request_counts()
+        counts = (self.adds_seen, running, waiting + len(self.compiling))
         if not (self._outputs or self._errors or self._steps or self._snapshots) and counts == self._sent_counts:
             return
         self.out.send(encode(Batch(self._outputs, self._errors, self._steps, self._snapshots, *counts)))
@@ -186,14 +174,11 @@ class EngineCore:
     def _fail_step(self, exc: Exception) -> None:
         """One step raised: fail only the requests it concerned (when scheduling itself failed, the
         running ones and the one it was admitting), then verify the KV state is still sound."""
-        eng = self.engine
         self.step_errors += 1
-        ids = eng.step_request_ids
-        if ids is None:
-            sch = eng.scheduler
-            ids = {s.request_id for s in sch.running} | ({sch.waiting[0].request_id} if sch.waiting else set())
-        log.error("engine step failed; failing the %d request(s) in it", len(ids), exc_info=exc)
-        message = f"the engine failed while running this request: {type(exc).__name__}: {exc}"
+        ids = exc.request_ids if isinstance(exc, StepFailed) else self.engine.active_request_ids()
+        cause = exc.cause if isinstance(exc, StepFailed) else exc
+        log.error("engine step failed; failing the %d request(s) in it", len(ids), exc_info=cause)
+        message = f"the engine failed while running this request: {type(cause).__name__}: {cause}"
         for rid in ids:
             self._force_abort(rid)
             if self.encoders.pop(rid, None) is not None:
@@ -213,7 +198,7 @@ class EngineCore:
             self.engine.abort(rid)
         except Exception:
             log.exception("abort of %s after a failure failed; dropping it", rid)
-            self.engine.requests.pop(rid, None)  # never let one broken request fail every step
+            self.engine.discard(rid)  # never let one broken request fail every step
 
     def _check_invariants(self) -> None:
         try:
@@ -237,14 +222,8 @@ class EngineCore:
             log.exception("engine close failed")
 
     def _take_snapshot(self) -> EngineSnapshot:
-        eng, st = self.engine, self.engine.stats
-        sch = eng.scheduler
-        self.snapshot = EngineSnapshot(
-            num_running=len({s.request_id for s in sch.running}), num_waiting=len({s.request_id for s in sch.waiting}),
-            num_preemptions=sch.num_preemptions, prompt_tokens=st.prompt_tokens,
-            generation_tokens=st.generation_tokens, finished=dict(st.finished), steps=st.steps,
-            step_errors=self.step_errors, invariant_violations=self.invariant_violations,
-            tiers=[dataclasses.replace(r) for r in eng.kv.reports()], time=time.time())
+        self.snapshot = dataclasses.replace(self.engine.snapshot(), step_errors=self.step_errors,
+                                            invariant_violations=self.invariant_violations)
         return self.snapshot
 
 

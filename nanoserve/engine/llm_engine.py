@@ -8,23 +8,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 import time
-import weakref
 from dataclasses import dataclass, field
 
 import torch
 
 from nanoserve.config import EngineConfig
+from nanoserve.distributed.parallel import TensorParallel
 from nanoserve.engine.grammar import GrammarMatchers
+from nanoserve.engine.protocol import EngineSnapshot, ModelInfo, PromptRequest, StepFailed
+from nanoserve.engine.requests import Request, RequestBuilder, eos_token_ids, request_output
 from nanoserve.heap import trim_heap
-from nanoserve.engine.protocol import ModelInfo, PromptRequest
-from nanoserve.distributed.parallel import TensorParallel, join, leave
+from nanoserve.parallel.ranks import Ranks
 from nanoserve.parallel.shard import build_shard, check_memory, host_blocks, startup_phase
-from nanoserve.engine.requests import Request, RequestBuilder, eos_token_ids
-from nanoserve.parallel.leader import (Followers, LocalWorkers, ParallelCopier, Setup, describe_fault, plan_node,
-                                      shm_slot_bytes, start_worker, stop_workers)
 from nanoserve.kvcache.host_tier import HostTier
 from nanoserve.kvcache.manager import KVCacheManager
 from nanoserve.kvcache.transfer import make_copier
@@ -34,7 +31,7 @@ from nanoserve.models.llama import LlamaModel
 from nanoserve.models.loader import (GENERIC_TOKENIZERS, load_config, load_tokenizer, materialize, resolve_model,
                                      tokenizer_dir)
 from nanoserve.models.tokenizer_facts import facts_of, read_tokenizer_facts
-from nanoserve.outputs import CompletionOutput, RequestOutput
+from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import InvalidRequest, SamplingParams
 from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence
@@ -65,22 +62,20 @@ class LLMEngine:
         self._tokenizer, self._tokenizer_lock = None, threading.Lock()
         self.dtype = config.resolved_dtype(self.device)
         torch.manual_seed(config.seed)
-        self.tp, self.followers, self.local_workers = TensorParallel(), None, None
+        self.ranks = Ranks()
         if config.tensor_parallel_size > 1:
             # refuse a split the model cannot take before starting anything (meta: no memory)
             LlamaModel(self.hf_config, self.dtype, torch.device("meta"), TensorParallel(0, config.tensor_parallel_size))
-            self._start_workers()
+            self.ranks = Ranks.start(config, self.device, self.hf_config, Ranks.setup_message(
+                config, self.source.name, str(self.source.path), self.dtype))
         try:
-            shard = build_shard(config, self.source, self.hf_config, self.device, self.dtype, self.tp)
+            shard = build_shard(config, self.source, self.hf_config, self.device, self.dtype, self.ranks.tp)
         except BaseException:
-            if self.followers is not None:
-                self._stop_workers()
-            elif self.local_workers is not None:
-                self.local_workers.stop(timeout=0)
+            self.ranks.close()
             raise
         self.model, self.layout, self.runner = shard.model, shard.layout, shard.runner
         num_blocks, block_size, self.max_model_len = shard.num_blocks, shard.layout.block_size, shard.max_model_len
-        self.runner.listener = self.followers
+        self.runner.listener = self.ranks.followers
         host = self._host_tier()
         # the cleaner sizes its target from demand; a watermark only overrides it
         self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching, host,
@@ -94,8 +89,6 @@ class LLMEngine:
         eos_ids = eos_token_ids(facts.eos_token_id, self.hf_config, self.source.path)
         self.max_token_chars = facts.max_token_chars
         self.requests: dict[str, Request] = {}
-        # which requests a failure inside the current step concerns; None until scheduling has decided
-        self.step_request_ids: set[str] | None = None
         self.stats = EngineStats()
         self.model_name = self.source.name
         self.info = ModelInfo(self.model_name, str(self.source.path), self.model.vocab_size, self.max_model_len,
@@ -113,42 +106,15 @@ class LLMEngine:
                 self._tokenizer = load_tokenizer(self.source, self.config.tokenizer)
             return self._tokenizer
 
-    # ---- setup helpers -------------------------------------------------------------------
-    def _start_workers(self) -> None:
-        """Tensor parallel: start this node's other ranks, join them as rank 0, send the settings."""
-        specs = plan_node(self.config, self.device, shm_slot_bytes(self.config, self.hf_config, self.device))
-        if self.device.type == "cpu" and specs[0].threads is not None:
-            torch.set_num_threads(specs[0].threads)
-            if specs[0].cpus is not None:
-                os.sched_setaffinity(0, specs[0].cpus)
-        self.local_workers = LocalWorkers({s.rank: start_worker(s) for s in specs[1:]})
-        try:
-            self.tp, channel = join(specs[0].rendezvous, 0, self.device)
-        except BaseException:
-            self.local_workers.stop(timeout=0)
-            raise
-        if self.tp.shm is not None:  # fail the shared-memory waits at once
-            self.local_workers.on_death = lambda: (self.tp.shm.abort(), channel.abort())
-        self.followers = Followers(channel, self.tp)
-        # also at interpreter exit: an offline LLM nobody closed must not leave its workers waiting
-        self._stop_workers = weakref.finalize(self, stop_workers, self.followers, self.local_workers)
-        self.followers.send(Setup(dataclasses.asdict(self.config), self.source.name, str(self.source.path),
-                                   str(self.dtype).removeprefix("torch.")))
-        log.info("tensor parallel: %d ranks (%d on this node), collectives through %s", self.tp.size, len(specs),
-                 "NCCL" if self.device.type == "cuda" else "shared memory" if self.tp.shm else "gloo")
-
     def _host_tier(self) -> HostTier | None:
-        blocks = host_blocks(self.config, self.layout, self.tp.size)
+        blocks = host_blocks(self.config, self.layout, self.ranks.tp.size)
         if not blocks:
             return None
         with startup_phase("host tier") as phase:
-            copier = make_copier(self.device)
-            if self.followers is not None:
-                copier = ParallelCopier(copier, self.followers)
-            host = HostTier(blocks, self.runner.kv_cache, copier)
+            host = HostTier(blocks, self.runner.kv_cache, self.ranks.copier(make_copier(self.device)))
             how = f"pinned in {len(host.pinned_ranges)} range(s)" if self.device.type == "cuda" else "allocated"
             phase.what = (f"{blocks} blocks = {blocks * self.layout.block_size} tokens, "
-                          f"{host.num_bytes * self.tp.size / GiB:.2f} GiB {how}")
+                          f"{host.num_bytes * self.ranks.tp.size / GiB:.2f} GiB {how}")
         return host
 
     # ---- requests -------------------------------------------------------------------------
@@ -199,16 +165,51 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def active_request_ids(self) -> set[str]:
+        """The running requests and the head of the queue: what a step that failed to schedule concerns."""
+        sch = self.scheduler
+        return {s.request_id for s in sch.running} | ({sch.waiting[0].request_id} if sch.waiting else set())
+
+    def request_counts(self) -> tuple[int, int]:
+        """(running, waiting) requests, each counted once whatever its number of sequences."""
+        sch = self.scheduler
+        return len({s.request_id for s in sch.running}), len({s.request_id for s in sch.waiting})
+
+    def next_step_kind(self) -> str:
+        return self.scheduler.next_step_kind()
+
+    def discard(self, request_id: str) -> None:
+        """Forget a request whose abort failed, so that it cannot fail every later step."""
+        self.requests.pop(request_id, None)
+
+    def snapshot(self) -> EngineSnapshot:
+        """Counts and counters for /metrics; the loop adds its own (step errors, invariant violations)."""
+        running, waiting = self.request_counts()
+        st = self.stats
+        return EngineSnapshot(num_running=running, num_waiting=waiting,
+                              num_preemptions=self.scheduler.num_preemptions, prompt_tokens=st.prompt_tokens,
+                              generation_tokens=st.generation_tokens, finished=dict(st.finished), steps=st.steps,
+                              tiers=[dataclasses.replace(r) for r in self.kv.reports()], time=time.time())
+
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        self.step_request_ids = None
-        sched = self.scheduler.schedule()
-        self.step_request_ids = {s.seq.request_id for s in sched.scheduled}
+        """One step; raises StepFailed naming the requests a failure concerns (the scheduled ones, or,
+        when scheduling itself failed, the running ones and the one it was admitting)."""
+        try:
+            sched = self.scheduler.schedule()
+        except Exception as e:
+            raise StepFailed(self.active_request_ids(), e) from e
+        try:
+            return self._step(sched)
+        except Exception as e:
+            raise StepFailed({s.seq.request_id for s in sched.scheduled}, e) from e
+
+    def _step(self, sched) -> list[RequestOutput]:
         # the cleaner after scheduling: its saves overlap this step's forward, and it sees what the
         # next step will ask for
         self.kv.offload_cold_blocks(self.scheduler.kv_demand())
         if not sched.scheduled:  # only copies in flight (loads, or saves a deferral waits for): block, don't spin
-            self._parallel(self.scheduler.wait_for_transfers, 0.05)
+            self.ranks.guard(self.scheduler.wait_for_transfers, 0.05)
             return []
         self.stats.steps += 1
         logits, samplers, prompt_rows = self._run(sched)
@@ -232,24 +233,10 @@ class LLMEngine:
         return [self._output(r) for r in touched.values()]
 
     def check_workers(self) -> None:
-        """Raise ParallelFault if a worker of this node has exited (an idle engine's periodic check;
-        a busy one notices in its next collective)."""
-        if self.followers is not None and self.local_workers is not None and self.local_workers.dead():
-            raise describe_fault(RuntimeError("a worker process exited"), self.local_workers)
+        self.ranks.check()
 
     def _run(self, sched):
-        return self._parallel(self.runner.run, sched.scheduled)
-
-    def _parallel(self, fn, *args):
-        """Under tensor parallelism any failure where the ranks meet is fatal (ParallelFault): the
-        others may be inside a collective rank 0 will never join."""
-        if self.followers is None:
-            return fn(*args)
-        try:
-            return fn(*args)
-        except Exception as e:
-            self.followers.failed = True
-            raise describe_fault(e, self.local_workers) from e
+        return self.ranks.guard(self.runner.run, sched.scheduled)
 
     def _append(self, req: Request, seq: Sequence, tok: int, lp, now: float) -> None:
         seq.token_ids.append(tok)
@@ -276,19 +263,10 @@ class LLMEngine:
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
 
     def _output(self, req: Request) -> RequestOutput:
-        finished = all(s.is_finished for s in req.seqs)
-        outs = [CompletionOutput(seq.index, "", seq.output_token_ids, seq.finish_reason, seq.stop_reason,
-                                 seq.output_logprobs if seq.params.logprobs is not None else None)
-                for seq in req.seqs]
-        if finished:
+        out = request_output(req)
+        if out.finished:
             del self.requests[req.request_id]
-        first = req.seqs[0]
-        times = [s.first_token_time for s in req.seqs if s.first_token_time is not None]
-        prompt_lps = first.prompt_logprobs if req.params.prompt_logprobs is not None else None
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished,
-                             first.num_cached_tokens, first.num_device_cached_tokens,
-                             first.num_host_cached_tokens, prompt_logprobs=prompt_lps,
-                             metrics={"arrival": req.arrival_time, "first_token": min(times, default=0.0)})
+        return out
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
@@ -300,7 +278,5 @@ class LLMEngine:
         try:
             self.kv.close()
         finally:
-            if self.followers is not None:
-                self._stop_workers()
-                self.followers = None
+            self.ranks.close()
 

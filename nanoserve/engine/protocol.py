@@ -28,6 +28,15 @@ class EngineDead(RuntimeError):
     """The engine is not running (stopped or crashed)."""
 
 
+class StepFailed(RuntimeError):
+    """The engine step (LLMEngine.step, in the engine core) raised `cause`; `request_ids` are the requests
+    it concerned (to fail, and only them)."""
+
+    def __init__(self, request_ids: set[str], cause: Exception) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.request_ids, self.cause = request_ids, cause
+
+
 class EngineStartError(RuntimeError):
     """The engine could not load the model (the message says why)."""
 

@@ -16,6 +16,7 @@ import torch
 
 from nanoserve.engine.grammar import Compile, GrammarMatchers
 from nanoserve.engine.protocol import ModelInfo, PromptRequest, check_prompt_request, make_prompt_request
+from nanoserve.outputs import CompletionOutput, RequestOutput
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.sequence import Sequence
 
@@ -72,3 +73,17 @@ class RequestBuilder:
             seqs.append(Sequence(next(self._seq_ids), preq.request_id, i, ids, params, preq.max_tokens,
                                  self.eos_ids, generator=gen, parent=seqs[0] if seqs else None))
         return Request(preq.request_id, preq.prompt, ids, params, seqs, preq.arrival_time, grammar)
+
+
+def request_output(req: Request) -> RequestOutput:
+    """What the engine reports of a request after a step: every choice's tokens so far, finished or not."""
+    outs = [CompletionOutput(seq.index, "", seq.output_token_ids, seq.finish_reason, seq.stop_reason,
+                             seq.output_logprobs if seq.params.logprobs is not None else None)
+            for seq in req.seqs]
+    first = req.seqs[0]
+    times = [s.first_token_time for s in req.seqs if s.first_token_time is not None]
+    prompt_lps = first.prompt_logprobs if req.params.prompt_logprobs is not None else None
+    return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, all(s.is_finished for s in req.seqs),
+                         first.num_cached_tokens, first.num_device_cached_tokens, first.num_host_cached_tokens,
+                         prompt_logprobs=prompt_lps,
+                         metrics={"arrival": req.arrival_time, "first_token": min(times, default=0.0)})

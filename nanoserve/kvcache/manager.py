@@ -13,18 +13,30 @@ and `close`.
 """
 from __future__ import annotations
 
+import enum
 import logging
 
 from nanoserve.kvcache.block_pool import BlockPool
 from nanoserve.kvcache.copies import Load, LoadState, TierCopies
+from nanoserve.kvcache.hit_stats import HitStats, PrefixCacheStats
 from nanoserve.kvcache.host_tier import HostTier
 from nanoserve.kvcache.policy import Supply, TierPolicy
-from nanoserve.kvcache.prefix import PrefixCacheStats, PrefixChains, PrefixHit, Tier
+from nanoserve.kvcache.prefix import PrefixChains, PrefixHit, Tier
 from nanoserve.kvcache.report import TierReport
 from nanoserve.sequence import Sequence
 
 log = logging.getLogger("nanoserve")
-__all__ = ["KVCacheManager", "LoadState", "PrefixHit", "Supply", "Tier"]
+__all__ = ["Admission", "KVCacheManager", "LoadState", "PrefixHit", "Supply", "Tier"]
+
+
+class Admission(enum.Enum):
+    """A waiting sequence's answer from `admit`; true only when admitted."""
+    ADMITTED = "admitted"
+    WAIT_FOR_SAVES = "wait for saves"  # only by dropping uncopied KV: saves started, ask again
+    NO_ROOM = "no room"
+
+    def __bool__(self) -> bool:
+        return self is Admission.ADMITTED
 
 
 class KVCacheManager:
@@ -34,14 +46,12 @@ class KVCacheManager:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
-        self.device_stats = PrefixCacheStats()
         self.host = host
-        self.host_stats = PrefixCacheStats()
+        self.hits = HitStats(host=PrefixCacheStats() if host is not None else None)
+        self.device_stats, self.host_stats = self.hits.device, self.hits.host or PrefixCacheStats()
         self.copies = TierCopies(self.pool, host) if host is not None else None
         self.chains = PrefixChains(block_size, self.pool, self.copies, enable_prefix_caching, hash_salt)
         self.policy = TierPolicy(self.pool, self.copies, offload_watermark)
-        # first admission's cache stats, counted once its loads have landed: seq id -> (cached, host)
-        self._unconfirmed: dict[int, tuple[Sequence, int, int]] = {}
         self.num_load_submit_failures = 0   # loads that could not start (treated as host misses)
 
     @property
@@ -71,11 +81,11 @@ class KVCacheManager:
     def match_prefix(self, seq: Sequence, use_host: bool = True) -> list[PrefixHit]:
         return self.chains.match(seq, use_host)
 
-    def admit(self, seq: Sequence, num_new_tokens: int, reserve: int = 0, use_host: bool = True) -> bool:
+    def admit(self, seq: Sequence, num_new_tokens: int, reserve: int = 0, use_host: bool = True) -> Admission:
         """Give a waiting sequence its cached prefix and blocks for `num_new_tokens` more tokens;
-        host hits start loading (see `load_state`). Returns False (and changes nothing the caller
-        holds) if the blocks cannot be had now, or only by dropping uncopied KV while saves can
-        avoid that: those saves are started and the answer may change next step. `reserve`: blocks
+        host hits start loading (see `load_state`). Not admitted (nothing the caller holds changed):
+        NO_ROOM if the blocks cannot be had now; WAIT_FOR_SAVES if only by dropping uncopied KV while
+        saves can avoid that: those saves are started and the answer may change. `reserve`: blocks
         to leave reusable without loss (the running sequences' next tokens). If anything raises,
         every block and pin taken is released; a load that cannot start is a host miss."""
         assert not seq.block_table and seq.num_computed_tokens == 0
@@ -88,7 +98,7 @@ class KVCacheManager:
         # device hits sitting in an LRU: acquiring them takes them out of what allocation can use
         supply = self.policy.supply(need, reserve, [b for t, b in hits if t is Tier.DEVICE], host_hits)
         if supply is Supply.SHORT or supply is Supply.DEFER:
-            return False
+            return Admission.NO_ROOM if supply is Supply.SHORT else Admission.WAIT_FOR_SAVES
         # host room for saves, not counting this request's own host hits (they stay)
         room = self.policy.host_room() - sum(1 for hb in host_hits if hb in self.host.pool.dirty)
         lossy_before = self.pool.num_lossy_evictions
@@ -110,12 +120,8 @@ class KVCacheManager:
             self.copies.wait_on(seq.seq_id, shared)
         seq.block_table = table
         seq.num_computed_tokens = num_cached
-        if not seq.admitted:
-            if shared:
-                self._unconfirmed[seq.seq_id] = (seq, num_cached, len(host_hits) * self.block_size)
-            else:
-                self._count_hits(seq, num_cached, len(host_hits) * self.block_size)
-        return True
+        self.hits.admitted(seq, num_cached, len(host_hits) * self.block_size, loading=bool(shared))
+        return Admission.ADMITTED
 
     def _take_blocks(self, seq: Sequence, hits: list[PrefixHit], need: int,
                      lossy_ok: bool) -> tuple[list[int], set[Load]]:
@@ -144,19 +150,6 @@ class KVCacheManager:
             raise
         return table, shared
 
-    def _count_hits(self, seq: Sequence, num_cached: int, host_tokens: int) -> None:
-        """A sequence's first admission, once every block it was promised is on device: its usage
-        numbers and the per-tier hit counters."""
-        seq.admitted = True
-        seq.num_cached_tokens = num_cached
-        seq.num_device_cached_tokens = num_cached - host_tokens
-        seq.num_host_cached_tokens = host_tokens
-        self.device_stats.queries += seq.num_prompt_tokens
-        self.device_stats.hits += num_cached - host_tokens
-        if self.host is not None:
-            self.host_stats.queries += seq.num_prompt_tokens - (num_cached - host_tokens)
-            self.host_stats.hits += host_tokens
-
     def _release(self, table: list[int | None]) -> None:
         for b in table:
             if b is not None:
@@ -184,10 +177,8 @@ class KVCacheManager:
     def poll_transfers(self) -> None:
         """End every copy whose handle is done (never blocks)."""
         if self.copies is not None:
-            for sid in self.copies.poll():
-                stats = self._unconfirmed.pop(sid, None)
-                if stats is not None and sid not in self.copies.failed:
-                    self._count_hits(*stats)  # every load it was promised has landed
+            for sid in self.copies.poll():  # every load that sequence was promised has ended
+                self.hits.loads_ended(sid, failed=sid in self.copies.failed)
 
     def complete_loads(self, seq: Sequence, timeout: float) -> None:
         """Wait (up to `timeout` in all) for the loads `seq` waits on, then end what is done: its
@@ -253,7 +244,7 @@ class KVCacheManager:
         seq.num_computed_tokens = 0
         if self.copies is not None:
             self.copies.forget(seq.seq_id)
-        self._unconfirmed.pop(seq.seq_id, None)
+        self.hits.forget(seq.seq_id)
 
     def reports(self) -> list[TierReport]:
         st = self.pool.stats()
@@ -274,6 +265,15 @@ class KVCacheManager:
         self.pool.check_invariants()
         if self.copies is not None:
             self.copies.check_invariants()
-            assert set(self._unconfirmed) <= set(self.copies.waiting_on), "hit stats held for a sequence not loading"
+            assert set(self.hits.unconfirmed) <= set(self.copies.waiting_on), "hit stats held, not loading"
         else:
-            assert not any(self.pool.pins) and not self._unconfirmed
+            assert not any(self.pool.pins) and not self.hits.unconfirmed
+
+    def held_references(self) -> int:
+        """Device block references held (the scheduler checks them against its sequences' tables)."""
+        return sum(self.pool.ref_count)
+
+    @property
+    def num_deferred(self) -> int:
+        """Admissions and running steps deferred so far for saves to finish (benchmarks, tests)."""
+        return self.policy.num_deferred

@@ -11,7 +11,6 @@ from __future__ import annotations
 import enum
 import hashlib
 import os
-from dataclasses import dataclass
 
 from nanoserve.kvcache.block_pool import BlockHash, BlockKey, BlockPool, chain_hash
 from nanoserve.kvcache.copies import TierCopies
@@ -27,12 +26,6 @@ class Tier(str, enum.Enum):
 # (tier, block): a host block for Tier.HOST, else a device block. A plain tuple: a long prefix is
 # thousands of hits, and building a NamedTuple each was a third of admitting one.
 PrefixHit = tuple[Tier, int]
-
-
-@dataclass
-class PrefixCacheStats:
-    queries: int = 0  # prompt tokens looked up
-    hits: int = 0     # prompt tokens found
 
 
 class PrefixChains:

@@ -28,7 +28,7 @@ from nanoserve.distributed.channel import MessageChannel
 from nanoserve.distributed.parallel import ParallelFault, Rendezvous, TensorParallel, leave
 from nanoserve.distributed.shm import ShmChannel
 from nanoserve.parallel.placement import compute_process_env
-from nanoserve.parallel.messages import CopyCommand, Message, Setup, Step, Stop, encode  # Setup: for llm_engine
+from nanoserve.parallel.messages import CopyCommand, Message, Step, Stop, encode
 from nanoserve.kvcache.transfer import Copier, Transfer
 from nanoserve.runner.step_plan import StepPlan
 

@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from nanoserve.errors import InvalidRequest
-from nanoserve.server.app import Server
+from nanoserve.server.endpoints import Server
 from nanoserve.server.protocol import APIError, ChatCompletionRequest, parse
 from nanoserve.server.response_store import ResponseStore, StoredResponse
 from nanoserve.server.responses_api_objects import ResponseObject
@@ -59,9 +59,9 @@ class ResponsesAPI:
 
     async def create(self, request: Request):
         srv = self.srv
-        srv.check_auth(request)
-        req = parse_responses_request(await srv.read_json(request))
-        srv.check_model(req.model)
+        srv.gate.check_auth(request)
+        req = parse_responses_request(await srv.gate.read_json(request))
+        srv.gate.check_model(req.model)
         conversation = self._conversation(req)
         try:
             body = parse(ChatCompletionRequest, chat_body(req, conversation))
@@ -75,7 +75,7 @@ class ResponsesAPI:
             reqs = await asyncio.to_thread(srv.make_requests, rid, [prompt], params, False)
         except APIError as e:
             raise renamed(e)
-        srv.check_capacity(1)
+        srv.gate.check_capacity(1)
         builder = ResponseBuilder(self._skeleton(rid, req), tools, lambda r: self._keep(r, conversation))
         if req.stream:
             return StreamingResponse(self._stream(reqs[0], builder), media_type="text/event-stream")
@@ -99,7 +99,7 @@ class ResponsesAPI:
             self.store.put(response.id, StoredResponse(response.model_dump_json(), conversation))
 
     async def retrieve(self, response_id: str, request: Request):
-        self.srv.check_auth(request)
+        self.srv.gate.check_auth(request)
         for name in ("stream", "include"):  # both would change the answer; neither is implemented
             if request.query_params.get(name, "false").lower() not in ("false", "0", ""):
                 raise APIError(f"'{name}' is not supported when retrieving a response", param=name,
@@ -107,6 +107,6 @@ class ResponsesAPI:
         return Response(self.store.get(response_id).body, media_type="application/json")
 
     async def delete(self, response_id: str, request: Request) -> dict:
-        self.srv.check_auth(request)
+        self.srv.gate.check_auth(request)
         self.store.delete(response_id)
         return {"id": response_id, "object": "response", "deleted": True}

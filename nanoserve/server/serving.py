@@ -28,7 +28,7 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig, frame) -> None:
         if self.deadline is None:
             log.info("shutting down: draining in-flight requests for up to %.0fs", self.timeout)
-            self.api.draining = True
+            self.api.gate.draining = True
             self.deadline = threading.Timer(self.timeout, self.engine.fail_all, [
                 f"the server is shutting down (--shutdown-timeout {self.timeout:g}s passed)"])
             self.deadline.daemon = True
