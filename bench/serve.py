@@ -12,16 +12,21 @@ round, so no round can hit a prefix an earlier one cached), medians and ratios t
         --server "b2048=nanoserve --max-num-batched-tokens 2048" --sequential
 The servers start in the order given (with both up, the one started first measured 6-10% slower
 in a nanoserve-vs-nanoserve A/B); --sequential keeps one up at a time, started per round.
+--memory: each server's resident memory instead (its process group's VmRSS after one completion of
+--input-len token ids and --output-len tokens, a fresh start per run, alternated), e.g.
+    python bench/serve.py --memory --kv-cache-gb 0.25 --output-len 32 --runs 3 --server kept=nanoserve \\
+        --server "dequantized=nanoserve --gguf-dequantize" --server llamacpp --llamacpp-slots 4 \\
+        --llamacpp-ctx 4096
 
 Workloads (streaming /v1/completions, greedy, `ignore_eos`: every request generates --output-len):
   random         --num-prompts random-word prompts of --input-len words (~tokens)
   shared-prefix  the same with the first --prefix-len words shared by all
   docqa          --docs documents of --doc-len tokens, asked round-robin for --rounds rounds
   multiround     --users conversations of --doc-len-token contexts, --rounds turns each
-  schema-arrival --streams completions decode --output-len tokens; once each has --settle, a chat request
-                 with a JSON schema arrives: the streams' gaps before it and until its first token, for
-                 the first constrained request after start-up, a new schema and a cached one (--runs each;
-                 --server: one server at a time), e.g.
+  schema-arrival --streams completions decode --output-len tokens; once each has --settle, a chat
+                 request with a JSON schema arrives: the streams' gaps before it and until its first
+                 token, for the first constrained request after start-up, a new schema and a cached
+                 one (--runs each; --server: one server at a time), e.g.
                    python bench/serve.py --workload schema-arrival --server this=nanoserve \\
                        --server base=nanoserve@/tmp/base --runs 5 --output-len 160 --input-len 64
 (docqa and multiround send token ids; their metrics pool every round.) Metrics as defined in
@@ -39,15 +44,15 @@ import time
 
 import httpx
 
-from common import (HEADLINE, RequestResult, Workload, alternated, auto_dtype, comparison_table, cpu_name,
-                    print_serving_metrics, serving_metrics, word_prompts, write_json)
+from common import (HEADLINE, RequestResult, Workload, alternate, alternated, auto_dtype, comparison_table,
+                    cpu_name, print_serving_metrics, serving_metrics, token_prompts, word_prompts, write_json)
 from peers import ServerSpec, add_peer_args, peer_config, start
 
 
 async def stream_completion(client: httpx.AsyncClient, url: str, model: str, prompt: str | list[int],
                             output_len: int, headers: dict | None = None) -> RequestResult:
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     res = RequestResult()
     start = last = time.perf_counter()
     try:
@@ -137,28 +142,31 @@ async def run(args, base_url: str, seed: int, warmup: bool = True) -> dict:
             await stream_completion(client, url, model, "warm up", 4, headers)
         results, ttft_by_round, t0 = [], [], time.perf_counter()
         for prompts, observe in workload_rounds(args, seed):
-            done = await send_round(client, url, model, prompts, args.output_len, args.conc, args.request_rate,
-                                    seed, headers)
+            done = await send_round(client, url, model, prompts, args.output_len, args.conc,
+                                    args.request_rate, seed, headers)
             if observe:
                 observe(done)
             results += done
-            ttft_by_round.append(statistics.fmean(r.ttft for r in done if r.ok) * 1e3 if any(r.ok for r in done) else 0)
+            ok = [r.ttft for r in done if r.ok]
+            ttft_by_round.append(statistics.fmean(ok) * 1e3 if ok else 0)
         duration = time.perf_counter() - t0
     return {"base_url": base_url, "model": model, "workload": args.workload, "seed": seed,
-            "max_concurrency": args.conc, "num_requests": len(results), "mean_ttft_ms_by_round": ttft_by_round,
-            **serving_metrics(results, duration)}
+            "max_concurrency": args.conc, "num_requests": len(results),
+            "mean_ttft_ms_by_round": ttft_by_round, **serving_metrics(results, duration)}
 
 
-# ---- schema-arrival: what a request with a new JSON schema does to the streams already decoding ------------
+# ---- schema-arrival: what a request with a new JSON schema does to the streams already decoding ----
 def fresh_schema(rng) -> dict:
     """A realistic schema no server has compiled yet: property names, enums and patterns drawn per call."""
     word = lambda: "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(8))  # noqa: E731
     props = {}
     for i in range(24):
+        pattern = f"^[a-{rng.choice('fkpz')}]{{2,6}}-[0-9]{{3}}$"
         props[f"{word()}_{i}"] = [{"type": "string", "maxLength": 24}, {"enum": [word() for _ in range(12)]},
                                   {"type": "integer", "minimum": 0, "maximum": rng.randrange(10, 10_000)},
-                                  {"type": "string", "pattern": f"^[a-{rng.choice('fkpz')}]{{2,6}}-[0-9]{{3}}$"}][i % 4]
-    props["tag"] = {"enum": [word() for _ in range(2000)]}  # a large enum: its compile is a good part of a step
+                                  {"type": "string", "pattern": pattern}][i % 4]
+    # a large enum: its compile is a good part of a step
+    props["tag"] = {"enum": [word() for _ in range(2000)]}
     return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
 
 
@@ -174,10 +182,11 @@ async def token_times(client: httpx.AsyncClient, url: str, body: dict, times: li
                     times.append(time.perf_counter())
 
 
-async def schema_trial(client: httpx.AsyncClient, base: str, model: str, args, schema: dict, seed: int) -> dict:
-    """--streams completions decode; once each has --settle tokens, one chat request constrained by `schema`
-    arrives. Gaps between the streams' tokens: before it (the normal step) and from its arrival until
-    its first token (what the arrival cost them)."""
+async def schema_trial(client: httpx.AsyncClient, base: str, model: str, args, schema: dict,
+                       seed: int) -> dict:
+    """--streams completions decode; once each has --settle tokens, one chat request constrained by
+    `schema` arrives. Gaps between the streams' tokens: before it (the normal step) and from its
+    arrival until its first token (what the arrival cost them)."""
     streams: list[list[float]] = [[] for _ in range(args.streams)]
     body = {"model": model, "max_tokens": args.output_len, "temperature": 0.0, "ignore_eos": True}
     tasks = [asyncio.create_task(token_times(client, base + "/completions", {**body, "prompt": p}, t))
@@ -186,7 +195,8 @@ async def schema_trial(client: httpx.AsyncClient, base: str, model: str, args, s
         await asyncio.sleep(0.01)
     arrival, first = time.perf_counter(), []
     await token_times(client, base + "/chat/completions", {
-        "model": model, "max_tokens": 8, "temperature": 0.0, "messages": [{"role": "user", "content": "A record:"}],
+        "model": model, "max_tokens": 8, "temperature": 0.0,
+        "messages": [{"role": "user", "content": "A record:"}],
         "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}}, first)
     await asyncio.gather(*tasks)
     normal, around = [], []
@@ -202,16 +212,17 @@ async def schema_trial(client: httpx.AsyncClient, base: str, model: str, args, s
 
 
 async def schema_arrival(args, base_url: str, seed: int) -> dict:
-    """The first constrained request after start-up, then --runs alternated pairs: a new schema, and the
-    same schema again (compiled already: the control, whose gaps carry only its prefill)."""
+    """The first constrained request after start-up, then --runs alternated pairs: a new schema, and
+    the same schema again (compiled already: the control, whose gaps carry only its prefill)."""
     import random
     rng, base = random.Random(seed), base_url.rstrip("/")
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout)) as client:
         model = args.model or (await client.get(base + "/models")).json()["data"][0]["id"]
-        await client.post(base + "/chat/completions", json={  # the chat template's first use is not the grammar's
+        # the chat template's first use is not the grammar's
+        await client.post(base + "/chat/completions", json={
             "model": model, "max_tokens": 1, "messages": [{"role": "user", "content": "A record:"}]})
-        out: dict = {"first": await schema_trial(client, base, model, args, fresh_schema(rng), seed), "new": [],
-                     "cached": []}
+        first = await schema_trial(client, base, model, args, fresh_schema(rng), seed)
+        out: dict = {"first": first, "new": [], "cached": []}
         for r in range(args.runs):
             schema = fresh_schema(rng)
             out["new"].append(await schema_trial(client, base, model, args, schema, seed + 2 * r + 1))
@@ -231,32 +242,81 @@ def print_schema_arrival(label: str, res: dict) -> None:
               f"      {row['arrival_to_first_token_ms']:8.1f}", flush=True)
 
 
+def compare_schema_arrival(args, specs: list[ServerSpec], cfg) -> dict:
+    """One server at a time, started fresh, so "first" is its first grammar."""
+    out = {"cpu": cpu_name(), "dtype": cfg.dtype, "args": vars(args), "servers": {}}
+    for s in specs:
+        srv = start(s, cfg)
+        try:
+            out["servers"][s.label] = res = asyncio.run(schema_arrival(args, srv.base_url, args.seed))
+            res["cores"] = srv.cores
+        finally:
+            srv.stop()
+        print_schema_arrival(s.label, res)
+    print(f"schema-arrival, {args.streams} streams; {cpu_name()}; dtype {cfg.dtype}")
+    for label, res in out["servers"].items():
+        print_schema_arrival(label, res)
+    return out
+
+
+async def one_completion(args, base_url: str) -> RequestResult:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout)) as client:
+        model = args.model or (await client.get(base_url + "/models")).json()["data"][0]["id"]
+        return await stream_completion(client, base_url + "/completions", model,
+                                       token_prompts(1, args.input_len)[0], args.output_len)
+
+
+def compare_memory(args, specs: list[ServerSpec], cfg) -> dict:
+    """Each server started fresh in every run (alternated), sent one completion of --input-len token ids
+    and --output-len tokens, then its resident memory: VmRSS summed over its process group (the API
+    process and the engine process for nanoserve), each process listed; medians and ratios to the first."""
+    by_label = {s.label: s for s in specs}
+
+    def one(label: str, r: int) -> dict:
+        srv = start(by_label[label], cfg)
+        try:
+            res = asyncio.run(one_completion(args, srv.base_url))
+            if not res.ok:
+                raise RuntimeError(f"{label}: {res.error}")
+            time.sleep(1)  # what the response's last steps freed
+            rows = srv.processes()
+        finally:
+            srv.stop()
+        total = sum(rss for _, rss, _ in rows)
+        print(f"run {r} {label}: {total:.0f} MB over {len(rows)} process(es)", flush=True)
+        for _, rss, cmd in rows:
+            print(f"    {rss:7.0f} MB  {cmd[:90]}")
+        return {"total_mb": total, "processes": rows}
+    runs = alternate(list(by_label), args.runs, one)
+    totals = {label: [x["total_mb"] for x in rs] for label, rs in runs.items()}
+    med = {label: statistics.median(v) for label, v in totals.items()}
+    first = specs[0].label
+    print(f"\nresident memory after one completion; {cpu_name()}; dtype {cfg.dtype}; "
+          f"kv-cache-gb {cfg.kv_cache_gb}")
+    for label, v in totals.items():
+        per_run = ", ".join(f"{x / f:.2f}" for x, f in zip(v, totals[first]))
+        print(f"  {label}: median {med[label]:.0f} MB (runs {' / '.join(f'{x:.0f}' for x in v)}); "
+              f"/ {first}: {med[label] / med[first]:.2f}x (per run {per_run})")
+    return {"cpu": cpu_name(), "dtype": cfg.dtype, "kv_cache_gb": cfg.kv_cache_gb, "args": vars(args),
+            "runs_mb": totals, "median_mb": med,
+            "ratio_over_first": {label: med[label] / med[first] for label in med},
+            "processes": {label: rs[-1]["processes"] for label, rs in runs.items()}}
+
+
 def compare(args, specs: list[ServerSpec]) -> dict:
-    dtype = auto_dtype()
-    cfg = peer_config(args, dtype, args.kv_cache_gb)
+    cfg = peer_config(args, auto_dtype(), args.kv_cache_gb)
+    if args.workload == "schema-arrival":
+        return compare_schema_arrival(args, specs, cfg)
+    if args.memory:
+        return compare_memory(args, specs, cfg)
     concs = [int(c) for c in args.max_concurrency.split(",")] if args.max_concurrency else [None]
     labels = [s.label for s in specs]
-    servers = {}
-    if args.workload == "schema-arrival":  # one server at a time, fresh, so "first" is its first grammar
-        out = {"cpu": cpu_name(), "dtype": dtype, "args": vars(args), "servers": {}}
-        for s in specs:
-            srv = start(s, cfg)
-            try:
-                out["servers"][s.label] = res = asyncio.run(schema_arrival(args, srv.base_url, args.seed))
-                out["servers"][s.label]["cores"] = srv.cores
-            finally:
-                srv.stop()
-            print_schema_arrival(s.label, res)
-        print(f"schema-arrival, {args.streams} streams; {cpu_name()}; dtype {dtype}")
-        for label, res in out["servers"].items():
-            print_schema_arrival(label, res)
-        return out
+    servers, cores = {}, {}
     try:
         if not args.sequential:
             for s in specs:
                 servers[s.label] = start(s, cfg)
         raw: dict = {c: {label: [] for label in labels} for c in concs}
-        cores = {}
         for i, c in enumerate(concs):
             args.conc = c
             for label, srv in servers.items():  # warm-up, not counted
@@ -273,18 +333,19 @@ def compare(args, specs: list[ServerSpec]) -> dict:
                     if args.sequential:
                         servers.pop(s.label).stop()
                     if res["failed"]:
-                        raise RuntimeError(f"{s.label}: {res['failed']} requests failed: {res['first_error']}")
+                        raise RuntimeError(f"{s.label}: {res['failed']} requests failed: "
+                                           f"{res['first_error']}")
                     raw[c][s.label].append(res)
                     print(f"  concurrency {c} round {r} {s.label:10s} "
                           + "  ".join(f"{m} {f(res):.1f}" for m, f in HEADLINE.items()), flush=True)
     finally:
         for srv in servers.values():
             srv.stop()
-    out = {"cpu": cpu_name(), "dtype": dtype, "cores": cores, "args": vars(args), "by_concurrency": {}}
+    out = {"cpu": cpu_name(), "dtype": cfg.dtype, "cores": cores, "args": vars(args), "by_concurrency": {}}
     for c in concs:
         med = {label: {m: statistics.median(f(s) for s in raw[c][label]) for m, f in HEADLINE.items()}
                for label in labels}
-        print(f"\n{args.workload}, concurrency {c}; {cpu_name()}; dtype {dtype}")
+        print(f"\n{args.workload}, concurrency {c}; {cpu_name()}; dtype {cfg.dtype}")
         for s in specs:
             print(f"  {s.label} ({s.kind}): {cores[s.label]}")
         print(comparison_table({m: {label: med[label][m] for label in labels} for m in HEADLINE},
@@ -297,16 +358,19 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", default=None, help="a running server's OpenAI root (…/v1)")
     p.add_argument("--server", action="append", default=[], metavar="SPEC",
-                   help="start this server here: KIND or LABEL=KIND[@TREE] [FLAGS], KIND nanoserve|vllm|llamacpp "
-                        "(repeat to compare; the first is the reference of the ratios)")
+                   help="start this server here: KIND or LABEL=KIND[@TREE] [FLAGS], KIND nanoserve|vllm|"
+                        "llamacpp (repeat to compare; the first is the reference of the ratios)")
     p.add_argument("--runs", type=int, default=3, help="with --server: alternated rounds")
     p.add_argument("--sequential", action="store_true", help="with --server: one server up at a time")
+    p.add_argument("--memory", action="store_true",
+                   help="with --server: each server's resident memory after one completion")
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="with --server: every server's KV budget")
     p.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
     p.add_argument("--api-key", default=None)
-    p.add_argument("--workload", choices=["random", "shared-prefix", "docqa", "multiround", "schema-arrival"],
-                   default="random")
-    p.add_argument("--streams", type=int, default=8, help="schema-arrival: completions decoding when it arrives")
+    p.add_argument("--workload", default="random",
+                   choices=["random", "shared-prefix", "docqa", "multiround", "schema-arrival"])
+    p.add_argument("--streams", type=int, default=8,
+                   help="schema-arrival: completions decoding when it arrives")
     p.add_argument("--settle", type=int, default=24, help="schema-arrival: tokens each stream has before it")
     p.add_argument("--num-prompts", type=int, default=None, help="random: default max(32, 2 x concurrency)")
     p.add_argument("--input-len", type=int, default=256, help="random: prompt length in words (~tokens)")
@@ -314,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
                                                               "default half of --input-len)")
     p.add_argument("--docs", type=int, default=16, help="docqa: documents")
     p.add_argument("--users", type=int, default=16, help="multiround: conversations")
-    p.add_argument("--doc-len", type=int, default=1024, help="docqa / multiround: tokens per document or context")
+    p.add_argument("--doc-len", type=int, default=1024,
+                   help="docqa / multiround: tokens per document or context")
     p.add_argument("--question-len", type=int, default=16)
     p.add_argument("--rounds", type=int, default=2, help="docqa / multiround")
     p.add_argument("--output-len", type=int, default=64, help="tokens generated per request (ignore_eos)")

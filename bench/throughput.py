@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, alternated, auto_dtype, cpu_name, run_in_tree, token_prompts, write_json
+from common import ROOT, OtherTree, alternate, auto_dtype, child_argv, cpu_name, token_prompts, write_json
 from peers import VllmOffline, add_peer_args, peer_config
 
 
@@ -33,14 +33,15 @@ class Nanoserve:
         import torch
 
         from nanoserve import LLM, SamplingParams
+        # unset options stay out (the engine's defaults), so a --base tree without an option still runs
         kw = {k: getattr(args, k) for k in ("block_size", "max_num_batched_tokens", "tensor_parallel_size",
-                                            "gguf_dequantize") if getattr(args, k)}  # else the engine's default
-        # (unset options stay out: a --base tree older than an option still runs)
-        self.llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False, max_num_seqs=args.max_num_seqs,
-                       kv_cache_gb=args.kv_cache_gb, **kw)
+                                            "gguf_dequantize") if getattr(args, k)}
+        self.llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False,
+                       max_num_seqs=args.max_num_seqs, kv_cache_gb=args.kv_cache_gb, **kw)
         self.SamplingParams = SamplingParams
         self.cores = f"offline LLM, {torch.get_num_threads()} compute thread(s)"
-        self.llm.generate(token_prompts(4, 64, seed=-1), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        self.llm.generate(token_prompts(4, 64, seed=-1),
+                          SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
 
     def run(self, prompts: list[list[int]], output_len: int) -> dict:
         params = self.SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
@@ -52,17 +53,14 @@ class Nanoserve:
                 "prompt_tokens": sum(map(len, prompts))}
 
 
-class OtherTree:
+class Tree(OtherTree):
     """nanoserve from a checkout, a fresh process per run (`--one-run PROMPTS.json`)."""
-
-    def __init__(self, tree: Path, argv: list[str]) -> None:
-        self.tree, self.argv, self.cores = tree, argv, f"offline LLM in a fresh process of {tree}"
 
     def run(self, prompts: list[list[int]], output_len: int) -> dict:
         with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
             json.dump(prompts, f)
             f.flush()
-            return run_in_tree(self.tree, "throughput.py", [*self.argv, "--one-run", f.name])
+            return self.run_child("--one-run", f.name)
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -83,9 +81,11 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: nanoserve's own")
     ap.add_argument("--tensor-parallel-size", type=int, default=None, help="nanoserve -tp (CPU: gloo ranks)")
-    ap.add_argument("--kv-cache-gb", type=int, default=1, help="KV budget of each side (vLLM takes whole GiB)")
+    ap.add_argument("--kv-cache-gb", type=int, default=1,
+                    help="KV budget of each side (vLLM takes whole GiB)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--gguf-dequantize", action="store_true", help="nanoserve --gguf-dequantize (a GGUF's weights as floats)")
+    ap.add_argument("--gguf-dequantize", action="store_true",
+                    help="nanoserve --gguf-dequantize (a GGUF's weights as floats)")
     ap.add_argument("--peer", choices=["vllm"], default=None, help="alternate with vLLM-CPU's offline LLM")
     ap.add_argument("--base", type=Path, default=None, help="alternate with this checkout's nanoserve")
     ap.add_argument("--json", default=None, metavar="FILE", help="also write the result here")
@@ -100,18 +100,19 @@ def main() -> int:
         return 0
     print(f"workload: {args.num_prompts} prompts x {args.input_len} tokens in, {args.output_len} out; "
           f"dtype {args.dtype}; {cpu_name()}", flush=True)
-    child = [a for a in sys.argv[1:] if a not in ("--json", args.json, "--base", str(args.base))]
-    sides = {"nanoserve": OtherTree(ROOT, child) if args.base else Nanoserve(args)}
+    child = child_argv(sys.argv[1:])
+    sides = {"nanoserve": Tree(ROOT, "throughput.py", child) if args.base else Nanoserve(args)}
     if args.base:
-        sides["base"] = OtherTree(args.base.resolve(), child)
+        sides["base"] = Tree(args.base.resolve(), "throughput.py", child)
     try:
         if args.peer == "vllm":
             sides["vllm"] = VllmOffline(peer_config(args, args.dtype, args.kv_cache_gb))
-        runs: dict[str, list[dict]] = {k: [] for k in sides}
-        for r in range(args.repeats):
-            for name in alternated(list(sides), r):
-                runs[name].append(sides[name].run(prompts(r), args.output_len))
-                print(f"  run {r} {name:9s} {runs[name][-1]['elapsed_s']:.2f}s", flush=True)
+
+        def one(name: str, r: int) -> dict:
+            res = sides[name].run(prompts(r), args.output_len)
+            print(f"  run {r} {name:9s} {res['elapsed_s']:.2f}s", flush=True)
+            return res
+        runs = alternate(list(sides), args.repeats, one)
     finally:
         if "vllm" in sides:
             sides["vllm"].close()

@@ -17,11 +17,11 @@ multiround (`longdoc` here is docqa).
 
     python bench/tier.py                       # offline engine
     python bench/tier.py --target server       # the same through the HTTP server (streaming)
-    python bench/tier.py --target server --configs device,host,vllm --docs 16 --doc-len 1536 \
+    python bench/tier.py --target server --configs device,host,vllm --docs 16 --doc-len 1536 \\
         --rounds 2 --concurrency 4 --output-len 16       # long-document QA, vLLM-CPU at equal device KV
-    python bench/tier.py --workload multiround --concurrency 4,8,16 --tag after
-                                                     # one JSON per concurrency under bench/results/
-    python bench/tier.py --table bench/results/tier_*_after.json   # the README table
+    python bench/tier.py --workload multiround --concurrency 4,8,16 --json /tmp/tier_c{c}.json
+                                                     # one JSON per concurrency
+    python bench/tier.py --table bench/results/tier_multiround_c*.json   # the docs' table
 
 Per config and concurrency (rounds after the first): share of prompt tokens from each tier, the
 share of *reusable* prompt tokens (full blocks some earlier request had computed) served from
@@ -100,7 +100,8 @@ class OfflineTarget:
             for out in outs:
                 if out.finished:
                     done.append(RequestResult(
-                        True, prompt_tokens=len(out.prompt_token_ids), output_tokens=len(out.outputs[0].token_ids),
+                        True, prompt_tokens=len(out.prompt_token_ids),
+                        output_tokens=len(out.outputs[0].token_ids),
                         ttft=out.metrics["first_token"] - out.metrics["arrival"],
                         device_cached=out.num_device_cached_tokens, host_cached=out.num_host_cached_tokens,
                         index=int(out.request_id.split("-")[1]), output_ids=list(out.outputs[0].token_ids)))
@@ -116,7 +117,7 @@ class OfflineTarget:
             if r.tier == "host":
                 print(f"  host tier: {r.bytes_in / 2**20:.0f} MiB in ({r.seconds_in:.2f}s), "
                       f"{r.bytes_out / 2**20:.0f} MiB out ({r.seconds_out:.2f}s), "
-                      f"{self.eng.kv.policy.num_deferred} admissions deferred for saves")
+                      f"{self.eng.kv.num_deferred} admissions deferred for saves")
                 for k, (steps, toks, secs) in self.decode.items():
                     if steps:
                         print(f"  others' decode, host load {'in flight' if k == 'loading' else 'none':9s}: "
@@ -131,7 +132,7 @@ def cli_flags(cfg: dict) -> list[str]:
     if cfg.get("host_offload_watermark"):
         flags += ["--host-offload-watermark", str(cfg["host_offload_watermark"])]
     if not cfg.get("enable_prefix_caching", True):
-        flags.append("--no-prefix-caching")
+        flags.append("--no-enable-prefix-caching")
     return flags
 
 
@@ -143,7 +144,8 @@ class ServerTarget:
                                 num_blocks=cfg["vllm_blocks"])
         else:
             flags = cli_flags(cfg) + (["--model", args.model] if args.model else [])
-            self.server = start(ServerSpec("nanoserve", "nanoserve", flags=flags), peer_config(args, args.dtype))
+            self.server = start(ServerSpec("nanoserve", "nanoserve", flags=flags),
+                                peer_config(args, args.dtype))
         self.cores = self.server.cores
         import httpx
         self.model = httpx.get(self.server.base_url + "/models").json()["data"][0]["id"]
@@ -216,8 +218,8 @@ def later_summary(rows: list[dict]) -> dict:
     lossy = [r["lossy_evictions"] for r in rows]
     return {"device_hit": statistics.mean(r["device_hit"] for r in later),
             "host_hit": statistics.mean(r["host_hit"] for r in later),
-            "reusable_hit": (sum(r["reusable_hit"] * r["reusable_tokens"] for r in later if r["reusable_tokens"])
-                             / reusable) if reusable else None,
+            "reusable_hit": (sum(r["reusable_hit"] * r["reusable_tokens"] for r in later
+                                 if r["reusable_tokens"]) / reusable) if reusable else None,
             "lossy_evictions": None if None in lossy else sum(lossy),
             "ttft_mean_ms": distribution_ms(ttft)["mean"], "ttft_p90_ms": distribution_ms(ttft)["p90"],
             "output_tok_s": statistics.median(r["output_tok_s"] for r in later),
@@ -225,10 +227,10 @@ def later_summary(rows: list[dict]) -> dict:
 
 
 def table(paths: list[str]) -> None:
-    """Markdown rows from result files (the README table); TTFT also as a ratio to the same run's
+    """Markdown rows from result files, one a config; TTFT also as a ratio to the same run's
     device-big control."""
-    print("| run | workload | conc | config | prompt tokens from device / host | reusable tokens from cache | "
-          "lossy evictions | mean TTFT (vs device-big) | p90 TTFT | output tok/s |")
+    print("| result | workload | conc | config | prompt tokens from device / host | reusable tokens from "
+          "cache | lossy evictions | mean TTFT (vs device-big) | p90 TTFT | output tok/s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for path in paths:
         d = json.loads(Path(path).read_text())
@@ -240,11 +242,11 @@ def table(paths: list[str]) -> None:
             reuse = f"{s['reusable_hit']:.1%}" if s.get("reusable_hit") is not None else "-"
             lossy = "n/a" if s.get("lossy_evictions") is None else s["lossy_evictions"]
             vs = f" ({s['ttft_mean_ms'] / big:.2f}x)" if big else ""
-            print(f"| {a.get('tag') or '-'} | {a['workload']} | {a['concurrency']} | {name} | "
+            print(f"| {Path(path).stem} | {a['workload']} | {a['concurrency']} | {name} | "
                   f"{s['device_hit']:.0%} / {s['host_hit']:.0%} | {reuse} | {lossy} | "
                   f"{s['ttft_mean_ms']:.0f} ms{vs} | {s['ttft_p90_ms']:.0f} ms | {s['output_tok_s']:.1f} |")
         if "noreuse_ratio" in d:
-            print(f"| {a.get('tag') or Path(path).stem} | no reuse | {a['concurrency']} | throughput host on / off | "
+            print(f"| {Path(path).stem} | no reuse | {a['concurrency']} | throughput host on / off | "
                   f"{d['noreuse_ratio']:.3f} | | | | | |")
 
 
@@ -263,11 +265,13 @@ def main() -> None:
     ap.add_argument("--noreuse-rounds", type=int, default=5)
     ap.add_argument("--concurrency", default="2", help="one or more, comma-separated: one run each")
     ap.add_argument("--configs", default="off,device,host,device-big,noreuse",
-                    help="comma-separated: off (no prefix caching), device, host (device + host tier), device-big "
-                         "(device only with both budgets), noreuse (unique prompts, host on vs off), vllm (server)")
-    ap.add_argument("--json", default=None, metavar="FILE", help="write the rows here (one concurrency)")
-    ap.add_argument("--tag", default=None, help="write bench/results/tier_<workload>_c<N>_<tag>.json per run")
-    ap.add_argument("--table", nargs="+", default=None, metavar="JSON", help="print the markdown table and exit")
+                    help="comma-separated: off (no prefix caching), device, host (device + host tier), "
+                         "device-big (device only with both budgets), noreuse (unique prompts, host on vs "
+                         "off), vllm (server)")
+    ap.add_argument("--json", default=None, metavar="FILE",
+                    help="write the rows here; {c} in FILE is the concurrency (one file each)")
+    ap.add_argument("--table", nargs="+", default=None, metavar="JSON",
+                    help="print the markdown table of these results and exit")
     ap.add_argument("--host-offload-watermark", type=int, default=0, help="blocks (0: nanoserve's default)")
     add_peer_args(ap)
     args = ap.parse_args()
@@ -277,13 +281,17 @@ def main() -> None:
     wanted = args.configs.split(",")
     if "vllm" in wanted and args.target != "server":
         ap.error("the vllm config needs --target server")
-    for conc in [int(c) for c in args.concurrency.split(",")]:
+    concs = [int(c) for c in args.concurrency.split(",")]
+    if len(concs) > 1 and args.json and "{c}" not in args.json:
+        ap.error("several concurrencies: --json needs {c} in its name")
+    for conc in concs:
         run_one(argparse.Namespace(**{**vars(args), "concurrency": conc}), wanted, cpu_name())
 
 
 def run_one(args, wanted: list[str], cpu: str) -> None:
     # device: a quarter of the contexts plus room for the running requests; host: all of them
-    bytes_per_token = 30 * 2 * 3 * 64 * (2 if args.dtype == "bfloat16" else 4)  # embedded model: K+V, 30 layers
+    # the embedded model: K and V of 3 heads of 64, 30 layers
+    bytes_per_token = 30 * 2 * 3 * 64 * (2 if args.dtype == "bfloat16" else 4)
     n = args.users if args.workload == "multiround" else args.docs
     turns = args.rounds if args.workload == "multiround" else 1
     conv_tokens = args.doc_len + turns * (args.question_len + args.output_len)
@@ -299,12 +307,13 @@ def run_one(args, wanted: list[str], cpu: str) -> None:
                "vllm": {"vllm_blocks": device_tokens // 128}}
     what = (f"{args.users} users x {args.doc_len}-token contexts" if args.workload == "multiround"
             else f"{args.docs} docs x {args.doc_len} tokens")
-    print(f"workload {args.workload}: {what}, {args.rounds} rounds, concurrency {args.concurrency}; device KV "
-          f"{device_tokens} tokens = {device_gb:.3f} GiB (~{n // 4} of {n} contexts + the running requests), "
-          f"host {host_gb:.3f} GiB; target {args.target}; dtype {args.dtype}; {cpu}", flush=True)
+    print(f"workload {args.workload}: {what}, {args.rounds} rounds, concurrency {args.concurrency}; "
+          f"device KV {device_tokens} tokens = {device_gb:.3f} GiB (~{n // 4} of {n} contexts + the running "
+          f"requests), host {host_gb:.3f} GiB; target {args.target}; dtype {args.dtype}; {cpu}", flush=True)
     results = run_side_by_side(args, {k: v for k, v in configs.items() if k in wanted},
                                workload(args, args.workload), args.rounds)
-    out: dict = {"cpu": cpu, "dtype": args.dtype, "args": {k: v for k, v in vars(args).items() if k != "table"}}
+    out: dict = {"cpu": cpu, "dtype": args.dtype,
+                 "args": {k: v for k, v in vars(args).items() if k != "table"}}
     if "noreuse" in wanted:
         unique = workload(argparse.Namespace(**{**vars(args), "rounds": args.noreuse_rounds}), "longdoc",
                           reuse=False, seed=1)
@@ -327,8 +336,7 @@ def run_one(args, wanted: list[str], cpu: str) -> None:
         if out["summary"].get(other) and out["summary"].get("host"):
             print(f"  TTFT mean host / {other}: "
                   f"{out['summary']['host']['ttft_mean_ms'] / out['summary'][other]['ttft_mean_ms']:.2f}x")
-    write_json(args.json or (args.tag and f"bench/results/tier_{args.workload}_c{args.concurrency}_{args.tag}.json"),
-               out)
+    write_json(args.json and args.json.replace("{c}", str(args.concurrency)), out)
 
 
 if __name__ == "__main__":

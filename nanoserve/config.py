@@ -31,25 +31,26 @@ STEP_TOKENS = {"cpu": 1024, "cuda": 2048}  # default token budget of an engine s
 @dataclass
 class EngineConfig:
     model: str | None = opt(None, "model to serve: a short name from the local registry (models/), an HF "
-                            "folder, a GGUF file, or a hub id (owner/name, or owner/name:QUANT for one .gguf of a GGUF "
-                            "repo: found in the HF cache, else downloaded unless HF_HUB_OFFLINE is set; HF_TOKEN for "
-                            "private and gated repos); default: the embedded SmolLM2-135M-Instruct", group="model")
+                            "folder, a GGUF file, or a hub id (owner/name, or owner/name:QUANT for one .gguf "
+                            "of a GGUF repo: found in the HF cache, else downloaded unless HF_HUB_OFFLINE is "
+                            "set; HF_TOKEN for private and gated repos); default: the embedded "
+                            "SmolLM2-135M-Instruct", group="model")
     revision: str | None = opt(None, "branch, tag or commit of a hub --model (default: main)", group="model")
-    download_dir: str | None = opt(None, "Hugging Face cache folder where hub models are looked up and downloaded "
-                                   "(default: $HF_HUB_CACHE, i.e. ~/.cache/huggingface/hub)", metavar="DIR",
-                                   group="model")
-    gguf_file: str | None = opt(None, "the .gguf file to serve from a hub --model repo (or a local folder) holding "
-                                "several; default: the one owner/name:QUANT tags, the only one, or the Q4_K_M one",
-                                metavar="NAME", group="model")
+    download_dir: str | None = opt(None, "Hugging Face cache folder where hub models are looked up and "
+                                   "downloaded (default: $HF_HUB_CACHE, i.e. ~/.cache/huggingface/hub)",
+                                   metavar="DIR", group="model")
+    gguf_file: str | None = opt(None, "the .gguf file to serve from a hub --model repo (or a local folder) "
+                                "holding several; default: the one owner/name:QUANT tags, the only one, or "
+                                "the Q4_K_M one", metavar="NAME", group="model")
     tokenizer: str | None = opt(None, "tokenizer to use instead of the model's own", group="model")
     dtype: str = opt("auto", "weight and activation dtype; auto = bf16 on CUDA and on CPUs with fast bf16, "
                      "else fp32 ($NANOSERVE_DTYPE overrides auto)", choices=DTYPES, group="model")
     device: str = opt("auto", "where to run the model; auto = cuda if torch sees a GPU, else cpu",
                       choices=("auto", "cpu", "cuda"), group="model")
     attention_backend: str = opt("auto", "flash = flash-attn 2.8 paged kernels (fp16/bf16, block size a "
-                                 "multiple of 256); triton = Triton paged kernels (CUDA, any block size, CUDA "
-                                 "graphs, no extra package); torch = portable backend; auto = flash when "
-                                 "flash_attn imports and runs, else triton on CUDA, else torch",
+                                 "multiple of 256); triton = Triton paged kernels (CUDA, any block size, "
+                                 "CUDA graphs, no extra package); torch = portable backend; auto = flash "
+                                 "when flash_attn imports and runs, else triton on CUDA, else torch",
                                  choices=("auto", "flash", "triton", "torch"), group="model")
     enforce_eager: bool = opt(False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs",
                               group="model")
@@ -61,12 +62,13 @@ class EngineConfig:
     load_format: str = opt("auto", "auto = read the weights; dummy = random weights made on the device "
                            "(benchmarks, as vLLM's --load-format dummy)", choices=("auto", "dummy"),
                            group="model")
-    gguf_dequantize: bool = opt(False, "GGUF: dequantize every tensor at load (to an fp32 HF folder in the cache, "
-                                "then --dtype) instead of keeping Q4_0/Q4_1/Q8_0/Q4_K/Q6_K tensors in their blocks",
-                                group="model")
-    quantization: str | None = opt(None, "fp8 = CUDA: cast bf16/fp16 projection weights to fp8 e4m3 at load, per-channel "
-                                   "scales (fp8 GEMMs with per-token activation scales on compute capability >= 8.9, "
-                                   "else a weight-only Triton kernel); GGUF Q8_0/Q4_0/Q4_1 stay quantized without it",
+    gguf_dequantize: bool = opt(False, "GGUF: dequantize every tensor at load (to an fp32 HF folder in the "
+                                "cache, then --dtype) instead of keeping Q4_0/Q4_1/Q8_0/Q4_K/Q6_K tensors in "
+                                "their blocks", group="model")
+    quantization: str | None = opt(None, "fp8 = CUDA: cast bf16/fp16 projection weights to fp8 e4m3 at load, "
+                                   "per-channel scales (fp8 GEMMs with per-token activation scales on "
+                                   "compute capability >= 8.9, else a weight-only Triton kernel); GGUF "
+                                   "Q8_0/Q4_0/Q4_1 stay quantized without it",
                                    choices=("fp8",), group="model")
     block_size: int = opt(0, "tokens per KV block; 0 = backend default (flash 256, triton 16, torch: 16 on "
                           "CPU, 256 on CUDA); the flash backend needs a multiple of 256", group="KV cache")
@@ -79,21 +81,23 @@ class EngineConfig:
     host_cache_gb: float = opt(0.0, "second prefix-cache tier in host memory, in GiB; 0 = off",
                                group="KV cache")
     host_offload_watermark: int = opt(0, "override: device blocks the cleaner keeps reusable without losing "
-                                      "cached KV (cold blocks are copied to the host tier ahead of eviction); "
-                                      "0 = sized from observed demand (the default)", metavar="BLOCKS",
-                                      group="KV cache")
+                                      "cached KV (cold blocks are copied to the host tier ahead of "
+                                      "eviction); 0 = sized from observed demand (the default)",
+                                      metavar="BLOCKS", group="KV cache")
     enable_prefix_caching: bool = opt(True, "reuse the KV cache of prompt prefixes computed before; "
                                       "--no-enable-prefix-caching (or --no-prefix-caching) computes every "
                                       "prompt in full", negatable=True, off_aliases=("--no-prefix-caching",),
                                       group="KV cache")
     max_num_seqs: int = opt(128, "most sequences in one batch", group="scheduling")
-    max_num_batched_tokens: int | None = opt(None, "token budget of one engine step (prefill chunks + decodes); "
-                                             "default: 1024 on CPU, 2048 on CUDA", group="scheduling")
+    max_num_batched_tokens: int | None = opt(None, "token budget of one engine step (prefill chunks + "
+                                             "decodes); default: 1024 on CPU, 2048 on CUDA",
+                                             group="scheduling")
     tensor_parallel_size: int = opt(1, "shard the model over N ranks (Megatron-style tensor parallelism: one "
                                     "scheduler, N workers; NCCL on CUDA; on CPU shared memory within a node, "
                                     "gloo between nodes)", metavar="N",
                                     aliases=("-tp",), group="distributed")
-    nnodes: int = opt(1, "nodes the tensor-parallel ranks span (each holds N / nnodes of them)", group="distributed")
+    nnodes: int = opt(1, "nodes the tensor-parallel ranks span (each holds N / nnodes of them)",
+                      group="distributed")
     node_rank: int = opt(0, "this node's index; node 0 serves the API, the others only run workers",
                          group="distributed")
     master_addr: str | None = opt(None, "address of node 0, where the ranks "
@@ -112,7 +116,8 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
         if self.attention_backend not in ("auto", "flash", "triton", "torch"):
-            raise ValueError(f"attention_backend must be auto|flash|triton|torch, got {self.attention_backend!r}")
+            raise ValueError("attention_backend must be auto|flash|triton|torch, got "
+                             f"{self.attention_backend!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto|dummy, got {self.load_format!r}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -126,18 +131,20 @@ class EngineConfig:
         self.master_port = self.master_port or int(os.environ.get("MASTER_PORT", "0"))
         tp, nodes = self.tensor_parallel_size, self.nnodes
         if tp < 1 or nodes < 1 or tp % nodes:
-            raise ValueError(f"--tensor-parallel-size ({tp}) must be >= 1 and a multiple of --nnodes ({nodes})")
+            raise ValueError(f"--tensor-parallel-size ({tp}) must be >= 1 and a multiple of --nnodes "
+                             f"({nodes})")
         if not 0 <= self.node_rank < nodes:
             raise ValueError(f"--node-rank must be in [0, {nodes}), got {self.node_rank}")
         if nodes > 1 and not self.master_port:
-            raise ValueError("--nnodes > 1 needs --master-port (or $MASTER_PORT) and --master-addr on every node")
+            raise ValueError("--nnodes > 1 needs --master-port (or $MASTER_PORT) and --master-addr on every "
+                             "node")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"quantization must be fp8 or unset, got {self.quantization!r}")
         if self.quantization == "fp8":
             import torch
             if (device := self.resolved_device()).type != "cuda":
-                raise ValueError("--quantization fp8 needs a CUDA GPU: this run is on the CPU (GGUF Q8_0/Q4_0/Q4_1 "
-                                 "weights stay quantized there)")
+                raise ValueError("--quantization fp8 needs a CUDA GPU: this run is on the CPU (GGUF "
+                                 "Q8_0/Q4_0/Q4_1 weights stay quantized there)")
             if self.resolved_dtype(device) == torch.float32:
                 raise ValueError("--quantization fp8 computes in bf16 or fp16: drop --dtype float32")
         if self.host_cache_gb and not self.enable_prefix_caching:
@@ -198,15 +205,17 @@ class ServerConfig:
     api_key: str | None = opt(None, "require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
                               "(/health, /metrics and /version stay open); default: $NANOSERVE_API_KEY, or "
                               "no key", group="HTTP")
-    max_queue: int | None = opt(None, "most requests allowed to wait for a batch slot; beyond it new requests "
-                                "get HTTP 503 with Retry-After (default: unbounded)", group="scheduling")
-    engine_process: bool = opt(True, "run the engine core (schedule -> forward -> sample) in its own process, "
-                               "talking to this API process over zmq; --no-engine-process runs it in a thread "
-                               "of this process", negatable=True, group="scheduling")
-    cpu_threads: int | None = opt(None, "engine compute threads on CPU; default: all cores but one when there "
-                                  "are >= 3 (the API process is then pinned to one core and the engine to the "
-                                  "others), both on 2 cores (shared with the API process; 1 with "
-                                  "--no-engine-process). N asking for every core shares them", metavar="N", group="scheduling")
+    max_queue: int | None = opt(None, "most requests allowed to wait for a batch slot; beyond it new "
+                                "requests get HTTP 503 with Retry-After (default: unbounded)",
+                                group="scheduling")
+    engine_process: bool = opt(True, "run the engine core (schedule -> forward -> sample) in its own "
+                               "process, talking to this API process over zmq; --no-engine-process runs it "
+                               "in a thread of this process", negatable=True, group="scheduling")
+    cpu_threads: int | None = opt(None, "engine compute threads on CPU; default: all cores but one when "
+                                  "there are >= 3 (the API process is then pinned to one core and the engine "
+                                  "to the others), both on 2 cores (shared with the API process; 1 with "
+                                  "--no-engine-process). N asking for every core shares them", metavar="N",
+                                  group="scheduling")
     shutdown_timeout: float = opt(30.0, "on SIGTERM/SIGINT: new requests get 503 and in-flight ones may "
                                   "finish for this many seconds; what is still running then gets a 503 error "
                                   "(JSON, or an SSE error event)", group="HTTP")
@@ -215,13 +224,14 @@ class ServerConfig:
     log_level: str = opt("info", "log level of the server and the engine",
                          choices=("debug", "info", "warning", "error"), group="HTTP")
     enable_auto_tool_choice: bool = opt(False, "let the model decide whether to call a tool (tool_choice "
-                                        "\"auto\", the default when a request has tools): its output is parsed "
-                                        "for calls in the --tool-call-parser format; without it such requests "
-                                        "get HTTP 400, as vLLM answers them", group="tools")
+                                        "\"auto\", the default when a request has tools): its output is "
+                                        "parsed for calls in the --tool-call-parser format; without it such "
+                                        "requests get HTTP 400, as vLLM answers them", group="tools")
     tool_call_parser: str | None = opt(None, "the format auto tool choice reads calls in: hermes "
-                                       "(<tool_call>{...}</tool_call>, Hermes / Qwen, and the embedded model's "
-                                       "fallback tool prompt) or llama3_json ({\"name\", \"parameters\"} objects, "
-                                       "Llama 3.x)", choices=TOOL_CALL_PARSERS, group="tools")
+                                       "(<tool_call>{...}</tool_call>, Hermes / Qwen, and the embedded "
+                                       "model's fallback tool prompt) or llama3_json ({\"name\", "
+                                       "\"parameters\"} objects, Llama 3.x)", choices=TOOL_CALL_PARSERS,
+                                       group="tools")
 
     def __post_init__(self) -> None:
         if self.api_key is None:
@@ -271,7 +281,8 @@ def _add_class_flags(parser: argparse.ArgumentParser, cls: type, groups: dict[st
         else:
             kw["type"] = next(t for t in typing.get_args(typ) or (typ,) if t is not type(None))
             kw.update({k: meta[k] for k in ("choices", "metavar") if k in meta})
-        group.add_argument(meta.get("flag") or "--" + f.name.replace("_", "-"), *meta.get("aliases", ()), **kw)
+        group.add_argument(meta.get("flag") or "--" + f.name.replace("_", "-"), *meta.get("aliases", ()),
+                           **kw)
         for alias in meta.get("off_aliases", ()):  # an older spelling, still accepted
             group.add_argument(alias, dest=f.name, action="store_false", help=argparse.SUPPRESS)
 

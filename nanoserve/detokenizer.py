@@ -60,7 +60,8 @@ class Detokenizer:
     def flush(self, token_ids: list[int]) -> None:
         """At the end, emit whatever a trailing incomplete character left pending."""
         rest = self.tokenizer.decode(token_ids[self.prefix_offset:], skip_special_tokens=True)
-        prefix = self.tokenizer.decode(token_ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
+        prefix = self.tokenizer.decode(token_ids[self.prefix_offset:self.read_offset],
+                                       skip_special_tokens=True)
         if len(rest) > len(prefix):
             self.text += rest[len(prefix):]
             self.prefix_offset = self.read_offset = len(token_ids)

@@ -37,10 +37,12 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         prompts = _as_list(prompts)
-        params_list = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        params_list = (list(params) if isinstance(params, (list, tuple))
+                       else [params or SamplingParams()] * len(prompts))
         if len(params_list) != len(prompts):
             raise ValueError("need one SamplingParams per prompt (or a single one for all)")
         # validate everything before queueing anything, so a bad prompt leaves nothing behind
@@ -58,8 +60,9 @@ class LLM:
     def _run(self, reqs: list[Request], use_tqdm: bool) -> list[RequestOutput]:
         """Step the engine until every request finished; outputs go through the same output processor
         as the server's (text, stop strings), and a stop string found there finishes its choice."""
-        pending = {r.request_id: (DeltaEncoder(), OutputProcessor(self.tokenizer, r.prompt, r.prompt_token_ids,
-                                                                  r.params)) for r in reqs}
+        pending = {r.request_id: (DeltaEncoder(),
+                                  OutputProcessor(self.tokenizer, r.prompt, r.prompt_token_ids, r.params))
+                   for r in reqs}
         for r in reqs:
             self.engine.add(r)
         done: dict[str, RequestOutput] = {}

@@ -52,15 +52,16 @@ class StructuredSpec:
         """Raises InvalidRequest naming `param` if the grammar cannot be compiled, or took longer than
         `timeout` seconds to check (the engine's compile would cost as much again)."""
         if len(self.value) > MAX_SPEC_CHARS:
-            raise _invalid(f"{self.param}: the constraint is longer than {MAX_SPEC_CHARS} characters", self.param)
+            raise _invalid(f"{self.param}: the constraint is longer than {MAX_SPEC_CHARS} characters",
+                           self.param)
         from llguidance import LLMatcher
         t0 = time.monotonic()
         err = LLMatcher.validate_grammar(self.grammar())
         if err:
             raise _invalid(f"{self.param}: the {self.kind} constraint cannot be compiled: {err}", self.param)
         if (took := time.monotonic() - t0) > timeout:
-            raise _invalid(f"{self.param}: the {self.kind} constraint took {took:.1f}s to check, longer than the "
-                           f"{timeout:g}s allowed", self.param)
+            raise _invalid(f"{self.param}: the {self.kind} constraint took {took:.1f}s to check, longer than "
+                           f"the {timeout:g}s allowed", self.param)
 
 
 def json_spec(schema: object, param: str) -> StructuredSpec:

@@ -18,10 +18,14 @@ KV_GB = 0.25
 
 TINY_CONFIGS = {
     # name: (model class name, config overrides)
-    "llama-gqa-tied": ("LlamaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
-    "llama-mha-untied": ("LlamaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)),
-    "qwen2-bias": ("Qwen2ForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
-    "llama3-rope-scaling": ("LlamaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False,
+    "llama-gqa-tied": ("LlamaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2,
+                                                tie_word_embeddings=True)),
+    "llama-mha-untied": ("LlamaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=4,
+                                                  tie_word_embeddings=False)),
+    "qwen2-bias": ("Qwen2ForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2,
+                                            tie_word_embeddings=False)),
+    "llama3-rope-scaling": ("LlamaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=1,
+                            tie_word_embeddings=False,
                             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
 }
@@ -30,7 +34,8 @@ TINY_CONFIGS = {
 # Under pytest-xdist (`make test`: 2 workers on 2 cores) each worker's in-process torch gets its share
 # of the cores: two workers' OpenMP pools of every core each would spin against each other.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0))
+                              // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 @pytest.fixture(autouse=True)
@@ -48,10 +53,10 @@ def _keep_cpu_placement():
 
 # The files that take longest, longest first: `make test` hands whole files to its two workers in this
 # order (--dist loadfile --no-loadscope-reorder), so none of them starts last and runs alone.
-HEAVY_FIRST = ["test_gpu_check.py", "test_tensor_parallel.py", "test_flash_attention.py", "test_triton_attention.py",
-               "test_correctness.py", "test_engine_process.py", "test_server_options.py", "test_server_api.py",
-               "test_server_host_tier.py", "test_host_tier.py", "test_transfer.py", "test_kvcache.py",
-               "test_server_faults.py"]
+HEAVY_FIRST = ["test_gpu_check.py", "test_tensor_parallel.py", "test_flash_attention.py",
+               "test_triton_attention.py", "test_correctness.py", "test_engine_process.py",
+               "test_server_options.py", "test_server_api.py", "test_server_host_tier.py",
+               "test_host_tier.py", "test_transfer.py", "test_kvcache.py", "test_server_faults.py"]
 
 
 def pytest_collection_modifyitems(items) -> None:
@@ -60,7 +65,8 @@ def pytest_collection_modifyitems(items) -> None:
     rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
     for item in items:
-        if "server" in item.fixturenames or any(hasattr(item.module, n) for n in ("ServerProcess", "EngineClient")):
+        if ("server" in item.fixturenames
+                or any(hasattr(item.module, n) for n in ("ServerProcess", "EngineClient"))):
             item.add_marker(pytest.mark.server)
 
 

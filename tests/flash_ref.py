@@ -92,7 +92,8 @@ class FlashReference:
     def _check_table(block_table: torch.Tensor, k_cache: torch.Tensor, batch: int) -> int:
         _check(block_table.dtype == torch.int32, "block_table must have dtype torch.int32")
         _check(block_table.stride(-1) == 1, "block_table must have contiguous last dimension")
-        _check(block_table.dim() == 2 and block_table.shape[0] == batch, "block_table must have shape (batch_size, max_num_blocks_per_seq)")
+        _check(block_table.dim() == 2 and block_table.shape[0] == batch,
+               "block_table must have shape (batch_size, max_num_blocks_per_seq)")
         page = k_cache.shape[1]
         _check(page % 256 == 0, "Paged KV cache block size must be divisible by 256")
         return page
@@ -160,7 +161,8 @@ class FlashReference:
         self._check_heads(h, k_cache.shape[2], d)
         paged = block_table is not None
         if isinstance(cache_seqlens, int):  # upstream fills k_cache.shape[0] entries (sic)
-            cache_seqlens = torch.full((k_cache.shape[0],), cache_seqlens, dtype=torch.int32, device=k_cache.device)
+            cache_seqlens = torch.full((k_cache.shape[0],), cache_seqlens, dtype=torch.int32,
+                                       device=k_cache.device)
         if paged:
             _check(cache_batch_idx is None, "Paged KVcache does not support cache_batch_idx")
             page = self._check_table(block_table, k_cache, batch)
@@ -183,13 +185,15 @@ class FlashReference:
             cols = torch.arange(width, device=q.device)
             table = torch.where(cols[None] < need[:, None], block_table.long(), 0)
             if self.validate:
-                _check(bool(((table >= 0) & (table < k_cache.shape[0])).all()), "block_table entry out of range")
+                _check(bool(((table >= 0) & (table < k_cache.shape[0])).all()),
+                       "block_table entry out of range")
                 _check(bool((total <= seqlen_cache).all()), "cache_seqlens exceed the block table's capacity")
 
             def view(cache: torch.Tensor) -> torch.Tensor:  # [B, width * page, Hkv, D] (a gathered copy)
                 return cache[table].flatten(1, 2)
         else:
-            idx = cache_batch_idx.long() if cache_batch_idx is not None else torch.arange(batch, device=q.device)
+            idx = (cache_batch_idx.long() if cache_batch_idx is not None
+                   else torch.arange(batch, device=q.device))
 
             def view(cache: torch.Tensor) -> torch.Tensor:
                 return cache[idx]

@@ -32,7 +32,8 @@ def start_errors(*args: str, env: dict[str, str] | None = None) -> tuple[int, st
     records there, each as its lines (a record runs until the next record's timestamp, uvicorn's level
     or a traceback not logged)."""
     cmd = [sys.executable, "-m", "nanoserve.server.cli", "--host", HOST, "--port", str(free_port()), *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=dict(os.environ, **(env or {})))
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180,
+                         env=dict(os.environ, **(env or {})))
     records = re.split(r"\n(?=\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ |[A-Z]+: |Traceback )", out.stderr.strip())
     errors = [r.splitlines() for r in records if re.match(r"(\S+ \S+ )?ERROR|Traceback ", r)]
     return out.returncode, out.stderr, errors
@@ -56,7 +57,8 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode} during start-up:\n{self.logs()}")
+                raise RuntimeError(f"server exited with {self.proc.returncode} during start-up:\n"
+                                   f"{self.logs()}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return

@@ -88,8 +88,8 @@ def test_embedded_model_matches_hf_from_gguf(embedded_llm_fp32):
     src = embedded_source()
     ref = AutoModelForCausalLM.from_pretrained(src.path, gguf_file=src.gguf_file, dtype=torch.float32)
     tok = embedded_llm_fp32.tokenizer
-    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away, there lived",
-             "1, 2, 3, 4,"]
+    texts = ["The capital of France is", "def fibonacci(n):",
+             "Once upon a time, in a land far away, there lived", "1, 2, 3, 4,"]
     prompts = [tok.encode(t) for t in texts]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     expected = hf_greedy(ref, prompts, params.max_tokens)

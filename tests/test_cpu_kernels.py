@@ -1,9 +1,10 @@
 """The C++ CPU kernels (nanoserve/kernels/cpu_kernels.py) against the torch path they replace
 (prefill attention: tests/test_prefill_attention.py):
 paged decode attention over random block tables (GQA ratios 1/3/4/10, head_dim 64/128, block sizes
-5/16/24/32, contexts on and off block boundaries, fp32 and bf16), the fused residual-add + RMSNorm (bit-exact with HF's
-LlamaRMSNorm in bf16), RoPE in place (bit-exact with rotate) and the KV slot write; then the embedded model (head_dim 64, so the kernels run) gives the same
-greedy tokens in fp32 with the kernels and without them."""
+5/16/24/32, contexts on and off block boundaries, fp32 and bf16), the fused residual-add + RMSNorm
+(bit-exact with HF's LlamaRMSNorm in bf16), RoPE in place (bit-exact with rotate) and the KV slot
+write; then the embedded model (head_dim 64, so the kernels run) gives the same greedy tokens in fp32
+with the kernels and without them."""
 from __future__ import annotations
 
 import shutil
@@ -110,7 +111,8 @@ def test_rope_in_place_is_bit_exact_with_rotate(kernels, dtype):
 
 def test_write_kv_fills_the_same_slots_as_index_put(kernels):
     cache, batch, q, k, v = _decode_case(torch.bfloat16, 9, 3, 64, [5, 16, 17, 40])
-    qkv = torch.cat([t.reshape(len(t), -1) for t in (q, k, v)], dim=1)  # k, v as strided views, as in the model
+    # k, v as strided views, as in the model
+    qkv = torch.cat([t.reshape(len(t), -1) for t in (q, k, v)], dim=1)
     kv_view, vv = qkv[:, 9 * 64:12 * 64].view(-1, 3, 64), qkv[:, 12 * 64:].view(-1, 3, 64)
     want = cache.clone()
     want[:, 1, 0][batch.slot_blocks, :, batch.slot_offsets] = k
@@ -145,7 +147,8 @@ def test_linear_rows_is_each_threads_rows_through_the_same_onednn_call(kernels, 
     one, and within bf16 rounding of the fp32 matmul."""
     from nanoserve.layers.linear import Linear
     g = torch.Generator().manual_seed(0)
-    lin = Linear((torch.randn(320, 96, generator=g) * 0.1).bfloat16(), torch.randn(320, generator=g).bfloat16())
+    lin = Linear((torch.randn(320, 96, generator=g) * 0.1).bfloat16(),
+                 torch.randn(320, generator=g).bfloat16())
     if lin.packed is None:
         pytest.skip("no oneDNN packing in this torch build")
     x = torch.randn(1001, 96, generator=g).bfloat16()  # not a multiple of the thread count

@@ -62,7 +62,8 @@ class FakeEvent:
 
 def _fenced_llm(monkeypatch, tiny, stream: FakeStream, **kw) -> LLM:
     real = staging_mod.Staging
-    monkeypatch.setattr("nanoserve.runner.model_runner.Staging", lambda device: real(device, FakeEvent(stream), stream.copy))
+    monkeypatch.setattr("nanoserve.runner.model_runner.Staging",
+                        lambda device: real(device, FakeEvent(stream), stream.copy))
     return LLM(str(tiny), dtype="float32", attention_backend="flash", flash_attn_module=REF, num_kv_blocks=8,
                max_num_batched_tokens=64, max_num_seqs=4, **kw)
 
@@ -107,8 +108,8 @@ def host_sync_errors():
 @pytest.mark.parametrize("module,blocked", [(REF, None), ("tests.flash_ref:SYNCING", "syncs"),
                                             ("tests.flash_ref:FP32", "not graph-safe")])
 def test_capture_safety_is_decided_before_any_capture(tiny, module, blocked):
-    llm = LLM(str(tiny), dtype="float32", attention_backend="flash", flash_attn_module=module, num_kv_blocks=4,
-              max_num_seqs=4)
+    llm = LLM(str(tiny), dtype="float32", attention_backend="flash", flash_attn_module=module,
+              num_kv_blocks=4, max_num_seqs=4)
     why = llm.engine.runner.graph_blocker(4, host_sync_errors)
     assert (why is None) if blocked is None else (blocked in why)
     # the runner stays usable after the check (no half-open state)
@@ -151,7 +152,8 @@ def test_fresh_prefill_uses_plain_varlen(ctx_extra):
     tables = [[2], [0]]
     slots = [(2, p) for p in range(ctx_extra, ctx[0])] + [(0, p) for p in range(3)]
     blk, off = torch.tensor([s[0] for s in slots]), torch.tensor([s[1] for s in slots])
-    fa = FlashAttention(flash_cache, h, d ** -0.5, flash=spy, max_seqs=4, max_blocks_per_seq=2, scratch_block=3)
+    fa = FlashAttention(flash_cache, h, d ** -0.5, flash=spy, max_seqs=4, max_blocks_per_seq=2,
+                        scratch_block=3)
     fa.prepare(AttentionBatch(qlens, ctx, tables, 0, blk, off))
     ref = TorchAttention(torch_cache, h, d ** -0.5)
     ref.prepare(AttentionBatch(qlens, ctx, tables, 0, blk, off))

@@ -26,7 +26,8 @@ def tok(embedded_dir):
     return t
 
 
-def _stream(tokenizer, prompt: list[int], out: list[int], stop=()) -> tuple[Detokenizer, list[str], str | None]:
+def _stream(tokenizer, prompt: list[int], out: list[int],
+            stop=()) -> tuple[Detokenizer, list[str], str | None]:
     det = Detokenizer(tokenizer, len(prompt), list(stop))
     ids, shown, matched = list(prompt), [], None
     for t in out:
@@ -46,7 +47,8 @@ def test_streamed_text_equals_one_shot_decode(tok, text, python_only):
     prompt = tok.encode("The answer is:")
     out = tok.encode(text)
     det, shown, _ = _stream(PythonOnly(tok) if python_only else tok, prompt, out)
-    want = tok.decode(prompt + out, skip_special_tokens=True)[len(tok.decode(prompt, skip_special_tokens=True)):]
+    want = tok.decode(prompt + out, skip_special_tokens=True)[
+        len(tok.decode(prompt, skip_special_tokens=True)):]
     assert det.text == want
     assert not any("\ufffd" in s for s in shown)  # no half-decoded character was ever shown
     assert all(b.startswith(a) for a, b in zip(shown, shown[1:]))  # text only grows

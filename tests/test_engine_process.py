@@ -164,7 +164,8 @@ def test_leaving_early_aborts_and_frees_blocks(client):
 
 def test_fail_all_fails_in_flight_requests_with_engine_dead(client):
     async def run():
-        task = asyncio.create_task(_collect(client, "long", "hello", SamplingParams(max_tokens=400, ignore_eos=True)))
+        task = asyncio.create_task(_collect(client, "long", "hello",
+                                            SamplingParams(max_tokens=400, ignore_eos=True)))
         while client.num_running == 0:
             await asyncio.sleep(0.01)
         client.fail_all("draining took too long")
@@ -196,7 +197,8 @@ async def _drain(gen) -> None:
 
 def test_metrics_cross_the_boundary(client):
     text = client.observer.render(asyncio.run(client.snapshot())).decode()
-    decode = [l for l in text.splitlines() if l.startswith('nanoserve:engine_step_seconds_count{kind="decode"')]
+    decode = [l for l in text.splitlines()
+              if l.startswith('nanoserve:engine_step_seconds_count{kind="decode"')]
     assert decode and float(decode[0].split()[-1]) > 0
     ttft = [l for l in text.splitlines() if l.startswith("nanoserve:time_to_first_token_seconds_count")]
     assert float(ttft[0].split()[-1]) >= 3
@@ -208,7 +210,8 @@ def test_killed_engine_fails_requests_and_reports_dead(tiny):
     c.start()
     try:
         async def run():
-            task = asyncio.create_task(_collect(c, "x", "hello", SamplingParams(max_tokens=400, ignore_eos=True)))
+            task = asyncio.create_task(_collect(c, "x", "hello",
+                                                SamplingParams(max_tokens=400, ignore_eos=True)))
             while c.num_running == 0:
                 await asyncio.sleep(0.01)
             os.kill(c.pid, signal.SIGKILL)
@@ -231,7 +234,8 @@ def test_engine_dies_with_a_sigkilled_api_process(tiny):
         import sys, time
         from nanoserve.config import EngineConfig
         from nanoserve.client.engine_client import EngineClient
-        c = EngineClient(EngineConfig(model={str(tiny)!r}, dtype="float32", num_kv_blocks=16), log_level="warning")
+        c = EngineClient(EngineConfig(model={str(tiny)!r}, dtype="float32", num_kv_blocks=16),
+                         log_level="warning")
         c.start()
         print(c.pid, flush=True)
         time.sleep(600)

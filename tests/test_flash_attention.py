@@ -33,7 +33,8 @@ def test_reference_varlen_matches_dense(sq, sk, h, hk):
         torch.testing.assert_close(out[:sq].double(), want, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(out[sq:].double(), want, atol=1e-5, rtol=1e-5)
     if sq > sk:  # bottom-right alignment: the first sq - sk rows see nothing and are exactly 0
-        assert out is not None and REF.flash_attn_varlen_func(qq, kk, vv, cu_q, cu_k, sq, sk, causal=True)[:sq - sk].eq(0).all()
+        assert out is not None and REF.flash_attn_varlen_func(qq, kk, vv, cu_q, cu_k, sq, sk,
+                                                              causal=True)[:sq - sk].eq(0).all()
 
 
 def test_reference_paged_matches_dense():
@@ -46,8 +47,9 @@ def test_reference_paged_matches_dense():
     k = cache_k[[3, 0, 4]].flatten(0, 1)[:n]
     v = cache_v[[3, 0, 4]].flatten(0, 1)[:n]
     q = torch.randn(4, h, d)
-    out = REF.flash_attn_varlen_func(q, cache_k, cache_v, torch.tensor([0, 4], **I32), torch.tensor([0, n], **I32),
-                                     4, n, softmax_scale=0.3, causal=True, block_table=table)
+    out = REF.flash_attn_varlen_func(q, cache_k, cache_v, torch.tensor([0, 4], **I32),
+                                     torch.tensor([0, n], **I32), 4, n, softmax_scale=0.3, causal=True,
+                                     block_table=table)
     torch.testing.assert_close(out.double(), naive_attention(q, k, v, 0.3), atol=1e-5, rtol=1e-5)
     k_new, v_new = torch.randn(1, 1, hk, d), torch.randn(1, 1, hk, d)
     out = REF.flash_attn_with_kvcache(q[None, :1], cache_k, cache_v, k_new, v_new,
@@ -145,8 +147,8 @@ def _run_both(case: dict, dtype: torch.dtype, pad_to: int | None = None, bs: int
     blocks = torch.tensor([s[0] for s in slots])
     offs = torch.tensor([s[1] for s in slots])
     batch = AttentionBatch(qlens, ctx, tables, nd, blocks, offs)
-    make = make or (lambda c, h, sc, scratch: FlashAttention(c, h, sc, flash=REF, max_seqs=8, max_blocks_per_seq=6,
-                                                             scratch_block=scratch))
+    make = make or (lambda c, h, sc, scratch: FlashAttention(c, h, sc, flash=REF, max_seqs=8,
+                                                             max_blocks_per_seq=6, scratch_block=scratch))
     flash = make(flash_cache, h, d ** -0.5, scratch)
     flash.tables.np.fill(1 << 30)  # poison every column not written by prepare
     flash.prepare(batch, pad_to=pad_to)
@@ -155,7 +157,8 @@ def _run_both(case: dict, dtype: torch.dtype, pad_to: int | None = None, bs: int
     ref.prepare(AttentionBatch(qlens, ctx, tables, nd, blocks[:n], offs[:n]))
     outs = []
     for layer in range(layers):
-        q, k, v = torch.randn(rows, h, d).to(dtype), torch.randn(rows, kh, d).to(dtype), torch.randn(rows, kh, d).to(dtype)
+        q, k, v = (torch.randn(rows, h, d).to(dtype), torch.randn(rows, kh, d).to(dtype),
+                   torch.randn(rows, kh, d).to(dtype))
         got = flash.forward(q, k, v, layer)
         want = ref.forward(q[:n], k[:n], v[:n], layer)
         outs.append((got[:n], want))
@@ -179,7 +182,8 @@ def test_flash_backend_matches_torch_backend(dtype, case):
 
 
 @settings(max_examples=10, deadline=None)
-@given(case=steps().filter(lambda c: all(kind == "decode" for kind, _, _ in c["seqs"])), extra=st.integers(0, 3))
+@given(case=steps().filter(lambda c: all(kind == "decode" for kind, _, _ in c["seqs"])),
+       extra=st.integers(0, 3))
 def test_padded_decode_matches_torch_backend(case, extra):
     """The CUDA-graph shape: rows padded up to a bucket, full-width tables, padding in the scratch block."""
     outs, flash = _run_both(case, torch.float32, pad_to=len(case["seqs"]) + extra)
@@ -227,7 +231,8 @@ def flash_case(embedded_dir):
 
 def _flash_llm(**kw):
     from nanoserve import LLM
-    return LLM(dtype="float32", attention_backend="flash", flash_attn_module="tests.flash_ref:FP32", num_kv_blocks=12, **kw)
+    return LLM(dtype="float32", attention_backend="flash", flash_attn_module="tests.flash_ref:FP32",
+               num_kv_blocks=12, **kw)
 
 
 def test_engine_flash_matches_hf(flash_case):

@@ -19,8 +19,8 @@ from tests.conftest import KV_GB
 
 # test_correctness's prompts: prefilled in one step, then decoded as a batch of 4 (on AVX-512 both through
 # the packed kernel; elsewhere the prefill dequantizes for the GEMM and the decode takes the block kernel)
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away, there lived",
-           "1, 2, 3, 4,"]
+PROMPTS = ["The capital of France is", "def fibonacci(n):",
+           "Once upon a time, in a land far away, there lived", "1, 2, 3, 4,"]
 LOGPROB_TOL = 2e-3
 NEAR_TIE = 1e-3
 
@@ -41,22 +41,26 @@ def test_default_model_is_served_from_its_blocks(pair):
         assert layer.qkv.numel() == layer.gate_up.numel() == 0  # the fp32 parameters were released
     assert isinstance(quant.embed_rows, QuantEmbedding) and quant.embed_rows.table.qtype == Q8_0
     assert quant.lm_head_lin.parts[0] is quant.embed_rows.table  # tied: the head reads the same blocks
-    kept = sum(lin.nbytes for layer in quant.layers
-               for lin in (layer.qkv_lin, layer.o_lin, layer.gate_up_lin, layer.down_lin)) + quant.lm_head_lin.nbytes
+    kept = (sum(lin.nbytes for layer in quant.layers
+                for lin in (layer.qkv_lin, layer.o_lin, layer.gate_up_lin, layer.down_lin))
+            + quant.lm_head_lin.nbytes)
     kept += sum(p.numel() * p.element_size() for p in quant.parameters())
-    lins = [lin for layer in quant.layers for lin in (layer.qkv_lin, layer.o_lin, layer.gate_up_lin, layer.down_lin)]
+    lins = [lin for layer in quant.layers
+            for lin in (layer.qkv_lin, layer.o_lin, layer.gate_up_lin, layer.down_lin)]
     table = quant.embed_rows.table.shape
     dense_bf16 = 2 * (sum(lin.out_features * lin.in_features for lin in lins) + table[0] * table[1]
                       + sum(p.numel() for p in quant.parameters()))  # + the norms
     # the file's bytes, nothing added: its Q4_1 layers are 0.31x of bf16, its Q8_0 embedding 0.53x
     assert kept <= (pair[0].engine.source.path / "model.gguf").stat().st_size
     assert kept < 0.37 * dense_bf16, (kept, dense_bf16)
-    for layer in dense.layers:  # oneDNN's packed copies serve the dense layers: their parameters were released
+    # oneDNN's packed copies serve the dense layers: their parameters were released
+    for layer in dense.layers:
         for param, lin in ((layer.qkv, layer.qkv_lin), (layer.o, layer.o_lin), (layer.down, layer.down_lin)):
             assert (param.numel() == 0) == lin.copies_weight
     if quant.lm_head_lin.parts[0].packed:  # packed copies are the process's own: moved onto huge pages
         arena = {p.data.untyped_storage().data_ptr() for layer in quant.layers
-                 for lin in (layer.qkv_lin, layer.o_lin, layer.gate_up_lin, layer.down_lin) for p in lin.parts}
+                 for lin in (layer.qkv_lin, layer.o_lin, layer.gate_up_lin, layer.down_lin)
+                 for p in lin.parts}
         assert arena == {quant.embed_rows.table.data.untyped_storage().data_ptr()}, "one huge-page mapping"
 
 
@@ -77,20 +81,22 @@ def test_teacher_forced_logprobs_and_greedy_tokens_match_the_dequantized_model(p
             i = next(i for i, (u, v) in enumerate(zip(tx, ty)) if u != v)
             top = sorted((c.logprob for c in y.outputs[0].logprobs[i].top), reverse=True)
             margin = top[0] - top[1]
-            assert margin < NEAR_TIE, f"{prompt!r}: token {i} differs ({tx[i]} vs {ty[i]}), margin {margin:.2e}"
+            assert margin < NEAR_TIE, (f"{prompt!r}: token {i} differs ({tx[i]} vs {ty[i]}), "
+                                       f"margin {margin:.2e}")
         for lx, ly in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
             if lx.token_id == ly.token_id:
                 assert abs(lx.logprob - ly.logprob) < LOGPROB_TOL
 
 
-def _write_gguf(path, types: dict) -> object:
-    """A llama GGUF of random weights: {tensor name: (shape, GGML type)}."""
+def _write_gguf(path, types: dict, scale: float = 1.0) -> object:
+    """A llama GGUF of random weights: {tensor name: (shape, GGML type)}, N(0, 1), matrices times `scale`."""
     from gguf import GGUFWriter
     from gguf.quants import quantize
     rng = np.random.default_rng(0)
     w = GGUFWriter(str(path), "llama")
     for name, (shape, qtype) in types.items():
-        q = quantize(rng.standard_normal(shape).astype(np.float32), qtype)
+        values = rng.standard_normal(shape).astype(np.float32) * np.float32(scale if len(shape) == 2 else 1)
+        q = quantize(values, qtype)
         w.add_tensor(name, q, raw_dtype=qtype if q.dtype == np.uint8 else None)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -106,7 +112,8 @@ def _gguf_model(path, cfg, dtype: torch.dtype, keep: bool, kernels, quant_kernel
     from nanoserve.models.loader import _gguf_names
     m = LlamaModel(cfg, dtype, torch.device("cpu"))
     weights = iter_gguf(path, cfg, _gguf_names(cfg))
-    m.load_weights(weights if keep else ((n, x.dequantize() if isinstance(x, QuantTensor) else x) for n, x in weights))
+    m.load_weights(weights if keep
+                   else ((n, x.dequantize() if isinstance(x, QuantTensor) else x) for n, x in weights))
     if finalize:
         m.finalize(kernels, quant_kernels)
     return m
@@ -141,9 +148,11 @@ def test_mixed_types_fall_back_per_group_and_without_kernels(tmp_path):
     dense = _gguf_model(f, cfg, torch.float32, False, None, None, finalize=False)
     quant = _gguf_model(f, cfg, torch.float32, True, None, kernels)
     fallback = _gguf_model(f, cfg, torch.float32, True, None, None, finalize=False)
-    assert not any(quant_layers(fallback, None).values())  # what finalize() starts with: no kernels, every block dequantized
+    # what finalize() starts with: no kernels, every block dequantized
+    assert not any(quant_layers(fallback, None).values())
     layer = quant.layers[0]
-    assert [p.qtype for p in layer.qkv_lin.parts] == [Q4_0, Q8_0, Q4_1] and not isinstance(layer.o_lin, QuantLinear)
+    assert ([p.qtype for p in layer.qkv_lin.parts] == [Q4_0, Q8_0, Q4_1]
+            and not isinstance(layer.o_lin, QuantLinear))
     assert isinstance(quant.lm_head_lin, QuantLinear) and quant.lm_head_lin.parts[0].qtype == Q4_0
     ref = dense.layers[0]
     for attr, param, cols in (("qkv_lin", "qkv", hid), ("o_lin", "o", hid), ("gate_up_lin", "gate_up", hid),
@@ -156,72 +165,3 @@ def test_mixed_types_fall_back_per_group_and_without_kernels(tmp_path):
     assert torch.equal(quant._embed(ids), dense._embed(ids))
     for (name, p), (_, q) in zip(fallback.named_parameters(), dense.named_parameters()):
         assert torch.equal(p, q), name
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("variant", ["quantized", "mixed", "dense"])
-def test_decoder_stack_gives_the_python_layer_loop_bits(tmp_path, dtype, variant):
-    """csrc/cpu_kernels.cpp's DecoderStack (the layer loop in one C++ call) against the Python loop it
-    replaces (LlamaModel._layers): the same kernels in the same order, so the same logits and the same
-    K/V written, bit for bit, on random steps mixing decodes, fresh chunks and chunks over cached
-    context. QKV of three block types (three kernel calls into column slices); gate/up of one type
-    (the fused GLU kernel); "mixed": a dense o_proj (oneDNN) and gate/up of two types (two calls, then
-    silu * up); "dense": every block dequantized into oneDNN layers (gate and up two GEMMs with epilogues)."""
-    from gguf import GGMLQuantizationType as T
-    from transformers import LlamaConfig
-
-    from nanoserve.layers.attention import TorchAttention
-    from tests.test_prefill_attention import _batch
-    kernels, quant = cpu_kernels.load(), cpu_kernels.quant()
-    if kernels is None or quant is None:
-        pytest.skip("no C++ toolchain")
-    hid, inter, heads, kv, d, vocab, layers = 256, 512, 4, 2, 64, 64, 2
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hid, intermediate_size=inter, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv, tie_word_embeddings=True)
-    types = {"token_embd.weight": ((vocab, hid), T.Q8_0), "output_norm.weight": ((hid,), T.F32)}
-    for i in range(layers):
-        types.update({f"blk.{i}.attn_norm.weight": ((hid,), T.F32), f"blk.{i}.ffn_norm.weight": ((hid,), T.F32),
-                      f"blk.{i}.attn_q.weight": ((hid, hid), T.Q4_0), f"blk.{i}.attn_k.weight": ((kv * d, hid), T.Q8_0),
-                      f"blk.{i}.attn_v.weight": ((kv * d, hid), T.Q4_1),
-                      f"blk.{i}.attn_output.weight": ((hid, hid), T.F16 if variant == "mixed" else T.Q4_1),
-                      f"blk.{i}.ffn_gate.weight": ((inter, hid), T.Q4_1),
-                      f"blk.{i}.ffn_up.weight": ((inter, hid), T.Q8_0 if variant == "mixed" else T.Q4_1),
-                      f"blk.{i}.ffn_down.weight": ((hid, inter), T.Q8_0)})
-    model = _gguf_model(_write_gguf(tmp_path / "stack.gguf", types), cfg, dtype, variant != "dense", kernels, quant)
-    if variant != "dense" or model.layers[0].qkv_lin.packed is not None:  # dense: where oneDNN packs
-        assert model.stack is not None
-    if model.stack is None:
-        pytest.skip("no oneDNN packing in this torch build")
-    layer = model.layers[0]
-    assert isinstance(layer.o_lin, QuantLinear) == (variant == "quantized")
-    if variant != "dense":
-        assert len(layer.qkv_lin.parts) == 3
-        assert layer.gate_up_lin.fused_glu == (variant == "quantized" and quant.packs())
-    stack, compared, calls = model.stack, 0, []
-
-    class Counted:  # the stack itself, its calls counted: each step below must have taken it
-        def forward(self, *args):
-            calls.append((args[6], args[0].shape[0]))  # the step's decodes and tokens
-            return stack.forward(*args)
-
-    for seed in range(40):
-        cache, batch, *_ = _batch(seed, heads, kv, d, dtype, layers=layers)
-        tokens = sum(batch.query_lens)
-        if tokens > model.stack_rows:  # block-layout (AVX2) kernels: only decode-sized steps
-            continue
-        ids = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(seed))
-        positions = torch.tensor([p for n, c in zip(batch.query_lens, batch.context_lens) for p in range(c - n, c)])
-        last = torch.tensor(batch.query_lens).cumsum(0) - 1
-        results = []
-        for use_stack in (True, False):
-            attn = TorchAttention(cache.clone(), heads, d ** -0.5, kernels)
-            attn.prepare(batch)
-            model.stack = Counted() if use_stack else None
-            results.append((model.forward(ids, positions, attn, last), attn.kv_cache))
-        model.stack = stack
-        assert torch.equal(results[0][0], results[1][0]), seed
-        assert torch.equal(results[0][1], results[1][1]), seed
-        compared += 1
-    assert compared >= 3 and len(calls) == compared
-    if quant.packs():  # every step fits the packed kernels: some mixed decodes with prefill chunks
-        assert any(0 < nd < tokens for nd, tokens in calls)

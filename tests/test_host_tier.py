@@ -167,7 +167,8 @@ def test_embedded_model_identical_from_host(embedded_dir):
     tok = llm.tokenizer
     doc = tok.encode("The history of the city goes back many centuries. " * 8)
     q = [doc + tok.encode(f" Question {i}: what happened next?") for i in range(2)]
-    filler = [tok.encode(f"Unrelated text number {i} about gardening and the weather. " * 8) for i in range(3)]
+    filler = [tok.encode(f"Unrelated text number {i} about gardening and the weather. " * 8)
+              for i in range(3)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     first = llm.generate([q[0]], params)[0]
     for f in filler:
@@ -194,8 +195,8 @@ def _pattern(tokens: tuple[int, ...]) -> float:
 @settings(max_examples=80, deadline=None)
 def test_manager_with_host_tier_keeps_kv_content_and_accounting(prompts, host_blocks):
     """Random prompts over a tiny alphabet (many shared prefixes) through a 6-block device tier and a
-    2..12-block host tier (both tiers evict). Each computed block is filled with a value derived from its tokens; whatever
-    tier a cached block comes from, its device content must be that value."""
+    2..12-block host tier (both tiers evict). Each computed block is filled with a value derived from its
+    tokens; whatever tier a cached block comes from, its device content must be that value."""
     bs = 2
     device = torch.zeros(6, 1, 2, 1, bs, 1)
     kv = KVCacheManager(6, bs, host=HostTier(host_blocks, device), offload_watermark=6)  # >= one admission
@@ -260,7 +261,8 @@ def test_budgets_beyond_available_memory_are_refused_before_the_model_is_looked_
     monkeypatch.setattr(shard, "host_memory_available", lambda: 2 << 30)
     refused = {"--host-cache-gb 3 asks for 3.0 GiB": dict(host_cache_gb=3),
                "--kv-cache-gb 2.5 asks for 2.5 GiB": dict(kv_cache_gb=2.5),
-               "--kv-cache-gb 1.5 + --host-cache-gb 1 ask for 2.5 GiB": dict(kv_cache_gb=1.5, host_cache_gb=1)}
+               "--kv-cache-gb 1.5 + --host-cache-gb 1 ask for 2.5 GiB": dict(kv_cache_gb=1.5,
+                                                                              host_cache_gb=1)}
     for said, budgets in refused.items():
         with pytest.raises(ValueError, match=f"^{re.escape(said)} of host memory, more than this machine has "
                                              r"available \(2\.0 GiB\)$"):
@@ -268,4 +270,5 @@ def test_budgets_beyond_available_memory_are_refused_before_the_model_is_looked_
     with pytest.raises(ModelLookedFor):  # what fits goes on to the model
         LLM(str(tiny_model), device="cpu", kv_cache_gb=1.5, host_cache_gb=0.5)
     with pytest.raises(ValueError, match="needs prefix caching"):
-        LLM(str(tiny_model), dtype="float32", host_cache_gb=0.01, enable_prefix_caching=False, kv_cache_gb=KV_GB)
+        LLM(str(tiny_model), dtype="float32", host_cache_gb=0.01, enable_prefix_caching=False,
+            kv_cache_gb=KV_GB)

@@ -105,7 +105,8 @@ class HubHandler(BaseHTTPRequestHandler):
             self.wfile.write(data)
 
     def error(self, status: int, code: str, headers: dict | None = None, body: bool = True) -> None:
-        self.send(status, json.dumps({"error": code}).encode(), {"X-Error-Code": code, **(headers or {})}, body)
+        self.send(status, json.dumps({"error": code}).encode(), {"X-Error-Code": code, **(headers or {})},
+                  body)
 
     def route(self, body: bool) -> None:
         hub: LocalHub = self.server.hub
@@ -117,8 +118,8 @@ class HubHandler(BaseHTTPRequestHandler):
                 return self.error(404, "EntryNotFound", body=body)
             if m := re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range", "")):  # a resumed download
                 hub.ranges.append(f"{path} from {m[1]}")
-                return self.send(206, data[int(m[1]):], {"Content-Range": f"bytes {m[1]}-{len(data) - 1}/{len(data)}"},
-                                 body)
+                return self.send(206, data[int(m[1]):],
+                                 {"Content-Range": f"bytes {m[1]}-{len(data) - 1}/{len(data)}"}, body)
             if body and path.split("/", 3)[3] in hub.cut_once:  # the connection drops mid-file, once
                 hub.cut_once.discard(path.split("/", 3)[3])
                 self.send_response(200)
@@ -142,7 +143,8 @@ class HubHandler(BaseHTTPRequestHandler):
             return self.error(404, "RevisionNotFound", body=body)
         if m[2] in (None, "revision"):
             info = {"id": m[1], "modelId": m[1], "sha": commit.sha, "private": bool(repo.token),
-                    "gated": "manual" if repo.gated else False, "siblings": [{"rfilename": f} for f in commit.files]}
+                    "gated": "manual" if repo.gated else False,
+                    "siblings": [{"rfilename": f} for f in commit.files]}
             return self.send(200, json.dumps(info).encode(), {"Content-Type": "application/json"}, body)
         if m[2] == "tree":
             tree = [{"type": "file", "path": f, "size": len(d), "oid": git_sha(d)}
@@ -153,13 +155,14 @@ class HubHandler(BaseHTTPRequestHandler):
         if name not in commit.files:
             return self.error(404, "EntryNotFound", {"X-Repo-Commit": commit.sha}, body)
         if repo.gated and self.headers.get("Authorization") is None:
-            return self.error(403, "GatedRepo", {"X-Error-Message": "Access to this model is restricted."}, body)
+            return self.error(403, "GatedRepo", {"X-Error-Message": "Access to this model is restricted."},
+                              body)
         data = commit.files[name]
         if name.endswith(LFS_SUFFIXES):
             sha256 = hashlib.sha256(data).hexdigest()
-            return self.send(302, b"", {"Location": f"{hub.cdn_url}/cdn/{sha256}/{name}", "X-Repo-Commit": commit.sha,
-                                        "X-Linked-Etag": f'"{sha256}"', "X-Linked-Size": len(data),
-                                        "ETag": f'"{git_sha(data)}"'}, body)
+            return self.send(302, b"", {"Location": f"{hub.cdn_url}/cdn/{sha256}/{name}",
+                                        "X-Repo-Commit": commit.sha, "X-Linked-Etag": f'"{sha256}"',
+                                        "X-Linked-Size": len(data), "ETag": f'"{git_sha(data)}"'}, body)
         self.send(200, data, {"X-Repo-Commit": commit.sha, "ETag": f'"{git_sha(data)}"'}, body)
 
 
@@ -246,16 +249,17 @@ def test_cache_is_used_with_the_hub_stopped_and_offline_keeps_todays_error(tiny_
     assert resolve_model("tiny-org/tiny-gguf:q8_0", opts(own, tmp_path)) == gguf
     # a repo not in the cache, hub unreachable: today's error, saying what was tried
     msg = not_found_error("tiny-org/other", opts(own, tmp_path))
-    assert "could not be reached" in msg and f"`hf download tiny-org/other --cache-dir {tmp_path}` on a" in msg
+    assert "could not be reached" in msg and \
+        f"`hf download tiny-org/other --cache-dir {tmp_path}` on a" in msg
     from huggingface_hub import constants
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     assert resolve_model("tiny-org/tiny-llama", opts(own, tmp_path)) == first
     msg = not_found_error("tiny-org/other", opts(own, tmp_path))
     local = models_dir() / "tiny-org/other"
-    assert msg == (f"model 'tiny-org/other' not found; looked in: path 'tiny-org/other'; local store {local}; HF cache "
-                   "for tiny-org/other (HF_HUB_OFFLINE: no download)\nTo get it: `hf download tiny-org/other "
-                   f"--cache-dir {tmp_path}` on a machine with network, then copy {tmp_path} here; or put an HF "
-                   "folder / .gguf file in the local store")
+    assert msg == ("model 'tiny-org/other' not found; looked in: path 'tiny-org/other'; local store "
+                   f"{local}; HF cache for tiny-org/other (HF_HUB_OFFLINE: no download)\nTo get it: `hf "
+                   f"download tiny-org/other --cache-dir {tmp_path}` on a machine with network, then copy "
+                   f"{tmp_path} here; or put an HF folder / .gguf file in the local store")
     msg = not_found_error("tiny-org/other-gguf:Q8_0", HubOptions(revision="v2"))  # the one file, the revision
     assert "`hf download tiny-org/other-gguf --include '*Q8_0*.gguf' --revision v2` on a machine" in msg
     assert "then copy ~/.cache/huggingface here" in msg
@@ -288,7 +292,8 @@ def test_a_dropped_download_resumes_where_it_broke_off(hub, tiny_files, tmp_path
     assert (src.path / "model.safetensors").read_bytes() == data
     [resumed] = hub.ranges
     path, offset = resumed.split(" from ")
-    assert path == f"/cdn/{hashlib.sha256(data).hexdigest()}/model.safetensors" and 0 < int(offset) <= len(data) // 2
+    assert path == f"/cdn/{hashlib.sha256(data).hexdigest()}/model.safetensors" and \
+        0 < int(offset) <= len(data) // 2
 
 
 def test_short_names_resolve_to_their_repo_and_an_embedded_one_never_downloads(hub, tiny_files, tmp_path,
@@ -322,10 +327,12 @@ def test_gguf_by_quant_tag_or_file_name_downloads_that_file_only(hub, tmp_path):
     assert hub.files_fetched() == {"tiny-Q8_0.gguf"}
     named = resolve_model("tiny-org/tiny-gguf", opts(hub, tmp_path, gguf_file="tiny-Q4_K_M.gguf"))
     assert named.gguf_file == "tiny-Q4_K_M.gguf" and named.path == src.path
-    assert resolve_model("tiny-org/tiny-gguf", opts(hub, tmp_path)).gguf_file == "tiny-Q4_K_M.gguf"  # llama.cpp's default
+    # llama.cpp's default
+    assert resolve_model("tiny-org/tiny-gguf", opts(hub, tmp_path)).gguf_file == "tiny-Q4_K_M.gguf"
     msg = one_line_error("tiny-org/tiny-gguf:Q5_K", opts(hub, tmp_path / "other"))
     assert "no .gguf file tagged Q5_K" in msg and "tiny-Q4_K_M.gguf, tiny-Q8_0.gguf" in msg
-    assert "has no file 'x.gguf'" in one_line_error("tiny-org/tiny-gguf", opts(hub, tmp_path, gguf_file="x.gguf"))
+    assert "has no file 'x.gguf'" in one_line_error("tiny-org/tiny-gguf",
+                                                    opts(hub, tmp_path, gguf_file="x.gguf"))
     local = tmp_path / "two-ggufs"  # --gguf-file also picks one .gguf of a local folder
     local.mkdir()
     for f in ("a-Q4_0.gguf", "a-Q8_0.gguf"):
@@ -334,7 +341,8 @@ def test_gguf_by_quant_tag_or_file_name_downloads_that_file_only(hub, tmp_path):
 
 
 @pytest.mark.server  # (imported here, so that the in-process tests above stay in `make test-fast`)
-def test_server_downloads_and_serves_then_the_engine_starts_from_the_cache_with_the_hub_stopped(tiny_files, tmp_path):
+def test_server_downloads_and_serves_then_the_engine_starts_from_the_cache_with_the_hub_stopped(tiny_files,
+                                                                                                 tmp_path):
     """The issue's check. One real server start (seconds): `nanoserve --model tiny-org/tiny-llama
     --download-dir DIR` against the hub through HF_ENDPOINT downloads into DIR and serves; then, the hub
     stopped, an engine starts from that cache and generates the same text (in-process: LLM() runs the
@@ -348,8 +356,8 @@ def test_server_downloads_and_serves_then_the_engine_starts_from_the_cache_with_
     env = {"HF_ENDPOINT": own.url, "HF_HOME": str(hf_home), "HF_HUB_CACHE": str(hf_home / "hub"),
            "HF_HUB_OFFLINE": "0", "HF_TOKEN": ""}
     try:
-        srv = ServerProcess("--model", "tiny-org/tiny-llama", "--download-dir", str(cache), "--dtype", "float32",
-                            "--no-engine-process", env=env)
+        srv = ServerProcess("--model", "tiny-org/tiny-llama", "--download-dir", str(cache),
+                            "--dtype", "float32", "--no-engine-process", env=env)
         try:
             client = srv.client()
             assert [m.id for m in client.models.list().data] == ["tiny-org/tiny-llama"]

@@ -36,13 +36,15 @@ def test_relocate_moves_owners_in_place_and_leaves_views():
     moved = hugepages.relocate([a, b, b_again, view, a])
     assert moved == a.nbytes + b.nbytes
     assert torch.equal(a, want_a) and torch.equal(b, want_b) and torch.equal(b_again, want_b)
-    assert b_again.data_ptr() == b.data_ptr() and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    assert b_again.data_ptr() == b.data_ptr() and \
+        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
     assert a.data_ptr() % 64 == 0 and b.data_ptr() % 64 == 0 and view.data_ptr() == old_view
     a.add_(1)  # still an ordinary, writable tensor
     assert torch.equal(a, want_a + 1) and torch.equal(b, want_b)
     assert thp_advised(a.data_ptr()) in (True, None)
     small = torch.ones(1000)
-    assert hugepages.relocate([small]) == 0 and small.sum().item() == 1000  # under one huge page: not worth it
+    # under one huge page: not worth it
+    assert hugepages.relocate([small]) == 0 and small.sum().item() == 1000
 
 
 def test_zeros_advises_only_whole_huge_pages_and_reads_zero():

@@ -40,7 +40,7 @@ import json, logging, sys
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 from pathlib import Path
 from nanoserve.kernels import build
-found = build.load_or_build(build.Module("tiny", Path(sys.argv[1])))
+found = build.load_or_build(build.Module("tiny", (Path(sys.argv[1]),)))
 print(json.dumps(found and {"answer": found[0].answer(), "target": found[1], "file": found[0].__file__}))
 """
 
@@ -124,7 +124,8 @@ def _install(tmp_path: Path, name: str) -> str:
     """A second install of the package: its own venv (sys.prefix), seeing this one's packages."""
     venv = tmp_path / name
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    site = Path(subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+    site = Path(subprocess.run([str(venv / "bin" / "python"), "-c",
+                                "import sysconfig; print(sysconfig.get_path('purelib'))"],
                                capture_output=True, text=True, check=True).stdout.strip())
     (site / "outer.pth").write_text(f"import site; site.addsitedir({sysconfig.get_path('purelib')!r})\n")
     return str(venv / "bin" / "python")
@@ -145,7 +146,7 @@ def test_a_build_for_features_this_cpu_lacks_is_never_loaded(tmp_path, tiny):
     if not lacking or "avx2" not in build.cpu_flags():
         pytest.skip("needs an x86 CPU with AVX2 that lacks some listed feature")
     root = tmp_path / "kernels"
-    module = build.Module("tiny", tiny)
+    module = build.Module("tiny", (tiny,))
     fits, _ = build.ensure_built(module, "x86-64-v3", root)
     richer = root / "tiny_richer"  # a build whose manifest asks for more than this CPU has
     shutil.copytree(fits, richer)
@@ -167,8 +168,8 @@ def test_a_native_build_names_this_cpus_features_and_a_baseline_only_its_own():
         pytest.skip("not an x86 CPU with AVX2")
     assert v3.requires >= {"avx2", "fma", "f16c"} and not any(f.startswith("avx512") for f in v3.requires)
     assert native.requires <= build.cpu_flags() and v3.requires <= native.requires
-    module = build.Module("nanoserve_cpu", ROOT / "nanoserve" / "kernels" / "csrc" / "cpu_kernels.cpp")
-    assert build.build_key(module, native, "12") != build.build_key(module, v3, "12")
+    from nanoserve.kernels.cpu_kernels import MODULE
+    assert build.build_key(MODULE, native, "12") != build.build_key(MODULE, v3, "12")
 
 
 def _stages(dockerfile: str) -> list[tuple[str, list[str]]]:
@@ -195,5 +196,6 @@ def test_the_dockerfile_builds_the_kernels_in_a_stage_with_a_compiler_and_ships_
     joined = " ".join(build_steps)
     assert "pip install ." in joined and "python -m nanoserve.kernels --baselines" in joined
     assert joined.index("pip install .") < joined.index("nanoserve.kernels")
-    assert any(s.startswith("COPY --from=build /opt/venv /opt/venv") for s in run_steps)  # the runtime carries them
+    assert any(s.startswith("COPY --from=build /opt/venv /opt/venv")
+               for s in run_steps)  # the runtime carries them
     assert not any("nanoserve.kernels" in s or "pip install" in s for s in run_steps)  # and builds nothing

@@ -5,8 +5,8 @@ bf16 activations, ragged row counts, token counts on both sides of the GEMV/GEMM
 dequantizer bit for bit; batch invariance bit for bit; refused shapes; the loader keeping the blocks
 only where the kernels built. The packed layout (AVX-512): pack -> dequantize and row lookups bit for
 bit, fp32 x to summation-order noise, bf16 x (int8 on VNNI) within the int8 rounding's bound element by
-element and exactly as the rounded blocks give it. AVX-512 without BF16, AVX2 and scalar builds are checked by an
-opt-in test (NANOSERVE_TEST_ISAS=1: three ~30 s builds, then cached)."""
+element and exactly as the rounded blocks give it. AVX-512 without BF16, AVX2 and scalar builds are
+checked by an opt-in test (NANOSERVE_TEST_ISAS=1: three ~30 s builds, then cached)."""
 from __future__ import annotations
 
 import os
@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from nanoserve.kernels import cpu_kernels
-from nanoserve.layers.quant_linear import GEMV_MAX_ROWS, Q4_K, Q6_K, QuantEmbedding, QuantLinear, QuantTensor, Scratch
+from nanoserve.layers.quant_linear import (GEMV_MAX_ROWS, Q4_K, Q6_K, QuantEmbedding, QuantLinear,
+                                           QuantTensor, Scratch)
 
 TYPES = {"Q4_K": Q4_K, "Q6_K": Q6_K}
 
@@ -28,7 +29,8 @@ TYPES = {"Q4_K": Q4_K, "Q6_K": Q6_K}
 def kernels():
     k = cpu_kernels.quant()
     if (k is None or k.kquants is None) and shutil.which("g++") and shutil.which("ninja"):
-        pytest.fail("a compiler and ninja are here, yet the quantized kernels did not build (see the log warning)")
+        pytest.fail("a compiler and ninja are here, yet the quantized kernels did not build "
+                    "(see the log warning)")
     if k is None or k.kquants is None:
         pytest.skip("no C++ toolchain: K-quant GGUF weights are dequantized at load")
     return k
@@ -43,9 +45,11 @@ def k_blocks(rows: int, cols: int, qtype: int, seed: int = 0) -> np.ndarray:
     if qtype == Q4_K:
         d = g.uniform(1e-4, 3e-4, (rows, cols // 256)).astype(np.float16)
         b[..., 0:2] = d.view(np.uint8).reshape(rows, -1, 2)
-        b[..., 2:4] = (d * 7).astype(np.float16).view(np.uint8).reshape(rows, -1, 2)  # mins centre the weights
+        # mins centre the weights
+        b[..., 2:4] = (d * 7).astype(np.float16).view(np.uint8).reshape(rows, -1, 2)
     else:
-        b[..., 208:210] = g.uniform(2e-5, 8e-5, (rows, cols // 256)).astype(np.float16).view(np.uint8).reshape(rows, -1, 2)
+        b[..., 208:210] = (g.uniform(2e-5, 8e-5, (rows, cols // 256)).astype(np.float16)
+                           .view(np.uint8).reshape(rows, -1, 2))
     return b.reshape(rows, -1)
 
 
@@ -120,7 +124,8 @@ def test_fused_parts_write_their_own_columns_and_prefill_chunks(kernels, monkeyp
     parts = [kq(24, 512, Q4_K, 1), kq(16, 512, Q6_K, 2), kq(9, 512, Q4_K, 3)]
     bias = torch.randn(49)
     lin = QuantLinear(parts, kernels, Scratch(), bias)
-    for tokens in (5, GEMV_MAX_ROWS + 1):  # the block kernel (column slices of one out), then dequantize + GEMM
+    # the block kernel (column slices of one out), then dequantize + GEMM
+    for tokens in (5, GEMV_MAX_ROWS + 1):
         x = torch.randn(tokens, 512)
         want = torch.cat([reference(x, p) for p in parts], dim=1) + bias.double()
         assert (lin(x).double() - want).abs().max().item() < 1e-4
@@ -134,7 +139,8 @@ def test_embedding_dequantizes_the_rows_it_reads(kernels):
     table = kq(50, 256, Q6_K)
     ids = torch.tensor([3, 0, 49, 3])
     assert torch.equal(QuantEmbedding(table, kernels, torch.float32)(ids), table.dequantize()[ids])
-    assert torch.equal(QuantEmbedding(table, kernels, torch.bfloat16)(ids), table.dequantize()[ids].bfloat16())
+    assert torch.equal(QuantEmbedding(table, kernels, torch.bfloat16)(ids),
+                       table.dequantize()[ids].bfloat16())
 
 
 def packed(w: QuantTensor, kernels) -> QuantTensor:
@@ -198,7 +204,8 @@ def test_packed_int8_activations_are_the_rounded_blocks_exactly(kernels, name):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_rows_get_the_same_bits_whatever_rows_share_their_pass(kernels, name, dtype):
     p = packed(kq(37, 512, TYPES[name], seed=7), kernels)
-    x = torch.randn(21, 512, generator=torch.Generator().manual_seed(3)).to(dtype)  # 21: fp32 Q6_K buffers its weights
+    # 21 rows: fp32 Q6_K buffers its weights
+    x = torch.randn(21, 512, generator=torch.Generator().manual_seed(3)).to(dtype)
     assert_batch_invariant(kernels, x, p, slice(5, 11))
 
 
@@ -224,14 +231,17 @@ def test_packing_keeps_every_bit(kernels, name, rows, cols):
 
 def test_packed_parts_stack_and_prefill_in_chunks(kernels, monkeypatch):
     from nanoserve.layers import quant_linear
-    parts = [packed(kq(32, 512, Q4_K, 1), kernels), packed(kq(16, 512, Q6_K, 2), kernels), packed(kq(16, 512, Q4_K, 3), kernels)]
+    parts = [packed(kq(32, 512, Q4_K, 1), kernels), packed(kq(16, 512, Q6_K, 2), kernels),
+             packed(kq(16, 512, Q4_K, 3), kernels)]
     lin = QuantLinear(parts, kernels, Scratch())
     assert len(lin.parts) == 3  # Q4_K, Q6_K, Q4_K: no two neighbours of one type
     x = torch.randn(9, 512)
-    want = torch.cat([reference(x, w) for w in (kq(32, 512, Q4_K, 1), kq(16, 512, Q6_K, 2), kq(16, 512, Q4_K, 3))], dim=1)
+    want = torch.cat([reference(x, w)
+                      for w in (kq(32, 512, Q4_K, 1), kq(16, 512, Q6_K, 2), kq(16, 512, Q4_K, 3))], dim=1)
     assert (lin(x).double() - want).abs().max().item() < 1e-4
     assert len(QuantLinear(parts[:1] + parts[2:], kernels, Scratch()).parts) == 1
-    monkeypatch.setattr(quant_linear, "DEQUANT_CHUNK", 16 * 512)  # the GEMM path (as with AMX), 16 rows a chunk
+    # the GEMM path (as with AMX), 16 rows a chunk
+    monkeypatch.setattr(quant_linear, "DEQUANT_CHUNK", 16 * 512)
     lin.max_kernel_rows = 4
     assert (lin(x).double() - want).abs().max().item() < 1e-4
 
@@ -311,8 +321,10 @@ for qt in (Q4_K, Q6_K):
 """.replace("GEMV", str(GEMV_MAX_ROWS))
 
 
-@pytest.mark.skipif(os.environ.get("NANOSERVE_TEST_ISAS") != "1", reason="opt-in (NANOSERVE_TEST_ISAS=1): builds three more ISAs")
-@pytest.mark.parametrize("march,isa", [("skylake-avx512", "avx512"), ("haswell", "avx2"), ("x86-64", "scalar")])
+@pytest.mark.skipif(os.environ.get("NANOSERVE_TEST_ISAS") != "1",
+                    reason="opt-in (NANOSERVE_TEST_ISAS=1): builds three more ISAs")
+@pytest.mark.parametrize("march,isa", [("skylake-avx512", "avx512"), ("haswell", "avx2"),
+                                       ("x86-64", "scalar")])
 def test_the_other_instruction_sets_compute_the_same(kernels, march, isa):
     env = dict(os.environ, NANOSERVE_CPU_MARCH=march)
     r = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)
@@ -320,8 +332,9 @@ def test_the_other_instruction_sets_compute_the_same(kernels, march, isa):
     assert r.stdout.split()[0] == isa
 
 
-LLAMA_TYPES = {"token_embd": Q4_K, "output": Q6_K, "attn_q": Q4_K, "attn_k": Q4_K, "attn_v": Q6_K, "attn_output": Q4_K,
-               "ffn_gate": Q4_K, "ffn_up": Q4_K, "ffn_down": Q6_K}  # as a Q4_K_M file mixes them
+# as a Q4_K_M file mixes them
+LLAMA_TYPES = {"token_embd": Q4_K, "output": Q6_K, "attn_q": Q4_K, "attn_k": Q4_K, "attn_v": Q6_K,
+               "attn_output": Q4_K, "ffn_gate": Q4_K, "ffn_up": Q4_K, "ffn_down": Q6_K}
 
 
 @pytest.fixture(scope="module")
@@ -341,9 +354,9 @@ def k_pair(kernels, tmp_path_factory, embedded_dir):
                       num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=256,
                       tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     kvd = kv * hid // heads
-    shapes = {"token_embd": (len(tok), hid), "output": (len(tok), hid), "attn_q": (hid, hid), "attn_k": (kvd, hid),
-              "attn_v": (kvd, hid), "attn_output": (hid, hid), "ffn_gate": (inter, hid), "ffn_up": (inter, hid),
-              "ffn_down": (hid, inter)}
+    shapes = {"token_embd": (len(tok), hid), "output": (len(tok), hid), "attn_q": (hid, hid),
+              "attn_k": (kvd, hid), "attn_v": (kvd, hid), "attn_output": (hid, hid), "ffn_gate": (inter, hid),
+              "ffn_up": (inter, hid), "ffn_down": (hid, inter)}
     root = tmp_path_factory.mktemp("kquant-llama")
     f = root / "tiny-q4_k_m.gguf"
     w = GGUFWriter(str(f), "llama")
@@ -352,7 +365,8 @@ def k_pair(kernels, tmp_path_factory, embedded_dir):
         for layer in ([None] if kind in ("token_embd", "output") else range(layers)):
             name = f"{kind}.weight" if layer is None else f"blk.{layer}.{kind}.weight"
             w.add_tensor(name, k_blocks(*shapes[kind], qtype, seed=i * 10 + (layer or 0)), raw_dtype=T(qtype))
-    for name in ["output_norm.weight"] + [f"blk.{i}.{n}.weight" for i in range(layers) for n in ("attn_norm", "ffn_norm")]:
+    for name in ["output_norm.weight"] + [f"blk.{i}.{n}.weight" for i in range(layers)
+                                          for n in ("attn_norm", "ffn_norm")]:
         w.add_tensor(name, rng.uniform(0.8, 1.2, hid).astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -375,12 +389,15 @@ def test_a_q4_k_m_llama_is_served_from_its_blocks_like_its_dequantized_copy(k_pa
         assert {p.qtype for p in layer.qkv_lin.parts} == {Q4_K, Q6_K}  # parts of one type may be stacked
         assert {p.qtype for p in layer.gate_up_lin.parts} == {Q4_K} and layer.down_lin.parts[0].qtype == Q6_K
     assert model.embed_rows.table.qtype == Q4_K and model.lm_head_lin.parts[0].qtype == Q6_K
-    assert model.embed_rows.table.packed == model.lm_head_lin.parts[0].packed == cpu_kernels.quant().packs(Q4_K)
-    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away, there lived"]
+    assert (model.embed_rows.table.packed == model.lm_head_lin.parts[0].packed
+            == cpu_kernels.quant().packs(Q4_K))
+    prompts = ["The capital of France is", "def fibonacci(n):",
+               "Once upon a time, in a land far away, there lived"]
     # all prompts in one prefill step (dequantize + GEMM), then one alone (the block kernel); fp32
     # summation-order noise measured here: at most ~1e-5 (AVX-512 EPYC)
     for batch in (prompts, prompts[:1]):
-        a, b = (llm.generate(batch, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)) for llm in k_pair)
+        a, b = (llm.generate(batch, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+                for llm in k_pair)
         for x, y in zip(a, b):
             for lx, ly in zip(x.prompt_logprobs[1:], y.prompt_logprobs[1:]):
                 assert lx.token_id == ly.token_id and abs(lx.logprob - ly.logprob) < 5e-4

@@ -158,7 +158,8 @@ def test_engine_invariants_random_workload_with_aborts(tiny_llm):
     for step in range(150):
         if step < 100 and rng.random() < 0.6:
             rid = f"req{step}"
-            prompt = (shared if rng.random() < 0.5 else []) + [rng.randrange(100, 5000) for _ in range(rng.randint(1, 20))]
+            prompt = (shared if rng.random() < 0.5 else []) + [rng.randrange(100, 5000)
+                                                               for _ in range(rng.randint(1, 20))]
             eng.add_request(rid, prompt, SamplingParams(temperature=0.8, max_tokens=rng.randint(1, 40),
                                                         n=rng.choice([1, 1, 2]), seed=step, ignore_eos=True))
             live.append(rid)

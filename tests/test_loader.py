@@ -70,7 +70,8 @@ def test_gguf_qk_layout_restored_per_architecture(tmp_path, arch):
               "blk.0.attn_norm.weight": (8,), "blk.0.ffn_norm.weight": (8,),
               "blk.0.attn_q.weight": (heads * hd, 8), "blk.0.attn_k.weight": (kv_heads * hd, 8),
               "blk.0.attn_v.weight": (kv_heads * hd, 8), "blk.0.attn_output.weight": (8, heads * hd),
-              "blk.0.ffn_gate.weight": (16, 8), "blk.0.ffn_up.weight": (16, 8), "blk.0.ffn_down.weight": (8, 16)}
+              "blk.0.ffn_gate.weight": (16, 8), "blk.0.ffn_up.weight": (16, 8),
+              "blk.0.ffn_down.weight": (8, 16)}
     if arch == "qwen2":
         shapes.update({"blk.0.attn_q.bias": (heads * hd,), "blk.0.attn_k.bias": (kv_heads * hd,),
                        "blk.0.attn_v.bias": (kv_heads * hd,)})
@@ -113,12 +114,15 @@ def test_generic_tokenizer_loads_as_autotokenizer_would(embedded_dir):
     class: the result must be the tokenizer AutoTokenizer gives, token for token and template for template."""
     from transformers import AutoTokenizer
     from nanoserve.models.loader import GENERIC_TOKENIZERS, ModelSource, load_tokenizer
-    assert json.loads((embedded_dir / "tokenizer_config.json").read_text())["tokenizer_class"] in GENERIC_TOKENIZERS
-    ours, auto = load_tokenizer(ModelSource("embedded", embedded_dir)), AutoTokenizer.from_pretrained(embedded_dir)
+    assert json.loads((embedded_dir / "tokenizer_config.json").read_text())["tokenizer_class"] in \
+        GENERIC_TOKENIZERS
+    ours, auto = (load_tokenizer(ModelSource("embedded", embedded_dir)),
+                  AutoTokenizer.from_pretrained(embedded_dir))
     assert type(ours) is type(auto)
     for text in ("Hello, world!", "<|im_start|>user\nünïcode 😀 code:\n\tdef f(): pass<|im_end|>", ""):
         assert ours(text)["input_ids"] == auto(text)["input_ids"]
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
         auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-    assert (ours.eos_token_id, ours.bos_token_id, len(ours)) == (auto.eos_token_id, auto.bos_token_id, len(auto))
+    assert (ours.eos_token_id, ours.bos_token_id, len(ours)) == \
+        (auto.eos_token_id, auto.bos_token_id, len(auto))

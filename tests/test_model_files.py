@@ -17,7 +17,8 @@ from nanoserve.models.tokenizer_facts import TokenizerFacts, facts_of, read_toke
 from nanoserve.sampling_params import InvalidRequest
 
 FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-          "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "eos_token_id")
+          "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
+          "eos_token_id")
 
 
 def _hf_class(model_type: str):
@@ -47,7 +48,8 @@ def _model_facts(cfg) -> dict:
 
 def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(
-        len(a[k]) == len(b[k]) and all(torch.equal(x, y) for x, y in zip(a[k], b[k])) if k == "rope" else a[k] == b[k]
+        len(a[k]) == len(b[k]) and all(torch.equal(x, y) for x, y in zip(a[k], b[k])) if k == "rope"
+        else a[k] == b[k]
         for k in a)
 
 
@@ -68,7 +70,8 @@ def test_config_reads_as_transformers_reads_it(tiny_path, tmp_path, name):
         legacy["rope_scaling"] = params
     defaults = _hf_class(d["model_type"])()
     legacy = {k: v for k, v in legacy.items() if k not in FIELDS or v != getattr(defaults, k)}
-    both = {k: v for k, v in d.items()}  # both forms, as a hand-edited config can carry: the legacy scaling wins
+    # both forms, as a hand-edited config can carry: the legacy scaling wins
+    both = {k: v for k, v in d.items()}
     both.update(rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, rope_theta=10000.0,
                 rope_scaling={"type": "linear", "factor": 2.0})
     built = []
@@ -84,7 +87,8 @@ def test_config_reads_as_transformers_reads_it(tiny_path, tmp_path, name):
 def test_unsupported_or_missing_config_is_refused(tmp_path):
     with pytest.raises(InvalidRequest, match="has no config.json"):
         read_model_config(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mixtral", "architectures": ["MixtralForCausalLM"]}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mixtral",
+                                                      "architectures": ["MixtralForCausalLM"]}))
     with pytest.raises(InvalidRequest, match="MixtralForCausalLM.*not supported") as e:
         read_model_config(tmp_path)
     assert e.value.param == "model"
@@ -116,22 +120,28 @@ def test_tokenizer_facts_read_as_transformers_gives_them(embedded_dir, tmp_path)
     from transformers import AutoTokenizer
 
     from nanoserve.models.loader import GENERIC_TOKENIZERS
-    unigram = Tokenizer(models.Unigram([("<unk>", 0.0), ("▁the", -1.0), ("▁a_rather_long_piece", -2.0), ("x", -3.0)], 0))
-    wordpiece = Tokenizer(models.WordPiece({"[UNK]": 0, "[SEP]": 1, "[CLS]": 2, "play": 3, "##ing": 4}, unk_token="[UNK]"))
+    unigram = Tokenizer(models.Unigram([("<unk>", 0.0), ("▁the", -1.0), ("▁a_rather_long_piece", -2.0),
+                                        ("x", -3.0)], 0))
+    wordpiece = Tokenizer(models.WordPiece({"[UNK]": 0, "[SEP]": 1, "[CLS]": 2, "play": 3, "##ing": 4},
+                                           unk_token="[UNK]"))
     folders = {"embedded": embedded_dir,
                "unigram": _saved(tmp_path, unigram, "unigram", unk_token="<unk>", eos_token="</s>",
                                  additional_special_tokens=["<|a_special_token_longer_than_any_piece|>"]),
                "wordpiece": _saved(tmp_path, wordpiece, "wordpiece", unk_token="[UNK]", eos_token="[SEP]"),
-               "no-eos": _saved(tmp_path, Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]")), "no-eos")}
-    _edit(folders["wordpiece"], "tokenizer_config.json", lambda d: d.update(add_bos_token=True, add_eos_token=False))
-    shutil.copytree(folders["wordpiece"], tmp_path / "config-wins")  # a config with added_tokens_decoder: no map read
+               "no-eos": _saved(tmp_path, Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1},
+                                                                     unk_token="[UNK]")), "no-eos")}
+    _edit(folders["wordpiece"], "tokenizer_config.json",
+          lambda d: d.update(add_bos_token=True, add_eos_token=False))
+    # a config with added_tokens_decoder: no map read
+    shutil.copytree(folders["wordpiece"], tmp_path / "config-wins")
     _edit(tmp_path / "config-wins", "tokenizer_config.json", lambda d: d.update(added_tokens_decoder={
         "1": {"content": "[SEP]", "special": True, "lstrip": False, "rstrip": False, "normalized": False,
               "single_word": False}}))
     _edit(tmp_path / "config-wins", "special_tokens_map.json", lambda d: d.update(eos_token="[CLS]"))
     folders["config-wins"] = tmp_path / "config-wins"
     shutil.copytree(folders["wordpiece"], tmp_path / "map-wins")
-    _edit(tmp_path / "map-wins", "special_tokens_map.json", lambda d: d.update(eos_token={"content": "[CLS]"}))
+    _edit(tmp_path / "map-wins", "special_tokens_map.json",
+          lambda d: d.update(eos_token={"content": "[CLS]"}))
     folders["map-wins"] = tmp_path / "map-wins"
     unread = {"no-tokenizer.json": tmp_path / "empty"}
     unread["no-tokenizer.json"].mkdir()
@@ -139,10 +149,12 @@ def test_tokenizer_facts_read_as_transformers_gives_them(embedded_dir, tmp_path)
     _edit(tmp_path / "eos-outside", "tokenizer_config.json", lambda d: d.update(eos_token="[NEW_EOS]"))
     unread["eos-outside"] = tmp_path / "eos-outside"
     shutil.copytree(folders["no-eos"], tmp_path / "class-default")
-    _edit(tmp_path / "class-default", "tokenizer_config.json", lambda d: d.update(tokenizer_class="LlamaTokenizerFast"))
+    _edit(tmp_path / "class-default", "tokenizer_config.json",
+          lambda d: d.update(tokenizer_class="LlamaTokenizerFast"))
     unread["class-default"] = tmp_path / "class-default"
     shutil.copytree(folders["wordpiece"], tmp_path / "odd-shape")
-    _edit(tmp_path / "odd-shape", "tokenizer_config.json", lambda d: d.update(added_tokens_decoder={"one": {}}))
+    _edit(tmp_path / "odd-shape", "tokenizer_config.json",
+          lambda d: d.update(added_tokens_decoder={"one": {}}))
     unread["odd-shape"] = tmp_path / "odd-shape"
     seen = {}
     for name, folder in folders.items():
@@ -150,10 +162,12 @@ def test_tokenizer_facts_read_as_transformers_gives_them(embedded_dir, tmp_path)
         assert seen[name] == facts_of(AutoTokenizer.from_pretrained(folder)), name
     assert seen["embedded"] == TokenizerFacts(2, 81) and seen["no-eos"].eos_token_id is None
     assert seen["unigram"].max_token_chars == len("<|a_special_token_longer_than_any_piece|>")
-    assert (seen["wordpiece"].eos_token_id, seen["map-wins"].eos_token_id, seen["config-wins"].eos_token_id) == (1, 2, 1)
+    assert (seen["wordpiece"].eos_token_id, seen["map-wins"].eos_token_id,
+            seen["config-wins"].eos_token_id) == (1, 2, 1)
     for name, folder in unread.items():
         assert read_tokenizer_facts(folder, GENERIC_TOKENIZERS) is None, name
-    assert facts_of(AutoTokenizer.from_pretrained(unread["eos-outside"])).eos_token_id == 5  # what the engine then uses
+    # what the engine then uses
+    assert facts_of(AutoTokenizer.from_pretrained(unread["eos-outside"])).eos_token_id == 5
 
 
 ENGINE_SCRIPT = """
@@ -162,7 +176,8 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.structured import StructuredSpec
 llm = LLM(None, dtype="float32", kv_cache_gb={kv}, enable_prefix_caching=False)
 eng = llm.engine  # driven as the engine core drives it: token ids in and out, no text
-print("transformers" in sys.modules, eng._tokenizer is not None, eng.info.eos_token_ids, eng.info.max_token_chars)
+print("transformers" in sys.modules, eng._tokenizer is not None, eng.info.eos_token_ids,
+      eng.info.max_token_chars)
 eng.add_request("plain", [1, 9690, 198], SamplingParams(max_tokens=4, temperature=0))
 while eng.has_unfinished():
     eng.step()
@@ -180,11 +195,11 @@ print("transformers" in sys.modules, eng._tokenizer is not None,
 def test_engine_loads_transformers_and_llguidance_only_when_needed(embedded_dir):
     """A fresh engine driven on token ids, as the engine process of a server drives it, reads its config and
     tokenizer facts without importing transformers or loading a tokenizer (with llguidance's vocabulary
-    ~190 MB resident, bench/memory.py), serves unconstrained requests without them, and its first
-    constrained request loads them on the grammar thread and is constrained."""
+    ~190 MB resident, bench/latency.py --load-stages), serves unconstrained requests without them, and
+    its first constrained request loads them on the grammar thread and is constrained."""
     from transformers import AutoTokenizer
-    out = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT.format(kv=KV_GB)], capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT.format(kv=KV_GB)], capture_output=True,
+                         text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     start, plain, constrained = out.stdout.strip().splitlines()[-3:]
     tok = AutoTokenizer.from_pretrained(embedded_dir)

@@ -26,7 +26,8 @@ def _batch(seed: int, h: int, kh: int, d: int, dtype, bs: int = 16, layers: int 
     chunks = []
     for _ in range(rnd.randint(1, 4)):
         n = rnd.choice([1, 5, 16, 42, 43, 64, 65, 130, rnd.randint(1, 300)])
-        chunks.append((n, n if rnd.random() < 0.4 else n + rnd.choice([1, 15, 16, 63, 64, rnd.randint(1, 400)])))
+        chunks.append((n, n if rnd.random() < 0.4
+                       else n + rnd.choice([1, 15, 16, 63, 64, rnd.randint(1, 400)])))
     lens = [1] * len(decodes) + [n for n, _ in chunks]
     ctxs = decodes + [c for _, c in chunks]
     g = torch.Generator().manual_seed(seed)
@@ -55,7 +56,8 @@ def _run(kern, amx, seed, h, kh, d, dtype):
 
 
 @pytest.mark.parametrize("h,kh,d", [(8, 8, 64), (9, 3, 64), (8, 2, 128), (12, 4, 128)])
-@pytest.mark.parametrize("dtype,amx", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+@pytest.mark.parametrize("dtype,amx", [(torch.float32, False), (torch.bfloat16, False),
+                                       (torch.bfloat16, True)])
 def test_prefill_kernel_matches_the_torch_path(kernels, h, kh, d, dtype, amx):
     tol = 2e-5 if dtype == torch.float32 else 3e-2  # bf16: SDPA rounds scores/probabilities differently
     for seed in range(4):
@@ -73,8 +75,8 @@ def test_prefill_kernel_rejects_out_of_range_blocks(kernels):
     table, starts, lens, ctxs = attn.pre_args
     with pytest.raises(RuntimeError, match="out of range"):
         qp = q[batch.num_decodes:]
-        kernels.paged_prefill_attention(qp, torch.empty_like(qp), cache, 0, table + cache.shape[0], starts, lens,
-                                        ctxs, 0.125, True)
+        kernels.paged_prefill_attention(qp, torch.empty_like(qp), cache, 0, table + cache.shape[0], starts,
+                                        lens, ctxs, 0.125, True)
 
 
 def test_continuation_uses_the_lower_right_causal_bias_not_a_mask(monkeypatch):
@@ -82,7 +84,8 @@ def test_continuation_uses_the_lower_right_causal_bias_not_a_mask(monkeypatch):
     non-CPU device) SDPA gets a CausalBias over expanded heads, no materialised tensor mask, and the
     same result as the bool-mask path."""
     cache, batch, q, k, v = _batch(3, 9, 3, 64, torch.float32)
-    assert any(c > n for n, c in zip(batch.query_lens[batch.num_decodes:], batch.context_lens[batch.num_decodes:]))
+    assert any(c > n for n, c in zip(batch.query_lens[batch.num_decodes:],
+                                     batch.context_lens[batch.num_decodes:]))
     assert TorchAttention(torch.empty(1, 1, 2, 3, 16, 64, device="meta"), 9, 0.125).causal_bias
     outs, masks = {}, []
     real = F.scaled_dot_product_attention

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from nanoserve.kernels import cpu_kernels
-from nanoserve.layers.quant_linear import (GEMV_MAX_ROWS, PACKED_MAX_ROWS, Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, QuantEmbedding,
-                                           QuantLinear, QuantTensor, Scratch)
+from nanoserve.layers.quant_linear import (GEMV_MAX_ROWS, PACKED_MAX_ROWS, Q4_0, Q4_1, Q4_K, Q6_K, Q8_0,
+                                           QuantEmbedding, QuantLinear, QuantTensor, Scratch)
 
 TYPES = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0}
 
@@ -25,7 +25,8 @@ TYPES = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0}
 def kernels():
     k = cpu_kernels.quant()
     if k is None and shutil.which("g++") and shutil.which("ninja"):
-        pytest.fail("a compiler and ninja are here, yet the quantized kernels did not build (see the log warning)")
+        pytest.fail("a compiler and ninja are here, yet the quantized kernels did not build "
+                    "(see the log warning)")
     if k is None:
         pytest.skip("no C++ toolchain: GGUF weights are dequantized at load")
     return k
@@ -50,7 +51,8 @@ def layouts(kernels) -> list[bool]:
 
 @pytest.mark.parametrize("name", list(TYPES))
 @pytest.mark.parametrize("rows,cols", [(1, 32), (7, 96), (33, 576), (130, 1536)])
-@pytest.mark.parametrize("tokens", [1, 3, 8, 9, GEMV_MAX_ROWS + 5, PACKED_MAX_ROWS + 5, 261])  # 261: two sweeps of 256
+# 261: two sweeps of 256
+@pytest.mark.parametrize("tokens", [1, 3, 8, 9, GEMV_MAX_ROWS + 5, PACKED_MAX_ROWS + 5, 261])
 def test_quant_linear_matches_dequantize_then_matmul(kernels, name, rows, cols, tokens):
     w = quantized(rows, cols, TYPES[name], seed=rows + cols)
     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens))
@@ -68,13 +70,15 @@ def test_quant_linear_matches_dequantize_then_matmul(kernels, name, rows, cols, 
         want16 = x.bfloat16().double() @ w.dequantize().double().T
         if packed and tokens <= lin.max_kernel_rows and kernels.int8_activations():
             # the packed kernel rounds each 32-activation block to int8: within half a step an element
-            bound = int8_rounding_bound(x.bfloat16(), w) + 2 ** -8 * want16.abs()  # + the output's bf16 rounding
+            # + the output's bf16 rounding
+            bound = int8_rounding_bound(x.bfloat16(), w) + 2 ** -8 * want16.abs()
             assert ((got16.double() - want16).abs() <= bound + 1e-6).all(), packed
             continue
         if not (packed and tokens <= lin.max_kernel_rows):
             # the block kernel and the GEMM meet the weights rounded to bf16 (the GEMM's bf16 copy)
             want16 = x.bfloat16().double() @ w.dequantize().bfloat16().double().T
-        assert (got16.double() - want16).abs().max().item() <= 2 ** -7 * scale, packed  # one bf16 rounding of the output
+        # one bf16 rounding of the output
+        assert (got16.double() - want16).abs().max().item() <= 2 ** -7 * scale, packed
 
 
 def int8_rounding_bound(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
@@ -99,7 +103,8 @@ def test_int8_activations_are_the_rounded_blocks_exactly(kernels):
     out = torch.empty(2, 48)
     kernels.quant_linear(x, w.packed_for(kernels).data, Q8_0 + 256, out)
     assert (out.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
-    assert (out.double() - x.double() @ w.dequantize().double().T).abs().max().item() > 1e-4  # not exact: rounded
+    # not exact: rounded
+    assert (out.double() - x.double() @ w.dequantize().double().T).abs().max().item() > 1e-4
 
 
 @pytest.mark.parametrize("name", list(TYPES))
@@ -153,7 +158,8 @@ def test_parts_of_one_type_are_stacked_into_one_matrix(kernels):
         assert len(lin.parts) == 1 and lin.parts[0].shape == (128, 96) and lin.offsets == [0]
         assert (lin(x).double() - want).abs().max().item() < 1e-4
     if kernels.packs():
-        ragged = [quantized(20, 96, Q4_1, 4).packed_for(kernels), quantized(16, 96, Q4_1, 5).packed_for(kernels)]
+        ragged = [quantized(20, 96, Q4_1, 4).packed_for(kernels),
+                  quantized(16, 96, Q4_1, 5).packed_for(kernels)]
         assert len(QuantLinear(ragged, kernels, Scratch()).parts) == 2  # 20 rows: not whole groups
 
 
@@ -162,7 +168,8 @@ def test_embedding_dequantizes_the_rows_it_reads(kernels):
     ids = torch.tensor([3, 0, 49, 3])
     for t in (table, table.packed_for(kernels)):
         assert torch.equal(QuantEmbedding(t, kernels, torch.float32)(ids), table.dequantize()[ids])
-        assert torch.equal(QuantEmbedding(t, kernels, torch.bfloat16)(ids), table.dequantize()[ids].bfloat16())
+        assert torch.equal(QuantEmbedding(t, kernels, torch.bfloat16)(ids),
+                           table.dequantize()[ids].bfloat16())
     if kernels.packs():
         with pytest.raises(RuntimeError, match="out of"):
             QuantEmbedding(table.packed_for(kernels), kernels, torch.float32)(torch.tensor([50]))
@@ -185,7 +192,8 @@ def test_prefill_of_a_large_weight_dequantizes_it_in_row_chunks(kernels, monkeyp
     bias = torch.randn(42)
     x = torch.randn(PACKED_MAX_ROWS + 3, 192)  # beyond both kernels' row limits
     want = torch.cat([reference(x, p) for p in parts], dim=1) + bias.double()
-    for packed in layouts(kernels):  # packed (as with AMX): 16 rows at a time, the last chunk of a part shorter
+    # packed (as with AMX): 16 rows at a time, the last chunk of a part shorter
+    for packed in layouts(kernels):
         lin = QuantLinear([p.packed_for(kernels) if packed else p for p in parts], kernels, Scratch(), bias)
         lin.max_kernel_rows = min(lin.max_kernel_rows, PACKED_MAX_ROWS)
         got = lin(x)
@@ -196,7 +204,8 @@ def test_packed_layout_refuses_what_does_not_fit_it(kernels):
     if not kernels.packs():
         pytest.skip("this build has no packed layout (AVX-512 only)")
     w = quantized(20, 64, Q4_0).packed_for(kernels)
-    assert w.packed and tuple(w.data.shape) == (2, 2 * 18 * 16)  # 20 rows padded to two groups, same bytes a row
+    # 20 rows padded to two groups, same bytes a row
+    assert w.packed and tuple(w.data.shape) == (2, 2 * 18 * 16)
     with pytest.raises(ValueError, match="16 at a time"):
         w.rows(3, 19)
     with pytest.raises(ValueError, match="dequantized by its kernels"):
@@ -206,7 +215,8 @@ def test_packed_layout_refuses_what_does_not_fit_it(kernels):
     assert w.rows(16, 20).shape == (4, 64) and w.rows(16, 20).data.shape[0] == 1
 
 
-def assert_unfused_glu_within_bound(x: torch.Tensor, gate: QuantTensor, up: QuantTensor, got: torch.Tensor) -> None:
+def assert_unfused_glu_within_bound(x: torch.Tensor, gate: QuantTensor, up: QuantTensor,
+                                    got: torch.Tensor) -> None:
     """The unfused path: gate and up each a GEMM on the weights rounded to the activation dtype (fp32
     sums, rounded once), then silu and the product each rounded: a few units of that dtype's rounding
     relative to |up| (|gate| + |silu(gate)|), plus the fp32 sums' own error."""
@@ -251,8 +261,8 @@ def test_gate_up_is_fused_into_silu_times_up(kernels, name, dtype, monkeypatch, 
             assert torch.equal(got, fused32.to(dtype))
         else:  # AMX: dequantize + GEMM in the activation dtype, silu and the product rounded in it
             assert_unfused_glu_within_bound(x, gate, up, got)
-    odd = QuantLinear([quantized(40, 96, Q4_1, 3).packed_for(kernels), quantized(40, 96, Q4_1, 4).packed_for(kernels)],
-                      kernels, Scratch())
+    odd = QuantLinear([quantized(40, 96, Q4_1, 3).packed_for(kernels),
+                       quantized(40, 96, Q4_1, 4).packed_for(kernels)], kernels, Scratch())
     assert not odd.fused_glu  # halves of 40 rows are not whole groups: silu and the product in torch
     x = torch.randn(3, 96)
     gate_up = odd(x)

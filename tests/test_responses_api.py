@@ -17,7 +17,7 @@ from openai.types.responses.response_create_params import ResponseCreateParamsBa
 from pydantic import TypeAdapter
 
 from nanoserve.outputs import CompletionOutput, RequestOutput
-from nanoserve.server.protocol import APIError
+from nanoserve.server.api_error import APIError
 from nanoserve.server.response_store import ResponseStore, StoredResponse
 from nanoserve.server.responses_api_objects import ResponseObject
 from nanoserve.server.responses_api_render import ResponseBuilder
@@ -26,7 +26,8 @@ from nanoserve.server.responses_api_protocol import (IGNORED_FIELDS, IMPLEMENTED
 from nanoserve.server.tools import ToolMode
 from server_fixture import assert_error
 
-WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city", "strict": True,
+WEATHER = {"type": "function", "name": "get_weather",
+           "description": "Current weather in a city", "strict": True,
            "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
                           "properties": {"city": {"type": "string", "maxLength": 12}}}}
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
@@ -38,7 +39,8 @@ EVENTS = TypeAdapter(ResponseStreamEvent)
 def _raw_stream(server, body: dict) -> list[dict]:
     """Every event of a streamed response, each validated against the openai package's event types."""
     events = []
-    with httpx.stream("POST", server.base_url + "/responses", json={**body, "stream": True}, timeout=120) as r:
+    with httpx.stream("POST", server.base_url + "/responses", json={**body, "stream": True},
+                      timeout=120) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         kind = None
         for line in r.iter_lines():
@@ -55,19 +57,21 @@ def _raw_stream(server, body: dict) -> list[dict]:
 
 
 def test_text_stream_then_the_stored_response(server, client, model):
-    events = _raw_stream(server, {"model": model, "input": "Name a color.", "max_output_tokens": 6, "temperature": 0,
-                                  "metadata": {"k": "v"}})
+    events = _raw_stream(server, {"model": model, "input": "Name a color.", "max_output_tokens": 6,
+                                  "temperature": 0, "metadata": {"k": "v"}})
     types = [e["type"] for e in events]
     assert types[2:4] == ["response.output_item.added", "response.content_part.added"]
     final = events[-1]["response"]
-    assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+    assert types[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done",
                           f"response.{final['status']}"] and final["status"] in ("completed", "incomplete")
     deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
     assert deltas == events[-4]["text"] == final["output"][0]["content"][0]["text"] and deltas
     assert events[-2]["item"]["status"] == final["status"]  # the message is cut off when the response is
     u = final["usage"]
     assert u["output_tokens"] <= 6 and u["total_tokens"] == u["input_tokens"] + u["output_tokens"]
-    assert u["output_tokens_details"]["reasoning_tokens"] == 0 and u["input_tokens_details"]["cached_tokens"] >= 0
+    assert u["output_tokens_details"]["reasoning_tokens"] == 0 and \
+        u["input_tokens_details"]["cached_tokens"] >= 0
     if final["status"] == "incomplete":
         assert final["incomplete_details"] == {"reason": "max_output_tokens"} and u["output_tokens"] == 6
     stored = httpx.get(f"{server.base_url}/responses/{final['id']}").json()
@@ -81,14 +85,16 @@ def test_messages_and_instructions_make_the_chat_prompt(server, client, model):
     renders them: the input token count is the chat prompt's."""
     items = [{"role": "developer", "content": "Answer in French."},
              {"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
-             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Bonjour"}]},
+             {"type": "message", "role": "assistant",
+              "content": [{"type": "output_text", "text": "Bonjour"}]},
              {"role": "user", "content": "Count to three."}]
     r = client.responses.create(model=model, input=items, instructions="Be brief.", max_output_tokens=2,
                                 temperature=0)
     chat = [{"role": "system", "content": "Be brief."}, {"role": "system", "content": "Answer in French."},
             {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Bonjour"},
             {"role": "user", "content": "Count to three."}]
-    assert r.usage.input_tokens == httpx.post(server.url + "/tokenize", json={"messages": chat}).json()["count"]
+    assert r.usage.input_tokens == \
+        httpx.post(server.url + "/tokenize", json={"messages": chat}).json()["count"]
     assert r.instructions == "Be brief." and r.output_text
 
 
@@ -109,7 +115,8 @@ def test_function_call_round_trip(server, client, model):
         first = stream.get_final_response()
     call = first.output[0]
     assert first.status == "completed" and len(first.output) == 1 and call.type == "function_call"
-    assert call.name == "get_weather" and call.call_id.startswith("call_") and call.parsed_arguments is not None
+    assert call.name == "get_weather" and call.call_id.startswith("call_") and \
+        call.parsed_arguments is not None
     jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
     deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
     assert len(deltas) > 1 and "".join(deltas) == call.arguments  # streamed as generated, not in one piece
@@ -122,10 +129,11 @@ def test_function_call_round_trip(server, client, model):
                                      tools=[WEATHER], max_output_tokens=3, temperature=0)
     assert answer.output and answer.usage.input_tokens > first.usage.input_tokens
     # the same turn through previous_response_id: only the result is new input
-    chained = client.responses.create(model=model, previous_response_id=first.id, input=[result], tools=[WEATHER],
-                                      max_output_tokens=3, temperature=0)
+    chained = client.responses.create(model=model, previous_response_id=first.id, input=[result],
+                                      tools=[WEATHER], max_output_tokens=3, temperature=0)
     assert chained.usage.input_tokens == answer.usage.input_tokens  # the same conversation
-    assert chained.usage.input_tokens_details.cached_tokens > chained.usage.input_tokens // 2  # its prefix reused
+    # its prefix reused
+    assert chained.usage.input_tokens_details.cached_tokens > chained.usage.input_tokens // 2
     assert chained.previous_response_id == first.id
 
 
@@ -134,9 +142,11 @@ def test_previous_response_id_then_get_and_delete(server, client, model):
                                     max_output_tokens=3, temperature=0)
     second = client.responses.create(model=model, input="What is my name?", previous_response_id=first.id,
                                      max_output_tokens=3, temperature=0, store=False)
-    convo = [{"role": "user", "content": "My name is Ada."}, {"role": "assistant", "content": first.output_text},
+    convo = [{"role": "user", "content": "My name is Ada."},
+             {"role": "assistant", "content": first.output_text},
              {"role": "user", "content": "What is my name?"}]  # instructions are not carried over
-    assert second.usage.input_tokens == httpx.post(server.url + "/tokenize", json={"messages": convo}).json()["count"]
+    assert second.usage.input_tokens == \
+        httpx.post(server.url + "/tokenize", json={"messages": convo}).json()["count"]
     assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
     assert_error(httpx.get(f"{server.base_url}/responses/{second.id}"), 404)  # store: false
     client.responses.delete(first.id)
@@ -164,13 +174,16 @@ TOOL_BAD_SCHEMA = dict(WEATHER, parameters={"type": "object", "properties": {"a"
     ({"truncation": "auto"}, 400, "truncation"),
     ({"no_such_field": 1}, 400, "no_such_field"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "text.format"),
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "bogus"}}}}, 400, "text.format"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, 400, "input"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "bogus"}}}}, 400,
+     "text.format"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, 400,
+     "input"),
     ({"input": []}, 400, "input"),
     ({"max_output_tokens": 0}, 400, "max_output_tokens"),
 ])
 def test_bad_requests_get_an_error_naming_the_field(server, model, body, status, param):
-    resp = httpx.post(server.base_url + "/responses", json={"model": model, "input": "Hi", **body}, timeout=60)
+    resp = httpx.post(server.base_url + "/responses", json={"model": model, "input": "Hi", **body},
+                      timeout=60)
     assert_error(resp, status, param)
 
 
@@ -188,9 +201,10 @@ def test_every_openai_request_field_is_implemented_ignored_or_refused():
     assert set(ResponseCreateParamsBase.__annotations__) - known == set()
     for name in IGNORED_FIELDS:
         parse_responses_request({"input": "x", name: None})
-    harmless = {"background": False, "background_options": None, "conversation": None, "context_management": [],
-                "include": [], "prompt": None, "reasoning": None, "max_tool_calls": None, "top_logprobs": 0,
-                "truncation": "disabled", "moderation": None, "image": None, "access_programs": None}
+    harmless = {"background": False, "background_options": None, "conversation": None,
+                "context_management": [], "include": [], "prompt": None, "reasoning": None,
+                "max_tool_calls": None, "top_logprobs": 0, "truncation": "disabled", "moderation": None,
+                "image": None, "access_programs": None}
     assert set(harmless) == set(NOT_IMPLEMENTED)
     parse_responses_request({"input": "x", **harmless})
     parse_responses_request({"input": "x", "reasoning": {"effort": None, "summary": None}})
@@ -200,7 +214,8 @@ def test_every_openai_request_field_is_implemented_ignored_or_refused():
 
 
 def test_requests_become_chat_bodies():
-    req = parse_responses_request({"input": "q", "instructions": "be brief", "max_output_tokens": 5, "tools": [WEATHER],
+    req = parse_responses_request({"input": "q", "instructions": "be brief", "max_output_tokens": 5,
+                                   "tools": [WEATHER],
                                    "tool_choice": {"type": "function", "name": "get_weather"},
                                    "text": {"format": {"type": "json_object"}}})
     body = chat_body(req, input_messages(req.input))
@@ -208,7 +223,8 @@ def test_requests_become_chat_bodies():
     assert body["max_completion_tokens"] == 5 and body["response_format"] == {"type": "json_object"}
     assert body["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
     assert body["tools"][0]["function"]["parameters"] == WEATHER["parameters"]
-    assert "tool_choice" not in chat_body(parse_responses_request({"tool_choice": "auto"}), [])  # no tools: fine
+    # no tools: fine
+    assert "tool_choice" not in chat_body(parse_responses_request({"tool_choice": "auto"}), [])
     schema = chat_body(parse_responses_request({"text": {"format": {"type": "json_schema", "name": "p",
                                                                     "schema": PERSON}}}), [])
     assert schema["response_format"]["json_schema"]["schema"] == PERSON
@@ -243,7 +259,8 @@ def test_store_is_bounded_by_count_and_bytes_oldest_first():
     assert list(store.entries) == ["r3"] and store.bytes == entry.size
 
 
-def _events_of(builder: ResponseBuilder, texts: list[str], finish: str, tokens: int = 5) -> tuple[list[dict], list]:
+def _events_of(builder: ResponseBuilder, texts: list[str], finish: str,
+               tokens: int = 5) -> tuple[list[dict], list]:
     """Feed the builder one choice's growing text, the last output finished with `finish`; every event
     goes through the openai client's own stream state (the checks `responses.stream` makes), whose
     events come back too."""
@@ -266,14 +283,16 @@ def _builder(mode: ToolMode | None, kept: list) -> ResponseBuilder:
 
 
 def test_auto_tool_choice_content_then_a_streamed_call():
-    mode = ToolMode([{"type": "function", "function": {k: WEATHER[k] for k in ("name", "parameters")}}], "auto",
-                    parser="hermes")
+    mode = ToolMode([{"type": "function", "function": {k: WEATHER[k] for k in ("name", "parameters")}}],
+                    "auto", parser="hermes")
     text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     kept: list = []
-    events, parsed = _events_of(_builder(mode, kept), [text[:k] for k in range(4, len(text), 7)] + [text], "stop")
+    events, parsed = _events_of(_builder(mode, kept), [text[:k] for k in range(4, len(text), 7)] + [text],
+                                "stop")
     final = parsed[-1].response
     assert [o.type for o in final.output] == ["message", "function_call"] and final.status == "completed"
-    assert final.output[0].content[0].text == "Let me check." and final.usage.input_tokens_details.cached_tokens == 2
+    assert final.output[0].content[0].text == "Let me check." and \
+        final.usage.input_tokens_details.cached_tokens == 2
     call = final.output[1]
     assert json.loads(call.arguments) == {"city": "Paris"} and call.parsed_arguments == {"city": "Paris"}
     assert len([e for e in events if e["type"] == "response.function_call_arguments.delta"]) > 1
@@ -293,6 +312,7 @@ def test_cut_off_call_is_incomplete_and_a_failure_is_reported():
     failing = _builder(None, kept)
     failing.opening()
     failing.update(RequestOutput("r", None, [1], [CompletionOutput(0, "Hi", [7])], False))
-    events = [json.loads(s.split("data: ", 1)[1]) for s in failing.fail("the engine died", "service_unavailable")]
+    events = [json.loads(s.split("data: ", 1)[1])
+              for s in failing.fail("the engine died", "service_unavailable")]
     assert [e["type"] for e in events] == ["error", "response.failed"] and len(kept) == 1  # not stored
     assert events[1]["response"]["error"]["message"] == "the engine died"

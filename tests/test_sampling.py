@@ -96,7 +96,8 @@ def llm():
 def test_seed_reproduces_and_differs(llm):
     prompt = ["Write a short poem about the sea."]
     def gen(seed):
-        return llm.generate(prompt, SamplingParams(temperature=1.0, max_tokens=24, seed=seed))[0].outputs[0].token_ids
+        return llm.generate(prompt, SamplingParams(temperature=1.0, max_tokens=24,
+                                                   seed=seed))[0].outputs[0].token_ids
     assert gen(7) == gen(7)
     assert gen(7) != gen(8)
 
@@ -111,10 +112,12 @@ def test_stop_string_ends_output_and_is_not_returned(llm):
 
 
 def test_stop_token_ids_and_length(llm):
-    free = llm.generate(["Count: 1, 2, 3,"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0]
+    free = llm.generate(["Count: 1, 2, 3,"],
+                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0]
     assert free.finish_reason == "length" and len(free.token_ids) == 8
     stop_at = free.token_ids[3]
-    out = llm.generate(["Count: 1, 2, 3,"], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop_at]))[0].outputs[0]
+    out = llm.generate(["Count: 1, 2, 3,"],
+                       SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop_at]))[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop_at
     assert out.token_ids == free.token_ids[:free.token_ids.index(stop_at) + 1]
 

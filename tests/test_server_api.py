@@ -113,7 +113,8 @@ def test_completion_stream_matches_non_stream(client, model):
     assert all(c.usage is None for c in chunks)  # include_usage off
     with_usage = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0,
                                                 stream=True, stream_options={"include_usage": True}))
-    assert with_usage[-1].choices == [] and with_usage[-1].usage.completion_tokens == ref.usage.completion_tokens
+    assert with_usage[-1].choices == [] and \
+        with_usage[-1].usage.completion_tokens == ref.usage.completion_tokens
 
 
 def own_cache() -> dict:
@@ -141,12 +142,13 @@ def test_stop_strings_trimmed(client, model):
     mid = len(ref) // 2
     stop = ref[mid:mid + 3]
     assert stop.strip()
-    r = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop, "@@@"])
+    r = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0,
+                                  stop=[stop, "@@@"])
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].text == ref[:ref.index(stop)]
     # the same trimmed text when streaming (the held-back tail never leaks)
-    chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0, stop=stop,
-                                            stream=True))
+    chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0,
+                                            stop=stop, stream=True))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == ref[:ref.index(stop)]
 
 
@@ -171,7 +173,8 @@ def test_completion_logprobs_and_echo(client, model, tokenizer):
     for tok, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert val <= 0 and 1 <= len(top) <= 4
         assert max(top.values()) == pytest.approx(val, abs=1e-5)  # greedy: the sampled token is the best
-    e = client.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0, echo=True, logprobs=1)
+    e = client.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0, echo=True,
+                                  logprobs=1)
     assert e.choices[0].text.startswith(PROMPT) and len(e.choices[0].text) > len(PROMPT)
     n_prompt = len(tokenizer.encode(PROMPT))
     assert len(e.choices[0].logprobs.tokens) == n_prompt + 3
@@ -183,7 +186,8 @@ def test_completion_logprobs_and_echo(client, model, tokenizer):
     with pytest.raises(openai.BadRequestError) as ei:
         client.completions.create(model=model, prompt=PROMPT, max_tokens=2, logprobs=21)
     assert ei.value.body["param"] == "logprobs"
-    assert client.completions.create(model=model, prompt=PROMPT, max_tokens=2).choices[0].text  # still serving
+    # still serving
+    assert client.completions.create(model=model, prompt=PROMPT, max_tokens=2).choices[0].text
 
 
 def test_prefix_cache_reported(client, model):
@@ -198,7 +202,8 @@ def test_prefix_cache_reported(client, model):
 def test_cache_salt_separates_prefix_caches(server, client, model):
     """vLLM's cache_salt: requests share cached KV only under the same salt (tenants that must not
     see each other's prefixes, or time each other's hits); a bad salt is a 400 naming it."""
-    prompt, salt = f"Run {uuid.uuid4().hex}. " + LONG_PROMPT, uuid.uuid4().hex  # a prompt no earlier test cached
+    # a prompt no earlier test cached
+    prompt, salt = f"Run {uuid.uuid4().hex}. " + LONG_PROMPT, uuid.uuid4().hex
 
     def cached(salt: str | None) -> int:
         extra = {"extra_body": {"cache_salt": salt}} if salt else {}
@@ -218,11 +223,13 @@ MSGS = [{"role": "system", "content": "You are terse."}, {"role": "user", "conte
 
 
 def test_chat_non_stream_and_stream(client, model):
-    ref = client.chat.completions.create(model=model, messages=MSGS, max_tokens=10, temperature=0, **own_cache())
+    ref = client.chat.completions.create(model=model, messages=MSGS, max_tokens=10, temperature=0,
+                                         **own_cache())
     assert ref.object == "chat.completion" and ref.choices[0].message.role == "assistant"
     assert ref.choices[0].finish_reason in ("stop", "length") and ref.usage.completion_tokens <= 10
     chunks = list(client.chat.completions.create(model=model, messages=MSGS, max_tokens=10, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}, **own_cache()))
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 **own_cache()))
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert len({c.id for c in chunks}) == 1
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -277,14 +284,16 @@ def test_chat_logprobs(client, model):
     assert len(content) == r.usage.completion_tokens
     for t in content:
         assert len(t.top_logprobs) == 3
-        assert [x.logprob for x in t.top_logprobs] == sorted((x.logprob for x in t.top_logprobs), reverse=True)
+        assert [x.logprob for x in t.top_logprobs] == \
+            sorted((x.logprob for x in t.top_logprobs), reverse=True)
         assert t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-5)
         assert t.bytes == list(t.token.encode())
     assert r.choices[0].message.content == "".join(t.token for t in content)
     plain = client.chat.completions.create(model=model, messages=MSGS, max_tokens=2)
     assert plain.choices[0].logprobs is None
     with pytest.raises(openai.BadRequestError) as ei:
-        client.chat.completions.create(model=model, messages=MSGS, max_tokens=2, logprobs=True, top_logprobs=21)
+        client.chat.completions.create(model=model, messages=MSGS, max_tokens=2, logprobs=True,
+                                       top_logprobs=21)
     assert ei.value.status_code == 400 and ei.value.body["param"] == "top_logprobs"
     assert client.chat.completions.create(model=model, messages=MSGS, max_tokens=2).choices[0].message.content
 
@@ -327,7 +336,8 @@ def test_malformed_requests_are_400(server, model, max_len):
 
 def _ok(server) -> None:
     """The server still answers a normal request."""
-    r = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "temperature": 0, "ignore_eos": True})
+    r = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "temperature": 0,
+                                         "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
 
 
@@ -361,24 +371,28 @@ HOSTILE = [  # (path, body, status, param): raw bodies are bytes; each must be r
     # not implemented: refused, never silently ignored
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "functions": [{"name": "f", "parameters": {}}]}, 400, "functions"),
-    ("/v1/completions", {"prompt": "hi", "prediction": {"type": "content", "content": "x"}}, 400, "prediction"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "modalities": ["text", "audio"],
+    ("/v1/completions", {"prompt": "hi", "prediction": {"type": "content", "content": "x"}}, 400,
+     "prediction"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "modalities": ["text", "audio"],
                               "audio": {"voice": "alloy", "format": "wav"}}, 400, "modalities"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "audio": {"voice": "alloy"}}, 400,
-     "audio"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "audio": {"voice": "alloy"}},
+     400, "audio"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "web_search_options": {}}, 400,
      "web_search_options"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "high"}, 400,
-     "reasoning_effort"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "high"},
+     400, "reasoning_effort"),
     # constraints that cannot be compiled or make no sense
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "response_format": {"type": "xml"}}, 400, "response_format"),
     ("/v1/completions", {"prompt": "hi", "guided_regex": "[0-9"}, 400, "guided_regex"),
     ("/v1/completions", {"prompt": "hi", "guided_choice": []}, 400, "guided_choice"),
-    ("/v1/completions", {"prompt": "hi", "guided_regex": "[0-9]", "guided_choice": ["a"]}, 400, "guided_choice"),
+    ("/v1/completions", {"prompt": "hi", "guided_regex": "[0-9]", "guided_choice": ["a"]}, 400,
+     "guided_choice"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "tool_choice": {"type": "function", "function": {"name": "nope"}},
-                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),
+                              "tools": [{"type": "function", "function": {"name": "f"}}]},
+     400, "tool_choice"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"},
      400, "tool_choice"),
 ]
@@ -394,10 +408,11 @@ def test_hostile_inputs_are_refused_and_the_server_keeps_serving(server, path, b
 
 
 def test_harmless_values_of_unimplemented_fields_are_accepted(server):
-    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-                                              "response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
-                                              "user": "u1", "metadata": {"k": "v"}, "store": False,
-                                              "service_tier": "auto", "modalities": ["text"], "audio": None,
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                              "max_tokens": 2, "response_format": {"type": "text"},
+                                              "tools": [], "tool_choice": "none", "user": "u1",
+                                              "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
+                                              "modalities": ["text"], "audio": None,
                                               "web_search_options": None})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2, r.text
 
@@ -423,8 +438,8 @@ def test_extreme_but_legal_sampling_values_give_real_tokens(client, model, token
     assert tiny_p.choices[0].text == greedy.choices[0].text  # only the best token survives top_p
     # a tiny repetition penalty pushes seen tokens' logits towards +-inf: sampling must still see
     # finite logits, not NaN (whose argmax is token 0, every time)
-    rep = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=3, logprobs=0,
-                                    extra_body={"repetition_penalty": 1e-30, "ignore_eos": True})
+    rep = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=3,
+                                    logprobs=0, extra_body={"repetition_penalty": 1e-30, "ignore_eos": True})
     toks = rep.choices[0].logprobs.tokens
     assert len(toks) == 6 and tokenizer.decode([0]) not in toks, toks
     big_k = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0, n=2,
@@ -446,7 +461,8 @@ def test_stop_strings_only_after_min_tokens(client, model):
 def test_continue_final_message_and_continuous_usage(server, client, model):
     msgs = [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "The fruit is"}]
     r = client.chat.completions.create(model=model, messages=msgs, max_tokens=4, temperature=0,
-                                       extra_body={"continue_final_message": True, "add_generation_prompt": False})
+                                       extra_body={"continue_final_message": True,
+                                                   "add_generation_prompt": False})
     rendered = post(server, "/tokenize", {"messages": msgs, "add_generation_prompt": False}).json()
     assert r.usage.prompt_tokens < rendered["count"]  # the open message is not closed by the template
     stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
@@ -490,7 +506,8 @@ def test_cancellation_under_load_frees_everything(server, model):
 
     def wait_running(n: int) -> float:
         deadline = time.monotonic() + 120
-        while (running := m(server.metrics(), "nanoserve:num_requests_running")) < n and time.monotonic() < deadline:
+        while ((running := m(server.metrics(), "nanoserve:num_requests_running")) < n
+                and time.monotonic() < deadline):
             time.sleep(0.05)
         return running
 
@@ -499,7 +516,8 @@ def test_cancellation_under_load_frees_everything(server, model):
             async with httpx.AsyncClient(timeout=300) as c:
                 try:
                     await c.post(server.base_url + "/completions",
-                                 json={"prompt": f"{LONG_PROMPT} {i}", "max_tokens": asked, "ignore_eos": True})
+                                 json={"prompt": f"{LONG_PROMPT} {i}", "max_tokens": asked,
+                                       "ignore_eos": True})
                 except asyncio.CancelledError:
                     return "left"  # the client went away while its request was running
                 return "done"
@@ -553,10 +571,11 @@ def test_metrics_add_up(server, client, model, tokenizer):
     assert d("nanoserve:generation_tokens_total") == n * max_tokens
     assert d("nanoserve:prompt_tokens_total") == sum(len(tokenizer.encode(p)) for p in prompts)
     assert d("nanoserve:request_success_total", finished_reason="length") == n
-    assert d("nanoserve:prefix_cache_queries_total", tier="device") == sum(len(tokenizer.encode(p)) for p in prompts)
+    assert d("nanoserve:prefix_cache_queries_total", tier="device") == \
+        sum(len(tokenizer.encode(p)) for p in prompts)
     text = httpx.get(server.url + "/metrics").text
-    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_hits_total",
-                 "num_preemptions_total", "time_to_first_token_seconds_bucket",
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                 "prefix_cache_hits_total", "num_preemptions_total", "time_to_first_token_seconds_bucket",
                  "inter_token_latency_seconds_bucket", "e2e_request_latency_seconds_bucket"):
         assert f"nanoserve:{name}" in text
 
@@ -590,7 +609,8 @@ def test_32_concurrent_clients(server, model):
 
     async def run():
         c = server.async_client()
-        reqs = [c.completions.create(model=model, prompt=prompts[i % 8], max_tokens=4, temperature=0, logprobs=2)
+        reqs = [c.completions.create(model=model, prompt=prompts[i % 8], max_tokens=4, temperature=0,
+                                     logprobs=2)
                 for i in range(32)]
         out = await asyncio.gather(*reqs)
         await c.close()

@@ -26,8 +26,8 @@ def server():
 def test_prefix_returns_from_host(server):
     client = server.client()
     model = client.models.list().data[0].id
-    ask = lambda doc: client.completions.create(model=model, prompt=doc + " Summary:", max_tokens=6,  # noqa: E731
-                                                temperature=0)
+    ask = lambda doc: client.completions.create(model=model, prompt=doc + " Summary:",  # noqa: E731
+                                                max_tokens=6, temperature=0)
     first = ask(DOCS[0])
     assert first.usage.prompt_tokens > 100
     for doc in DOCS[1:]:

@@ -27,10 +27,11 @@ LONG_PROMPT = ("The quick brown fox jumps over the lazy dog while the farmer wat
 
 def test_help_explains_every_flag():
     """Every configuration field with help text is a flag that --help shows, with that text."""
-    out = subprocess.run([sys.executable, "-m", "nanoserve.server.cli", "--help"], capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run([sys.executable, "-m", "nanoserve.server.cli", "--help"], capture_output=True,
+                         text=True, timeout=60)
     assert out.returncode == 0
-    flagged = [f for cls in (EngineConfig, ServerConfig) for f in dataclasses.fields(cls) if "help" in f.metadata]
+    flagged = [f for cls in (EngineConfig, ServerConfig) for f in dataclasses.fields(cls)
+               if "help" in f.metadata]
     assert len(flagged) >= 28
     for f in flagged:
         flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
@@ -57,7 +58,8 @@ def test_start_up_errors_are_printed_once_in_at_most_three_lines_before_the_mode
     with socket.create_server((HOST, port := free_port())):  # taken while the server starts
         args, said = {"port taken": (["--port", str(port)], f"cannot listen on {HOST}:{port}"),
                       "host tier": (["--host-cache-gb", "100000"], "--host-cache-gb 100000 asks for"),
-                      "kv cache": (["--device", "cpu", "--kv-cache-gb", "100000"], "--kv-cache-gb 100000 asks for"),
+                      "kv cache": (["--device", "cpu", "--kv-cache-gb", "100000"],
+                                   "--kv-cache-gb 100000 asks for"),
                       }[case]
         code, stderr, errors = start_errors(*args)
     assert code == 2, stderr
@@ -71,9 +73,10 @@ def keyed():
     """One server for the option tests that leave it as they found it (one server start fewer);
     the last test here stops it. One sequence at a time, one waiting: the other tests send one
     request at a time."""
-    s = ServerProcess("--no-prefix-caching", "--served-model-name", "tiny", "--max-num-seqs", "1", "--max-queue", "1",
-                      "--shutdown-timeout", "300", env={"NANOSERVE_API_KEY": KEY})  # the SIGTERM test's stream
-    # must finish however slow the machine is (the default 30 s ran out on a 2-core box at load 10)
+    # the SIGTERM test's stream must finish however slow the machine is (the default 30 s can run out on
+    # a 2-core box at load 10)
+    s = ServerProcess("--no-prefix-caching", "--served-model-name", "tiny", "--max-num-seqs", "1",
+                      "--max-queue", "1", "--shutdown-timeout", "300", env={"NANOSERVE_API_KEY": KEY})
     yield s
     s.stop()
 
@@ -110,25 +113,27 @@ def test_auto_tool_choice_needs_the_flags(keyed):
     "none" still works. The flag needs a parser."""
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {},
                                                                           "additionalProperties": False}}}
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": [tool], "max_tokens": 8,
-            "temperature": 0}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": [tool],
+            "max_tokens": 8, "temperature": 0}
     for extra in ({}, {"tool_choice": "auto"}):
-        err = assert_error(httpx.post(keyed.base_url + "/chat/completions", headers=AUTH, json={**body, **extra},
-                                      timeout=60), 400, "tool_choice")
+        err = assert_error(httpx.post(keyed.base_url + "/chat/completions", headers=AUTH,
+                                      json={**body, **extra}, timeout=60), 400, "tool_choice")
         assert "--enable-auto-tool-choice" in err["message"]
     r = httpx.post(keyed.base_url + "/chat/completions", headers=AUTH, timeout=120,
                    json={**body, "tool_choice": "none", "max_tokens": 2})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2, r.text
     with pytest.raises(ValueError, match="--tool-call-parser"):
         ServerConfig(enable_auto_tool_choice=True)
-    assert ServerConfig(enable_auto_tool_choice=True, tool_call_parser="llama3_json").auto_tool_parser == "llama3_json"
+    assert ServerConfig(enable_auto_tool_choice=True,
+                        tool_call_parser="llama3_json").auto_tool_parser == "llama3_json"
     assert ServerConfig(tool_call_parser="hermes").auto_tool_parser is None
 
 
 def test_max_queue_gives_503_with_retry_after(keyed):
     def one(i):
         return httpx.post(keyed.base_url + "/completions", timeout=120, headers=AUTH,
-                          json={"prompt": f"Item {i}:", "max_tokens": 24, "ignore_eos": True, "temperature": 0})
+                          json={"prompt": f"Item {i}:", "max_tokens": 24, "ignore_eos": True,
+                                "temperature": 0})
     with ThreadPoolExecutor(8) as ex:
         rs = list(ex.map(one, range(8)))
     codes = sorted(r.status_code for r in rs)

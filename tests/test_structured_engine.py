@@ -24,7 +24,8 @@ SCHEMAS = {
                     "required": ["city", "zip"], "additionalProperties": False}},
         "required": ["name", "address"], "additionalProperties": False},
     "array_enum": {"type": "object", "properties": {
-        "colors": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3},
+        "colors": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1,
+                   "maxItems": 3},
         "count": {"type": "integer", "minimum": 0, "maximum": 99}},
         "required": ["colors", "count"], "additionalProperties": False},
     "list_of_objects": {"type": "array", "minItems": 1, "maxItems": 2, "items": {
@@ -70,8 +71,10 @@ def test_json_schema_outputs_validate(llm):
 
 def test_regex_and_choice(llm):
     outs = llm.generate(["My phone number is", "The best color is"], [
-        SamplingParams(temperature=0.8, seed=1, max_tokens=20, structured=StructuredSpec("regex", r"\d{3}-\d{4}")),
-        SamplingParams(temperature=0, max_tokens=20, structured=StructuredSpec("choice", '["red", "green"]'))])
+        SamplingParams(temperature=0.8, seed=1, max_tokens=20,
+                       structured=StructuredSpec("regex", r"\d{3}-\d{4}")),
+        SamplingParams(temperature=0, max_tokens=20,
+                       structured=StructuredSpec("choice", '["red", "green"]'))])
     assert re.fullmatch(r"\d{3}-\d{4}", outs[0].outputs[0].text)
     assert outs[1].outputs[0].text in ("red", "green") and outs[1].outputs[0].finish_reason == "stop"
 
@@ -92,7 +95,8 @@ def test_unconstrained_neighbours_are_unaffected(llm):
 
 def test_grammar_compiled_once_and_freed_on_abort(llm):
     eng = llm.engine
-    spec = json_spec({"type": "object", "properties": {"k": {"type": "string"}}, "required": ["k"]}, "guided_json")
+    spec = json_spec({"type": "object", "properties": {"k": {"type": "string"}}, "required": ["k"]},
+                     "guided_json")
     before = len(eng.grammars._templates)
     for rid in ("a1", "a2"):
         eng.add_request(rid, "Some JSON:", SamplingParams(max_tokens=50, n=2, structured=spec))
@@ -105,7 +109,8 @@ def test_grammar_compiled_once_and_freed_on_abort(llm):
 
 
 def test_uncompilable_grammar_is_refused_naming_the_field(llm):
-    bad = StructuredSpec("json", json.dumps({"type": "object", "properties": {"a": {"$ref": "#/nope"}}}), "guided_json")
+    bad = StructuredSpec("json", json.dumps({"type": "object", "properties": {"a": {"$ref": "#/nope"}}}),
+                         "guided_json")
     with pytest.raises(InvalidRequest) as ei:
         bad.validate()
     assert ei.value.param == "guided_json"
@@ -168,15 +173,18 @@ def test_a_tokenizer_llguidance_cannot_read_refuses_constrained_requests_only(ca
         loads.append(1)
         raise OSError("no tokenizer here")
     g = GrammarMatchers(broken, 1000, compile_timeout=60)
-    for spec in (json_spec(SCHEMAS["array_enum"], "response_format"), StructuredSpec("regex", r"\d+", "structured_outputs")):
+    for spec in (json_spec(SCHEMAS["array_enum"], "response_format"),
+                 StructuredSpec("regex", r"\d+", "structured_outputs")):
         c = g.prepare(spec)
         deadline = time.monotonic() + 60
         while not c.future.done() and time.monotonic() < deadline:
             time.sleep(0.01)
         with pytest.raises(InvalidRequest) as e:
             g.ready(c)
-        assert e.value.param == spec.param and "cannot read its tokenizer" in str(e.value) and "no tokenizer here" in str(e.value)
-    assert len(loads) == 1 and sum("structured outputs are unavailable" in r.message for r in caplog.records) == 1
+        assert e.value.param == spec.param and "cannot read its tokenizer" in str(e.value) and \
+            "no tokenizer here" in str(e.value)
+    assert len(loads) == 1 and \
+        sum("structured outputs are unavailable" in r.message for r in caplog.records) == 1
     g.close()
 
 

@@ -11,32 +11,36 @@ import jsonschema
 import pytest
 
 from nanoserve.chat import render_chat
-from nanoserve.server.tools import (ArgumentsDelta, CallDone, CallStarted, ContentDelta, ToolCallStreamer, ToolMode,
-                                    render_tools_into_messages, template_renders_tools)
+from nanoserve.server.tools import (ArgumentsDelta, CallDone, CallStarted, ContentDelta, ToolCallStreamer,
+                                    ToolMode, render_tools_into_messages, template_renders_tools)
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {}}}}
 TOOLS = [WEATHER, TIME]
 
 
 def calls(text: str, parallel: bool = True, parser: str | None = None):
-    parser = parser or ("hermes" if "<tool_call>" in text or not text.lstrip().startswith(("{", "<|")) else "llama3_json")
+    parser = parser or ("hermes" if "<tool_call>" in text or not text.lstrip().startswith(("{", "<|"))
+                        else "llama3_json")
     content, tcs = ToolMode(TOOLS, "auto", parallel=parallel, parser=parser).extract(text)
     return content, [(c.function.name, json.loads(c.function.arguments)) for c in tcs]
 
 
 def test_hermes_tags():
-    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n' \
-           '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n' \
+           '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
     assert calls(text) == ("Let me check.", [("get_weather", {"city": "Paris"}), ("get_time", {})])
     assert calls(text, parallel=False)[1] == [("get_weather", {"city": "Paris"})]
 
 
 def test_llama3_json():
-    assert calls('{"name": "get_weather", "parameters": {"city": "Oslo"}}') == (None, [("get_weather", {"city": "Oslo"})])
-    assert calls('<|python_tag|>{"name": "get_time", "parameters": {}}; {"name": "get_weather", "parameters": '
-                 '{"city": "Rome"}}')[1] == [("get_time", {}), ("get_weather", {"city": "Rome"})]
+    assert calls('{"name": "get_weather", "parameters": {"city": "Oslo"}}') == \
+        (None, [("get_weather", {"city": "Oslo"})])
+    assert calls('<|python_tag|>{"name": "get_time", "parameters": {}}; {"name": "get_weather", '
+                 '"parameters": {"city": "Rome"}}')[1] == \
+        [("get_time", {}), ("get_weather", {"city": "Rome"})]
 
 
 @pytest.mark.parametrize("text", [
@@ -87,24 +91,28 @@ def stream(mode: ToolMode, text: str, piece: int) -> tuple[str, list[tuple[str, 
     return content, [tuple(c) for c in calls.values()], events
 
 
-HERMES_TWO = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par{is}\\""}}\n</tool_call>\n'
-              '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
-LLAMA_TWO = '<|python_tag|>{"name": "get_time", "parameters": {}}; {"name": "get_weather", "parameters": {"city": "Rome"}}'
+HERMES_TWO = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par{is}\\""}}\n'
+              '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+LLAMA_TWO = ('<|python_tag|>{"name": "get_time", "parameters": {}}; {"name": "get_weather", '
+             '"parameters": {"city": "Rome"}}')
 CASES = [  # (mode, text, content, calls)
     (ToolMode(TOOLS, "auto", parser="hermes"), HERMES_TWO, "Let me check.",
      [("get_weather", '{"city": "Par{is}\\""}'), ("get_time", "{}")]),
     (ToolMode(TOOLS, "auto", parser="hermes", parallel=False), HERMES_TWO, "Let me check.",
      [("get_weather", '{"city": "Par{is}\\""}')]),
-    (ToolMode(TOOLS, "auto", parser="hermes"), "Hi <toolbox> and <tool_call>{\"name\": \"nope\", \"arguments\": {}}"
-     "</tool_call>", "Hi <toolbox> and <tool_call>{\"name\": \"nope\", \"arguments\": {}}</tool_call>", []),
-    (ToolMode(TOOLS, "auto", parser="hermes"), '<tool_call>{"arguments": {"city": "X"}, "name": "get_weather"}'
+    (ToolMode(TOOLS, "auto", parser="hermes"), "Hi <toolbox> and <tool_call>{\"name\": \"nope\", "
+     "\"arguments\": {}}</tool_call>",
+     "Hi <toolbox> and <tool_call>{\"name\": \"nope\", \"arguments\": {}}</tool_call>", []),
+    (ToolMode(TOOLS, "auto", parser="hermes"),
+     '<tool_call>{"arguments": {"city": "X"}, "name": "get_weather"}'
      "</tool_call>", "", [("get_weather", '{"city": "X"}')]),  # keys in another order: sent whole
-    (ToolMode(TOOLS, "auto", parser="llama3_json"), LLAMA_TWO, "", [("get_time", "{}"), ("get_weather", '{"city": "Rome"}')]),
+    (ToolMode(TOOLS, "auto", parser="llama3_json"), LLAMA_TWO, "",
+     [("get_time", "{}"), ("get_weather", '{"city": "Rome"}')]),
     (ToolMode(TOOLS, "auto", parser="llama3_json"), '  {"name": "no_such_tool", "parameters": {}} ok',
      '  {"name": "no_such_tool", "parameters": {}} ok', []),
     (ToolMode(TOOLS, "auto", parser="llama3_json"), "Plain {text}.", "Plain {text}.", []),
-    (ToolMode(TOOLS, "required"), '[{"name":"get_weather","parameters":{"city":"Lima"}},{"name":"get_time","parameters":{}}]',
-     "", [("get_weather", '{"city":"Lima"}'), ("get_time", "{}")]),
+    (ToolMode(TOOLS, "required"), '[{"name":"get_weather","parameters":{"city":"Lima"}},'
+     '{"name":"get_time","parameters":{}}]', "", [("get_weather", '{"city":"Lima"}'), ("get_time", "{}")]),
     (ToolMode(TOOLS, "named", "get_weather"), '{"city":"Lima"}', "", [("get_weather", '{"city":"Lima"}')]),
 ]
 
@@ -142,7 +150,8 @@ def test_streamer_holds_back_only_what_may_be_a_call():
 HERMES_TEMPLATE = (
     "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>{% endif %}"
     "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}"
-    "{% for c in m.tool_calls or [] %}<call>{{ c.function.name }} {{ c.function.arguments | tojson }}</call>{% endfor %}"
+    "{% for c in m.tool_calls or [] %}<call>{{ c.function.name }} {{ c.function.arguments | tojson }}</call>"
+    "{% endfor %}"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
@@ -155,7 +164,8 @@ def test_tools_reach_a_template_that_renders_them(tmp_path, embedded_dir):
     assert template_renders_tools(llm)
     msgs = [{"role": "user", "content": "weather?"},
             {"role": "assistant", "content": "", "tool_calls": [
-                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+                {"id": "c1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
             {"role": "tool", "content": "12 C", "tool_call_id": "c1"}]
     text = render_chat(llm, msgs, tools=TOOLS)
     assert text == ('<tools>get_weather;get_time;</tools><|user|>weather?<|assistant|>'
@@ -165,10 +175,13 @@ def test_tools_reach_a_template_that_renders_them(tmp_path, embedded_dir):
 def test_fallback_writes_tools_calls_and_results_into_messages():
     msgs = [{"role": "user", "content": "weather?"},
             {"role": "assistant", "content": "", "tool_calls": [
-                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+                {"id": "c1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
             {"role": "tool", "content": "12 C", "tool_call_id": "c1"}]
     out = render_tools_into_messages(msgs, TOOLS)
-    assert out[0]["role"] == "system" and '"get_weather"' in out[0]["content"] and "<tools>" in out[0]["content"]
-    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' == out[2]["content"]
+    assert out[0]["role"] == "system" and '"get_weather"' in out[0]["content"] and \
+        "<tools>" in out[0]["content"]
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' == \
+        out[2]["content"]
     assert out[3] == {"role": "tool", "content": "<tool_response>\n12 C\n</tool_response>"}
     assert msgs[1]["tool_calls"]  # the caller's messages are not modified

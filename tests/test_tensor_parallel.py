@@ -1,8 +1,8 @@
-"""Tensor parallelism on CPU (gloo and shared-memory collectives), with real worker processes: greedy tokens equal one rank's and
-HF transformers' in fp32 (the embedded model on 3 ranks: 9 heads, 3 KV heads; tiny random Llamas
-on 2, one with its single KV head replicated), the host tier round-trips under it, a server with
-`-tp 3` answers an OpenAI client, two "nodes" on this machine serve like one rank, and a killed worker fails the request in flight and makes the
-server exit non-zero."""
+"""Tensor parallelism on CPU (gloo and shared-memory collectives), with real worker processes: greedy tokens
+equal one rank's and HF transformers' in fp32 (the embedded model on 3 ranks: 9 heads, 3 KV heads; tiny random
+Llamas on 2, one with its single KV head replicated), the host tier round-trips under it, a server with
+`-tp 3` answers an OpenAI client, two "nodes" on this machine serve like one rank, and a killed worker fails
+the request in flight and makes the server exit non-zero."""
 from __future__ import annotations
 
 import os
@@ -45,14 +45,16 @@ def test_every_rank_holds_the_kv_heads_its_q_heads_read(group, kv, size):
         held = range(s.kv_start, s.kv_start + s.num_kv_heads)
         assert all(q // group in held for q in range(s.q_start, s.q_start + s.num_heads))
     if kv >= size:  # divided: each KV head on exactly one rank
-        assert sorted(k for s in shards for k in range(s.kv_start, s.kv_start + s.num_kv_heads)) == list(range(kv))
+        assert sorted(k for s in shards for k in range(s.kv_start, s.kv_start + s.num_kv_heads)) == \
+            list(range(kv))
     else:  # replicated: one head per rank, each on size // kv ranks
         assert all(s.num_kv_heads == 1 for s in shards)
         assert sorted(s.kv_start for s in shards) == sorted(k for k in range(kv) for _ in range(size // kv))
 
 
 def test_splits_the_model_cannot_take_are_refused_with_the_reason():
-    with pytest.raises(ValueError, match="does not divide the model's 9 attention heads; sizes that do: \\[1, 3, 9\\]"):
+    with pytest.raises(ValueError,
+                       match="does not divide the model's 9 attention heads; sizes that do: \\[1, 3, 9\\]"):
         shard_heads(9, 3, 2, 0)
     with pytest.raises(ValueError, match="exceeds the model's 3 KV heads"):
         shard_heads(12, 3, 4, 0)
@@ -89,7 +91,8 @@ def test_shared_memory_all_reduce_and_gather_over_many_operations(tmp_path):
         return sums, gathered
     out = _ranks_in_threads(tmp_path, 3, 4096, rank)
     for i in range(50):
-        parts = [torch.randn(1 + i % 7, 5, generator=torch.Generator().manual_seed(1000 * r + i)) for r in range(3)]
+        parts = [torch.randn(1 + i % 7, 5, generator=torch.Generator().manual_seed(1000 * r + i))
+                 for r in range(3)]
         assert all(torch.equal(o[0][i], out[0][0][i]) for o in out)
         assert torch.allclose(out[0][0][i], parts[0] + parts[1] + parts[2])
         assert all(torch.equal(a, b) for a, b in zip(out[0][1][i], parts)) and out[1][1][i] is None
@@ -248,7 +251,8 @@ def tp_server(tiny_path):
     """Its device cache holds about two of the concurrent test's eight documents; a host tier behind."""
     path = tiny_path(TINY)
     srv = ServerProcess("--model", str(path), "--served-model-name", TINY, "--dtype", "float32", "-tp", "2",
-                        "--block-size", "4", "--num-kv-blocks", "40", "--host-cache-gb", "0.01", "--max-num-seqs", "8")
+                        "--block-size", "4", "--num-kv-blocks", "40", "--host-cache-gb", "0.01",
+                        "--max-num-seqs", "8")
     yield srv
     srv.stop()
 
@@ -259,8 +263,8 @@ def test_openai_request_through_two_ranks(tp_server, one_rank):
     assert out.choices[0].message.content and out.usage.completion_tokens > 0
     ref = tp_server.client().completions.create(model=TINY, prompt="The capital of France is", max_tokens=6,
                                                 temperature=0)
-    assert ref.choices[0].text == one_rank.generate(["The capital of France is"],
-                                                    SamplingParams(temperature=0, max_tokens=6))[0].outputs[0].text
+    assert ref.choices[0].text == one_rank.generate(
+        ["The capital of France is"], SamplingParams(temperature=0, max_tokens=6))[0].outputs[0].text
 
 
 def test_concurrent_requests_with_host_tier_on_two_ranks_match_one_rank(tp_server, one_rank):
@@ -292,14 +296,15 @@ def test_concurrent_requests_with_host_tier_on_two_ranks_match_one_rank(tp_serve
 
 
 def test_killed_worker_fails_the_request_and_the_server_exits_non_zero(tiny_path):
-    srv = ServerProcess("--model", str(tiny_path(TINY)), "--served-model-name", TINY, "--dtype", "float32", "-tp", "2")
+    srv = ServerProcess("--model", str(tiny_path(TINY)), "--served-model-name", TINY,
+                        "--dtype", "float32", "-tp", "2")
     try:
         [core] = srv.children
         [worker] = child_pids(core)
         # about the longest request the context allows (512): the kill lands hundreds of steps before its end
         max_len = httpx.get(srv.base_url + "/models").json()["data"][0]["max_model_len"]
-        stream = srv.client().completions.create(model=TINY, prompt="Once upon a time", max_tokens=max_len - 16,
-                                                 temperature=0,
+        stream = srv.client().completions.create(model=TINY, prompt="Once upon a time",
+                                                 max_tokens=max_len - 16, temperature=0,
                                                  stream=True, extra_body={"ignore_eos": True})
         next(iter(stream))  # the request is running
         os.kill(worker, signal.SIGKILL)
@@ -325,7 +330,8 @@ def test_two_nodes_on_one_machine_serve_like_one_rank(tiny_path, one_rank):
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     srv = ServerProcess("--model", str(path), "--dtype", "float32", *dist, "--node-rank", "0")
     try:
-        got = srv.client().completions.create(model=str(path), prompt="Hello there", max_tokens=8, temperature=0)
+        got = srv.client().completions.create(model=str(path), prompt="Hello there", max_tokens=8,
+                                              temperature=0)
     finally:
         assert srv.terminate() == 0
     assert node1.wait(30) == 0, node1.stderr.read()

@@ -48,7 +48,8 @@ class RangeCheckingCopy:
 def _engine(dev_blocks: int, host_blocks: int, block_copy, max_copy_blocks: int, range_blocks: int):
     device = torch.zeros(dev_blocks, 1, 2, 1, BS, 1)
     block_bytes = device[0].numel() * device.element_size()
-    host = HostTier(host_blocks, device, ThreadCopier(block_copy, max_copy_bytes=max_copy_blocks * block_bytes),
+    host = HostTier(host_blocks, device,
+                    ThreadCopier(block_copy, max_copy_bytes=max_copy_blocks * block_bytes),
                     register_bytes=range_blocks * block_bytes)
     kv = KVCacheManager(dev_blocks, BS, host=host)
     return device, host, kv, Scheduler(kv, max_num_seqs=3, max_num_batched_tokens=16)

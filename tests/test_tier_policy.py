@@ -108,7 +108,8 @@ def test_without_host_room_the_oldest_dirty_block_is_dropped_and_counted():
     while copier.pending:
         copier.pending[0].run()
     kv.poll_transfers()
-    assert len(kv.pool.clean) == 2 and kv.host.room() == 0  # host full of twins: nothing gains by evicting one
+    # host full of twins: nothing gains by evicting one
+    assert len(kv.pool.clean) == 2 and kv.host.room() == 0
     seq = Sequence(1, "1", 0, [50, 51, 52, 53, 54, 55, 56], SamplingParams(), 1, frozenset())
     assert kv.admit(seq, 7)  # needs 4: two clean, then two dirty, since the host has no room
     assert kv.pool.num_lossy_evictions == 2 and kv.policy.num_lossy_with_room == 0

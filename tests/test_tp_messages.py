@@ -22,7 +22,8 @@ import torch
 
 from nanoserve.distributed.parallel import Rendezvous, join, leave
 from nanoserve.distributed.shm import ShmChannel, map_segment
-from nanoserve.parallel.messages import WIRE_VERSION, CopyCommand, MessageError, Setup, Step, Stop, decode, encode
+from nanoserve.parallel.messages import (WIRE_VERSION, CopyCommand, MessageError, Setup, Step, Stop, decode,
+                                         encode)
 from nanoserve.parallel.leader import WorkerSpec
 from nanoserve.runner.step_plan import StepPlan, plan_warmup_prefill
 from server_fixture import free_port
@@ -46,12 +47,13 @@ def bad_frames(tmp_path) -> dict[str, bytes]:
             "pickle": pickle.dumps(MakesAFile(str(tmp_path / "pwned")))}
 
 
-ERRORS = {"random": "malformed", "truncated": "malformed", "wrong version": f"wire version {WIRE_VERSION + 1}",
-          "pickle": "malformed"}
+ERRORS = {"random": "malformed", "truncated": "malformed",
+          "wrong version": f"wire version {WIRE_VERSION + 1}", "pickle": "malformed"}
 
 
 def test_every_message_round_trips_typed():
-    setup = Setup({"model": None, "max_num_seqs": 8, "kv_cache_gb": 0.5, "enforce_eager": True, "dtype": "auto"},
+    setup = Setup({"model": None, "max_num_seqs": 8, "kv_cache_gb": 0.5, "enforce_eager": True,
+                   "dtype": "auto"},
                   "tiny", "/models/tiny", "bfloat16")
     for msg in (setup, STEP, Step(None, []), Step(plan_warmup_prefill([3, 20], 16), []), Stop()):
         assert decode(encode(msg)) == msg
@@ -63,14 +65,15 @@ def test_bad_bytes_are_refused_and_run_nothing(tmp_path):
         with pytest.raises(MessageError, match=ERRORS[name]):
             decode(frame)
     assert not (tmp_path / "pwned").exists()
-    wrong_types = {"ids as text": msgspec.msgpack.encode((WIRE_VERSION, "Step", {"plan": {**asdict(PLAN), "ids": "x"},
-                                                                                 "copies": []})),
+    wrong_types = {"ids as text": msgspec.msgpack.encode((WIRE_VERSION, "Step", {
+                       "plan": {**asdict(PLAN), "ids": "x"}, "copies": []})),
                    "unknown lane": msgspec.msgpack.encode((WIRE_VERSION, "Step", {"plan": None, "copies": [
                        {"lane": "exec", "src_ids": [1], "dst_ids": [2]}]})),
                    "a torch name not a dtype": msgspec.msgpack.encode((WIRE_VERSION, "Setup", {
                        "config": {}, "model_name": "m", "model_path": "/m", "dtype": "load"}))}
     for frame in wrong_types.values():  # msgspec says which field, and why
-        with pytest.raises(MessageError, match=r"malformed tensor-parallel (Step|Setup) message: .* at `\$\."):
+        with pytest.raises(MessageError,
+                           match=r"malformed tensor-parallel (Step|Setup) message: .* at `\$\."):
             decode(frame)
     with pytest.raises(MessageError, match="unknown tensor-parallel message type 'Exec'"):
         decode(msgspec.msgpack.encode((WIRE_VERSION, "Exec", {})))
@@ -114,8 +117,8 @@ def test_a_worker_refuses_bad_frames_and_runs_nothing(transport, tmp_path):
         port = free_port()
         rv = Rendezvous("127.0.0.1", port, 2, timeout_s=60, shm_slot_bytes=4096 if transport == "shm" else 0)
         spec = WorkerSpec(1, rv, None, 1, None, None, "info")
-        worker = subprocess.Popen([sys.executable, "-m", "nanoserve.parallel.worker", json.dumps(asdict(spec))],
-                                  stderr=subprocess.PIPE, text=True)
+        worker = subprocess.Popen([sys.executable, "-m", "nanoserve.parallel.worker",
+                                   json.dumps(asdict(spec))], stderr=subprocess.PIPE, text=True)
         try:
             tp, channel = join(rv, 0, torch.device("cpu"))
             assert (tp.shm is not None) == (transport == "shm")

@@ -160,7 +160,8 @@ class FakeEngine:
         self.sched.add(seq)
 
     def abort(self, i: int, loading_only: bool = False) -> None:
-        live = [s for s in self.seqs if not s.is_finished and (s.status is SeqStatus.LOADING or not loading_only)]
+        live = [s for s in self.seqs
+                if not s.is_finished and (s.status is SeqStatus.LOADING or not loading_only)]
         if live:
             seq = live[i % len(live)]
             self.counts["abort_" + seq.status.value] += 1
@@ -294,8 +295,8 @@ def test_seeded_random_workloads_reach_every_path():
         rng = random.Random(seed)
         ops = []
         for _ in range(50):
-            kind = rng.choice(["add", "add", "step", "step", "step", "complete", "complete_all", "abort_loading",
-                               "abort"])
+            kind = rng.choice(["add", "add", "step", "step", "step", "complete", "complete_all",
+                               "abort_loading", "abort"])
             if kind == "add":
                 ops.append(("add", rng.randrange(3), [rng.randrange(10) for _ in range(rng.randrange(4))],
                             rng.randint(1, 3)))
@@ -506,7 +507,8 @@ def test_abort_while_loading_frees_everything_after_the_copy(one_tiny):
     eng.abort("loader")
     eng.check_invariants()
     dev, host = eng.kv.reports()
-    assert dev.blocks_in_use == 0 and dev.blocks_in_flight > 0 and host.blocks_in_flight > 0  # the copy holds them
+    # the copy holds them
+    assert dev.blocks_in_use == 0 and dev.blocks_in_flight > 0 and host.blocks_in_flight > 0
     gated.gate.set()
     eng.kv.drain_transfers()
     eng.check_invariants()

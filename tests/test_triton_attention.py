@@ -82,7 +82,8 @@ def _step_vs_reference(seqs: list[tuple[int, int]], *, chunk: int, kv_heads: int
     batch = AttentionBatch([new for _, new in seqs], ctx, tables, len(seqs) if decode else 0,
                            torch.tensor([b for b, _ in slots]), torch.tensor([o for _, o in slots]))
     attn = TritonAttention(cache, kv_heads * group, d ** -0.5, max_seqs=max(tokens, len(seqs)),
-                           max_blocks_per_seq=max_blocks or max(need), scratch_block=scratch, decode_chunk=chunk)
+                           max_blocks_per_seq=max_blocks or max(need), scratch_block=scratch,
+                           decode_chunk=chunk)
     attn.prepare(batch, pad_to=pad_to)
     q = torch.randn(tokens, kv_heads * group, d)
     k, v = torch.randn(tokens, kv_heads, d), torch.randn(tokens, kv_heads, d)

@@ -127,7 +127,8 @@ def test_cuda_engines_get_these_kernels_or_none_without_triton(monkeypatch):
     from types import SimpleNamespace
 
     from nanoserve.parallel.shard import _quant_kernels
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d: SimpleNamespace(multi_processor_count=132))
     got = _quant_kernels(torch.device("cuda", 7))
     assert isinstance(got, TritonQuant) and got.fill == 264 and got.linear_layer is TritonQuantLinear
     monkeypatch.setitem(sys.modules, "nanoserve.layers.triton_quant", None)  # its import fails
@@ -160,7 +161,8 @@ def test_fp8_cast_rounds_each_weight_within_e4m3s_bound():
 @pytest.mark.parametrize("tokens", [1, 33])
 def test_fp8_weight_only_kernel_and_scaled_mm_against_references(kernels, tokens):
     g = torch.Generator().manual_seed(tokens)
-    w, x, bias = torch.randn(80, 128, generator=g) * 0.05, torch.randn(tokens, 128, generator=g), torch.randn(80)
+    w, x, bias = (torch.randn(80, 128, generator=g) * 0.05, torch.randn(tokens, 128, generator=g),
+                  torch.randn(80))
     exact = x.double() @ w.double().T + bias.double()
     magnitude = x.double().abs() @ w.double().abs().T  # what rounding each weight (or input) by r can move
     lin = Fp8Linear(w, bias, kernels, scaled_mm=False)
@@ -201,7 +203,8 @@ def test_tiny_model_in_q8_0_blocks_matches_its_dequantized_twin(tiny_path, monke
     monkeypatch.setattr(llama, "release_copied", lambda model: None)
 
     def engine(kernels) -> LLM:
-        llm = LLM(model=str(tiny_path("qwen2-bias")), dtype="float32", kv_cache_gb=KV_GB, enable_prefix_caching=False)
+        llm = LLM(model=str(tiny_path("qwen2-bias")), dtype="float32", kv_cache_gb=KV_GB,
+                  enable_prefix_caching=False)
         model = llm.engine.model
         for name, t in model.weight_targets().items():
             if t.dst.dim() == 2 and name != "lm_head.weight":
@@ -219,5 +222,6 @@ def test_tiny_model_in_q8_0_blocks_matches_its_dequantized_twin(tiny_path, monke
     a, b = (llm.generate([{"prompt_token_ids": p} for p in prompts], params) for llm in (quant, dense))
     for x, y in zip(a, b):
         assert x.outputs[0].token_ids == y.outputs[0].token_ids
-        for lx, ly in zip(x.prompt_logprobs[1:] + x.outputs[0].logprobs, y.prompt_logprobs[1:] + y.outputs[0].logprobs):
+        for lx, ly in zip(x.prompt_logprobs[1:] + x.outputs[0].logprobs,
+                          y.prompt_logprobs[1:] + y.outputs[0].logprobs):
             assert lx.token_id == ly.token_id and abs(lx.logprob - ly.logprob) < 1e-4

@@ -16,8 +16,8 @@ import threading
 import zmq
 
 from nanoserve.config import EngineConfig
-from nanoserve.parallel.placement import (CpuPlacement, PlacementRequest, apply_engine_placement, compute_process_env,
-                                        engine_placement)
+from nanoserve.parallel.placement import (CpuPlacement, PlacementRequest, apply_engine_placement,
+                                        compute_process_env, engine_placement)
 from nanoserve.engine.protocol import EngineStartError, ModelInfo, Ready, decode_from_engine, encode
 
 log = logging.getLogger("nanoserve.client")
@@ -26,8 +26,8 @@ POLL_MS = 100  # how quickly a dead engine core is noticed
 
 
 class CoreHandle:
-    def __init__(self, config: EngineConfig, placement: PlacementRequest | None, log_level: str, in_process: bool,
-                 make_engine: str | None, lock: threading.Lock) -> None:
+    def __init__(self, config: EngineConfig, placement: PlacementRequest | None, log_level: str,
+                 in_process: bool, make_engine: str | None, lock: threading.Lock) -> None:
         """`lock`: the caller's, held around every send (zmq sockets are not thread-safe). `placement`: None
         leaves affinity and threads as they are."""
         self.config, self.asked, self.log_level = config, placement, log_level
@@ -79,8 +79,8 @@ class CoreHandle:
             apply_engine_placement(placement)
 
             def run() -> None:  # an exception leaves thread_exit at 1
-                self.thread_exit = serve(self.config, self._ctx, input_addr, output_addr, None, self.make_engine,
-                                         placement)
+                self.thread_exit = serve(self.config, self._ctx, input_addr, output_addr, None,
+                                         self.make_engine, placement)
 
             self.thread = threading.Thread(target=run, name="nanoserve-engine-core", daemon=True)
             self.thread.start()

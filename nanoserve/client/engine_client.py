@@ -24,8 +24,8 @@ from nanoserve.config import EngineConfig
 from nanoserve.client.core_handle import CoreHandle
 from nanoserve.client.output_processor import OutputProcessor
 from nanoserve.parallel.placement import CpuPlacement, PlacementRequest
-from nanoserve.engine.protocol import (Abort, Add, Batch, EngineDead, EngineError, EngineSnapshot, FailAll, Finish,
-                                       MetricsObserver, ModelInfo, PromptRequest, SnapshotAsk, Stop,
+from nanoserve.engine.protocol import (Abort, Add, Batch, EngineDead, EngineError, EngineSnapshot, FailAll,
+                                       Finish, MetricsObserver, ModelInfo, PromptRequest, SnapshotAsk, Stop,
                                        decode_from_engine, make_prompt_request)
 from nanoserve.heap import trim_heap
 from nanoserve.outputs import RequestOutput
@@ -162,7 +162,8 @@ class EngineClient:
         return self.core.proc
 
     @property
-    def _core_thread(self) -> threading.Thread | None:  # the in-process core (tests/test_server_faults.py reads it)
+    def _core_thread(self) -> threading.Thread | None:
+        # the in-process core (tests/test_server_faults.py reads it)
         return self.core.thread
 
     # ---- asyncio side ----------------------------------------------------------------------

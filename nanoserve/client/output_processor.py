@@ -29,7 +29,8 @@ class _Choice:
 class OutputProcessor:
     def __init__(self, tokenizer: object, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams) -> None:
-        self.tokenizer, self.prompt, self.prompt_token_ids, self.params = tokenizer, prompt, prompt_token_ids, params
+        self.tokenizer, self.prompt, self.prompt_token_ids, self.params = (tokenizer, prompt,
+                                                                           prompt_token_ids, params)
         self.context = prompt_token_ids[-PROMPT_CONTEXT:]
         self.choices: dict[int, _Choice] = {}
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
@@ -66,7 +67,8 @@ class OutputProcessor:
                                     logprobs=None if c.out.logprobs is None else list(c.out.logprobs))
                 for _, c in sorted(self.choices.items())]
         return RequestOutput(delta.request_id, self.prompt, self.prompt_token_ids, outs, finished,
-                             delta.num_cached_tokens, delta.num_device_cached_tokens, delta.num_host_cached_tokens,
+                             delta.num_cached_tokens, delta.num_device_cached_tokens,
+                             delta.num_host_cached_tokens,
                              prompt_logprobs=self.prompt_logprobs, metrics=delta.metrics or {}), stopped
 
     def _extend(self, ch: _Choice, ids: list[int], lps: list[TokenLogprob | None] | None) -> bool:

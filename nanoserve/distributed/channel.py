@@ -34,7 +34,8 @@ class MessageChannel:
         self.frame[:len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
         dist.broadcast(self.frame, src=0, group=self.group)
         if len(data) > self.room:
-            dist.broadcast(torch.frombuffer(bytearray(data[self.room:]), dtype=torch.uint8), src=0, group=self.group)
+            dist.broadcast(torch.frombuffer(bytearray(data[self.room:]), dtype=torch.uint8), src=0,
+                           group=self.group)
 
     def recv(self) -> bytes:
         """The other ranks: blocks until rank 0 sends (or its connection closes: RuntimeError; a

@@ -128,7 +128,8 @@ class Rendezvous:
     shm_slot_bytes: int = 0  # > 0: every rank is on one CPU node; collectives through /dev/shm
 
 
-def join(rv: Rendezvous, rank: int, device: torch.device) -> tuple[TensorParallel, MessageChannel | ShmChannel]:
+def join(rv: Rendezvous, rank: int,
+         device: torch.device) -> tuple[TensorParallel, MessageChannel | ShmChannel]:
     """Init torch.distributed for this rank. Returns the collectives and the channel of the step
     messages: shared memory on one CPU node, else broadcasts on a gloo group that never times out
     (an idle server sends nothing for hours; a dead peer is still noticed, as a closed connection)."""
@@ -149,15 +150,17 @@ def _store(rv: Rendezvous, rank: int, timeout: datetime.timedelta) -> dist.TCPSt
     rank 0's listens on --master-addr only (a socket bound there, handed to it: the store closes it)."""
     if rank != 0:
         return dist.TCPStore(rv.master_addr, rv.master_port, rv.world_size, is_master=False, timeout=timeout)
-    family, kind, proto, _, addr = socket.getaddrinfo(rv.master_addr, rv.master_port, type=socket.SOCK_STREAM)[0]
+    family, kind, proto, _, addr = socket.getaddrinfo(rv.master_addr, rv.master_port,
+                                                      type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(addr)
         except OSError as e:
-            raise OSError(e.errno, f"rank 0 cannot listen on --master-addr {rv.master_addr} port {rv.master_port} "
-                                   f"({e.strerror}): give an address of node 0 itself") from None
+            raise OSError(e.errno,
+                          f"rank 0 cannot listen on --master-addr {rv.master_addr} port {rv.master_port} "
+                          f"({e.strerror}): give an address of node 0 itself") from None
         sock.listen(128)
         store = dist.TCPStore(rv.master_addr, rv.master_port, rv.world_size, is_master=True, timeout=timeout,
                               wait_for_workers=False, master_listen_fd=sock.fileno())
@@ -168,7 +171,8 @@ def _store(rv: Rendezvous, rank: int, timeout: datetime.timedelta) -> dist.TCPSt
     return store
 
 
-def _open_shm(tp: TensorParallel, rv: Rendezvous, gloo: MessageChannel) -> tuple[ShmCollectives, ShmChannel] | None:
+def _open_shm(tp: TensorParallel, rv: Rendezvous,
+              gloo: MessageChannel) -> tuple[ShmCollectives, ShmChannel] | None:
     """Rank 0 creates the segments (mode 0600, O_EXCL) under a random name that it then sends the
     others over gloo: no local user can predict it, pre-create it or read it from a command line.
     Once mapped everywhere they are unlinked (the mappings stay): no file outlives the ranks,
@@ -186,7 +190,8 @@ def _open_shm(tp: TensorParallel, rv: Rendezvous, gloo: MessageChannel) -> tuple
             try:
                 coll = ShmCollectives(paths[0], tp.rank, tp.size, rv.shm_slot_bytes, rv.timeout_s, creating)
                 made += paths[:1] if creating else []
-                msgs = ShmChannel(paths[1], tp.rank, tp.size, MESSAGE_FRAME_BYTES, rv.timeout_s, creating, gloo)
+                msgs = ShmChannel(paths[1], tp.rank, tp.size, MESSAGE_FRAME_BYTES, rv.timeout_s, creating,
+                                  gloo)
                 made += paths[1:] if creating else []
                 opened = (coll, msgs)
             except FileExistsError as e:
@@ -198,10 +203,12 @@ def _open_shm(tp: TensorParallel, rv: Rendezvous, gloo: MessageChannel) -> tuple
         p.unlink(missing_ok=True)
     if state == 2:
         raise RuntimeError(f"tensor-parallel shared-memory segment already exists before rank 0 created it "
-                           f"({why or 'seen by rank 0'}): another local user may be interfering; not starting")
+                           f"({why or 'seen by rank 0'}): another local user may be interfering; "
+                           "not starting")
     if state:
         if tp.rank == 0:
-            log.warning("shared-memory collectives unavailable (%s); using gloo", why or "a rank could not map them")
+            log.warning("shared-memory collectives unavailable (%s); using gloo",
+                        why or "a rank could not map them")
         return None
     return opened
 

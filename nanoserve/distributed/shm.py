@@ -1,7 +1,7 @@
 """Collectives through shared memory for the ranks of one CPU node.
 
 gloo over loopback TCP costs ~0.5-1.2 ms per all-reduce on these machines; a 12-layer model makes
-26 of them per step (the experiment bench/tp_offline.py at c256b25 measured 23 ms of a 63 ms step). Here each rank copies its
+26 of them per step, which take 23 ms of a 63 ms step. Here each rank copies its
 tensor into its own slot of a /dev/shm segment, publishes a sequence number, waits until every rank
 has published it, and reads the slots: the sum (all-reduce, added in rank order, so every rank gets
 the same bits) or the concatenation (the logits gather, rank 0 only).
@@ -65,7 +65,8 @@ def wait_until(ready, aborted, timeout_s: float | None, what: str = "answer") ->
 
 
 class ShmCollectives:
-    def __init__(self, path: Path, rank: int, size: int, slot_bytes: int, timeout_s: float, create: bool) -> None:
+    def __init__(self, path: Path, rank: int, size: int, slot_bytes: int, timeout_s: float,
+                 create: bool) -> None:
         self.rank, self.size, self.slot_bytes, self.timeout_s = rank, size, slot_bytes, timeout_s
         header = (size + 1) * _LINE * 8
         self.buf = map_segment(path, header + 2 * size * slot_bytes, create)
@@ -147,7 +148,8 @@ class ShmChannel:
         self._wait(lambda: int(self.flags[self.size]) >= self.seq, idle=True)
         frame = self.frames[self.seq % 2]
         n = int(frame[:8].view("int64")[0])
-        data = self.fallback.recv() if n == -1 else frame[8:8 + check_length(n, self.frame_bytes - 8)].tobytes()
+        data = (self.fallback.recv() if n == -1
+                else frame[8:8 + check_length(n, self.frame_bytes - 8)].tobytes())
         self.flags[self.rank] = self.seq
         return data
 

@@ -24,12 +24,13 @@ from concurrent.futures import FIRST_COMPLETED, wait
 import zmq
 
 from nanoserve.config import EngineConfig, import_by_name
-from nanoserve.parallel.placement import (CpuPlacement, PlacementRequest, apply_engine_placement, die_with_parent,
-                                       engine_placement)
+from nanoserve.parallel.placement import (CpuPlacement, PlacementRequest, apply_engine_placement,
+                                       die_with_parent, engine_placement)
 from nanoserve.engine.requests import Request
 from nanoserve.engine.protocol import (Abort, Add, Batch, DeltaEncoder, EngineDead, EngineSnapshot, FailAll,
                                        Finish, OutputDelta, Ready, RequestError, SnapshotAsk, SnapshotReply,
-                                       StartFailed, StepFailed, StepTime, Stop, ToEngine, decode_to_engine, encode)
+                                       StartFailed, StepFailed, StepTime, Stop, ToEngine, decode_to_engine,
+                                       encode)
 from nanoserve.outputs import RequestOutput
 
 log = logging.getLogger("nanoserve.engine_core")
@@ -42,7 +43,8 @@ class EngineCore:
         self.engine = engine
         self.inp, self.out, self.parent_pid = inp, out, parent_pid
         self.encoders: dict[str, DeltaEncoder] = {}  # the requests in the engine, by id
-        self.compiling: dict[str, Request] = {}      # requests waiting for their grammar, not in the engine yet
+        self.compiling: dict[str, Request] = {}      # requests waiting for their grammar, not in the
+                                                     # engine yet
         self.step_errors = 0
         self.invariant_violations = 0
         self.adds_seen = 0
@@ -164,7 +166,8 @@ class EngineCore:
     def _flush(self) -> None:
         running, waiting = self.engine.request_counts()
         counts = (self.adds_seen, running, waiting + len(self.compiling))
-        if not (self._outputs or self._errors or self._steps or self._snapshots) and counts == self._sent_counts:
+        if (not (self._outputs or self._errors or self._steps or self._snapshots)
+                and counts == self._sent_counts):
             return
         self.out.send(encode(Batch(self._outputs, self._errors, self._steps, self._snapshots, *counts)))
         self._outputs, self._errors, self._steps, self._snapshots = [], [], [], []
@@ -270,7 +273,8 @@ def main(argv: list[str]) -> int:
     log.info("CPU placement: %s", placement.describe())
     ctx = zmq.Context()
     try:
-        return serve(config, ctx, spec["input"], spec["output"], spec["parent_pid"], spec["make_engine"], placement)
+        return serve(config, ctx, spec["input"], spec["output"], spec["parent_pid"], spec["make_engine"],
+                     placement)
     finally:
         ctx.term()
 

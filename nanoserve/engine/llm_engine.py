@@ -28,8 +28,8 @@ from nanoserve.kvcache.transfer import make_copier
 from nanoserve.layers.sampler import Sampler
 from nanoserve.models.hub import HubOptions
 from nanoserve.models.llama import LlamaModel
-from nanoserve.models.loader import (GENERIC_TOKENIZERS, load_config, load_tokenizer, materialize, resolve_model,
-                                     tokenizer_dir)
+from nanoserve.models.loader import (GENERIC_TOKENIZERS, load_config, load_tokenizer, materialize,
+                                     resolve_model, tokenizer_dir)
 from nanoserve.models.tokenizer_facts import facts_of, read_tokenizer_facts
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import InvalidRequest, SamplingParams
@@ -65,7 +65,8 @@ class LLMEngine:
         self.ranks = Ranks()
         if config.tensor_parallel_size > 1:
             # refuse a split the model cannot take before starting anything (meta: no memory)
-            LlamaModel(self.hf_config, self.dtype, torch.device("meta"), TensorParallel(0, config.tensor_parallel_size))
+            LlamaModel(self.hf_config, self.dtype, torch.device("meta"),
+                       TensorParallel(0, config.tensor_parallel_size))
             self.ranks = Ranks.start(config, self.device, self.hf_config, Ranks.setup_message(
                 config, self.source.name, str(self.source.path), self.dtype))
         try:
@@ -74,7 +75,8 @@ class LLMEngine:
             self.ranks.close()
             raise
         self.model, self.layout, self.runner = shard.model, shard.layout, shard.runner
-        num_blocks, block_size, self.max_model_len = shard.num_blocks, shard.layout.block_size, shard.max_model_len
+        num_blocks, block_size, self.max_model_len = (shard.num_blocks, shard.layout.block_size,
+                                                      shard.max_model_len)
         self.runner.listener = self.ranks.followers
         host = self._host_tier()
         # the cleaner sizes its target from demand; a watermark only overrides it
@@ -83,7 +85,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.step_tokens,
                                    inline_loads=self.device.type == "cpu")
         self.sampler = Sampler(config.seed, self.device)
-        self.grammars = GrammarMatchers(lambda: self.tokenizer, self.model.vocab_size)  # constrained sequences
+        # constrained sequences
+        self.grammars = GrammarMatchers(lambda: self.tokenizer, self.model.vocab_size)
         facts = (read_tokenizer_facts(tokenizer_dir(self.source, config.tokenizer), GENERIC_TOKENIZERS)
                  or facts_of(self.tokenizer))
         eos_ids = eos_token_ids(facts.eos_token_id, self.hf_config, self.source.path)
@@ -91,8 +94,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self.model_name = self.source.name
-        self.info = ModelInfo(self.model_name, str(self.source.path), self.model.vocab_size, self.max_model_len,
-                              self.max_token_chars, tuple(sorted(eos_ids)))
+        self.info = ModelInfo(self.model_name, str(self.source.path), self.model.vocab_size,
+                              self.max_model_len, self.max_token_chars, tuple(sorted(eos_ids)))
         self.request_builder = RequestBuilder(self.info, self.tokenize, eos_ids, self.grammars, self.device)
         trim_heap()  # what reading the tokenizer's files left
         log.info("model %s loaded in %.1fs (%s, %s)", self.model_name, time.monotonic() - t0,
@@ -100,7 +103,8 @@ class LLMEngine:
 
     @property
     def tokenizer(self):
-        """transformers' tokenizer, loaded on first use (behind an API process: the first constrained request)."""
+        """transformers' tokenizer, loaded on first use (behind an API process: the first constrained
+        request)."""
         with self._tokenizer_lock:  # the grammar thread may ask too
             if self._tokenizer is None:
                 self._tokenizer = load_tokenizer(self.source, self.config.tokenizer)
@@ -112,7 +116,8 @@ class LLMEngine:
             return None
         with startup_phase("host tier") as phase:
             host = HostTier(blocks, self.runner.kv_cache, self.ranks.copier(make_copier(self.device)))
-            how = f"pinned in {len(host.pinned_ranges)} range(s)" if self.device.type == "cuda" else "allocated"
+            how = (f"pinned in {len(host.pinned_ranges)} range(s)" if self.device.type == "cuda"
+                   else "allocated")
             phase.what = (f"{blocks} blocks = {blocks * self.layout.block_size} tokens, "
                           f"{host.num_bytes * self.ranks.tp.size / GiB:.2f} GiB {how}")
         return host
@@ -188,8 +193,9 @@ class LLMEngine:
         st = self.stats
         return EngineSnapshot(num_running=running, num_waiting=waiting,
                               num_preemptions=self.scheduler.num_preemptions, prompt_tokens=st.prompt_tokens,
-                              generation_tokens=st.generation_tokens, finished=dict(st.finished), steps=st.steps,
-                              tiers=[dataclasses.replace(r) for r in self.kv.reports()], time=time.time())
+                              generation_tokens=st.generation_tokens, finished=dict(st.finished),
+                              steps=st.steps, tiers=[dataclasses.replace(r) for r in self.kv.reports()],
+                              time=time.time())
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -208,7 +214,8 @@ class LLMEngine:
         # the cleaner after scheduling: its saves overlap this step's forward, and it sees what the
         # next step will ask for
         self.kv.offload_cold_blocks(self.scheduler.kv_demand())
-        if not sched.scheduled:  # only copies in flight (loads, or saves a deferral waits for): block, don't spin
+        # only copies in flight (loads, or saves a deferral waits for): block, don't spin
+        if not sched.scheduled:
             self.ranks.guard(self.scheduler.wait_for_transfers, 0.05)
             return []
         self.stats.steps += 1

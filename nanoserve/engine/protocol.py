@@ -133,8 +133,8 @@ def check_prompt_request(info: ModelInfo, req: PromptRequest) -> None:
     resolved length within the context."""
     check_token_ids(info, req.prompt_token_ids)
     if not 1 <= req.max_tokens or len(req.prompt_token_ids) + req.max_tokens > info.max_model_len:
-        raise InvalidRequest(f"{len(req.prompt_token_ids)} prompt tokens + max_tokens {req.max_tokens} do not "
-                             f"fit the context ({info.max_model_len})", param="max_tokens",
+        raise InvalidRequest(f"{len(req.prompt_token_ids)} prompt tokens + max_tokens {req.max_tokens} do "
+                             f"not fit the context ({info.max_model_len})", param="max_tokens",
                              code="context_length_exceeded")
 
 
@@ -219,7 +219,8 @@ class RequestError:
 
     @classmethod
     def of(cls, request_id: str, e: BaseException) -> RequestError:
-        kind = "dead" if isinstance(e, EngineDead) else "invalid" if isinstance(e, InvalidRequest) else "engine"
+        kind = ("dead" if isinstance(e, EngineDead) else "invalid" if isinstance(e, InvalidRequest)
+                else "engine")
         return cls(request_id, kind, str(e), getattr(e, "param", None), getattr(e, "code", None))
 
     def exception(self) -> Exception:
@@ -274,7 +275,8 @@ class DeltaEncoder:
         for c in out.outputs:
             s = self.sent.setdefault(c.index, _ChoiceSent())
             lps = None if c.logprobs is None else c.logprobs[s.num_logprobs:]
-            choices.append(ChoiceDelta(c.index, c.token_ids[s.num_tokens:], lps, c.finish_reason, c.stop_reason))
+            choices.append(ChoiceDelta(c.index, c.token_ids[s.num_tokens:], lps, c.finish_reason,
+                                       c.stop_reason))
             s.num_tokens = len(c.token_ids)
             s.num_logprobs = len(c.logprobs or ())
         prompt_lps = out.prompt_logprobs if self.first else None

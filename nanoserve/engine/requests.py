@@ -48,14 +48,16 @@ def eos_token_ids(tokenizer_eos: int | None, hf_config: Any, model_path: Path) -
 class RequestBuilder:
     def __init__(self, info: ModelInfo, tokenize: Callable[[str, bool], list[int]], eos_ids: frozenset[int],
                  grammars: GrammarMatchers, device: torch.device) -> None:
-        self.info, self.tokenize, self.eos_ids, self.grammars, self.device = info, tokenize, eos_ids, grammars, device
+        self.info, self.tokenize, self.eos_ids, self.grammars, self.device = (info, tokenize, eos_ids,
+                                                                              grammars, device)
         self._seq_ids = count()
 
     def make(self, request_id: str, prompt: str | list[int], params: SamplingParams,
              add_special_tokens: bool = True) -> Request:
         """Validate and tokenize; raises InvalidRequest naming the bad field (a grammar that does not
         compile too: this waits for its compile)."""
-        req = self.build(make_prompt_request(self.info, self.tokenize, request_id, prompt, params, add_special_tokens))
+        req = self.build(make_prompt_request(self.info, self.tokenize, request_id, prompt, params,
+                                             add_special_tokens))
         if req.grammar is not None:
             req.grammar.future.result()
         return req
@@ -83,7 +85,8 @@ def request_output(req: Request) -> RequestOutput:
     first = req.seqs[0]
     times = [s.first_token_time for s in req.seqs if s.first_token_time is not None]
     prompt_lps = first.prompt_logprobs if req.params.prompt_logprobs is not None else None
-    return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, all(s.is_finished for s in req.seqs),
-                         first.num_cached_tokens, first.num_device_cached_tokens, first.num_host_cached_tokens,
+    return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs,
+                         all(s.is_finished for s in req.seqs), first.num_cached_tokens,
+                         first.num_device_cached_tokens, first.num_host_cached_tokens,
                          prompt_logprobs=prompt_lps,
                          metrics={"arrival": req.arrival_time, "first_token": min(times, default=0.0)})

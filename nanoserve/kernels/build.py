@@ -47,13 +47,14 @@ MACRO_FLAGS = {"sse3": "pni", "bmi": "bmi1", "lzcnt": "abm", "pclmul": "pclmulqd
 BASELINES = {
     "x86-64-v3": ("-march=x86-64-v3",),  # AVX2 + FMA + F16C
     "x86-64-v4": ("-march=x86-64-v4", "-mprefer-vector-width=512"),  # + AVX-512 F/BW/CD/DQ/VL
-    "x86-64-v4-bf16": ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mgfni", "-mprefer-vector-width=512"),
+    "x86-64-v4-bf16": ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mgfni",
+                       "-mprefer-vector-width=512"),
 }
 COMMON_CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-fopenmp-simd")
 MANIFEST = "build.json"
 # the features a kernel path depends on: what a build's log line names
-SHOWN_FLAGS = frozenset("avx2 fma f16c avx512f avx512bw avx512_vnni avx512_bf16 avx512_fp16 avx_vnni amx_tile "
-                        "amx_bf16 amx_int8".split())
+SHOWN_FLAGS = frozenset("avx2 fma f16c avx512f avx512bw avx512_vnni avx512_bf16 avx512_fp16 avx_vnni "
+                        "amx_tile amx_bf16 amx_int8".split())
 DEFAULT_SECONDS = 60  # a first build's announced duration, before this install has timed one (2 cores)
 
 
@@ -71,12 +72,14 @@ class Target:
 
 @dataclass(frozen=True)
 class Module:
-    """One extension module: its name prefix and the files its key covers."""
+    """One extension module: its name prefix and the C++ sources compiled into it (ninja compiles them side
+    by side); its key covers them and every header beside them (what they include)."""
     prefix: str
-    source: Path
+    sources: tuple[Path, ...]
 
     def key_files(self) -> list[Path]:
-        return [self.source, *sorted(self.source.parent.glob("*.h"))]  # what the sources include
+        folders = sorted({source.parent for source in self.sources})
+        return [*self.sources, *sorted(header for folder in folders for header in folder.glob("*.h"))]
 
 
 def cpu_flags() -> frozenset[str]:
@@ -97,7 +100,8 @@ def compiler() -> str | None:
 @functools.cache
 def target_for(name: str, cxx: str) -> Target:
     """The target `name` names: native (this CPU, as the compiler sees it), a baseline, or a -march value."""
-    cflags = BASELINES.get(name) or (f"-march={name}", *(("-mprefer-vector-width=512",) if name == "native" else ()))
+    wide = ("-mprefer-vector-width=512",) if name == "native" else ()
+    cflags = BASELINES.get(name) or (f"-march={name}", *wide)
     out = subprocess.run([cxx, *cflags, "-dM", "-E", "-x", "c++", os.devnull], capture_output=True, text=True,
                          check=True).stdout
     macros = {m.lower() for m in re.findall(r"#define __([A-Z0-9_]+)__ 1$", out, re.M)}
@@ -166,14 +170,16 @@ def _load_dir(directory: Path) -> tuple[ModuleType, dict] | None:
 
 @contextlib.contextmanager
 def build_lock(root: Path, prefix: str) -> Iterator[None]:
-    """One builder of `prefix` at a time in this install; a start that finds one at work says whom it waits for."""
+    """One builder of `prefix` at a time in this install; a start that finds one at work says whom it waits
+    for."""
     root.mkdir(parents=True, exist_ok=True)
     with open(root / f"{prefix}.lock", "a+") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             f.seek(0)
-            log.info("waiting for the CPU kernels (%s) that process %s is building", prefix, f.read().strip() or "?")
+            log.info("waiting for the CPU kernels (%s) that process %s is building", prefix,
+                     f.read().strip() or "?")
             fcntl.flock(f, fcntl.LOCK_EX)
         f.truncate(0)
         f.write(str(os.getpid()))
@@ -193,8 +199,8 @@ def _compile(module: Module, target: Target, name: str, final: Path) -> None:
         shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{module.prefix}-", dir=final.parent))
     t0 = time.monotonic()
-    build_library(name, [str(module.source)], [*target.cflags, *COMMON_CFLAGS], None, None, ["-fopenmp"], None,
-                  str(tmp), False, False, False)
+    build_library(name, [str(source) for source in module.sources], [*target.cflags, *COMMON_CFLAGS], None,
+                  None, ["-fopenmp"], None, str(tmp), False, False, False)
     so = tmp / f"{name}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
     so = so if so.exists() else tmp / f"{name}.so"
     for f in tmp.iterdir():  # the objects and ninja files are not needed to load it
@@ -216,7 +222,8 @@ def _prebuilt(root: Path, module: Module, cpu: frozenset[str]) -> tuple[ModuleTy
     for manifest_path in (m for d in dirs for m in d.glob(f"{module.prefix}_*/{MANIFEST}")):
         with contextlib.suppress(OSError, ValueError, KeyError):
             m = json.loads(manifest_path.read_text())
-            if m["digest"] == _digest(module) and {k: m[k] for k in _abi()} == _abi() and set(m["requires"]) <= cpu:
+            same = m["digest"] == _digest(module) and {k: m[k] for k in _abi()} == _abi()
+            if same and set(m["requires"]) <= cpu:
                 fits.append((len(m["requires"]), manifest_path.parent))
     for _, directory in sorted(fits, reverse=True):
         if (found := _load_dir(directory)) is not None:

@@ -1,5 +1,6 @@
-"""C++ CPU kernels (nanoserve/kernels/csrc/cpu_kernels.cpp), built once per install for this CPU (nanoserve/kernels/
-build.py: `make install` and the Docker image build them; a start that finds none builds them first, announced).
+"""C++ CPU kernels (nanoserve/kernels/csrc/, one extension module), built once per install for this CPU
+(nanoserve/kernels/build.py: `make install` and the Docker image build them; a start that finds none builds
+them first, announced).
 
 `paged_decode_attention` attends one query token per sequence over its KV blocks in place: the
 torch path must first gather every block into a contiguous tensor (an index_select that copies all
@@ -13,8 +14,8 @@ measures the whole step. `paged_prefill_attention` attends every prefill chunk o
 over cached context) flash-style on GEMM tiles (bf16 on AMX, `gemm_amx()`, or on AVX512_BF16 through
 VDPBF16PS; fp32 elsewhere).
 
-`quant()` serves GGUF weights kept in their blocks: csrc/quant_kernels.cpp (Q4_0/Q4_1/Q8_0) and
-csrc/kquant_kernels.cpp (Q4_K/Q6_K), two modules behind one router (`QuantKernels`).
+`quant()` serves GGUF weights kept in their blocks: csrc/quant_blocks.cpp (Q4_0/Q4_1/Q8_0) and
+csrc/kquants.cpp (Q4_K/Q6_K), behind one router (`QuantKernels`).
 
 Without a compiler or a prebuilt build, or with NANOSERVE_CPU_KERNELS=0, `load()` returns None and the
 torch path runs; tests compare the two."""
@@ -34,19 +35,20 @@ from nanoserve.kernels import build
 from nanoserve.layers.quant_linear import BLOCKS, PACKED, Q4_K, Q6_K
 
 log = logging.getLogger("nanoserve")
-SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.cpp"
-QUANT_SOURCE = SOURCE.with_name("quant_kernels.cpp")
-KQUANT_SOURCE = SOURCE.with_name("kquant_kernels.cpp")
-K_TYPES = frozenset({Q4_K, Q6_K})  # served by the K-quant module, every other kept type by the blocks one
+# One module, its sources compiled side by side: one translation unit with pybind11's headers (module.cpp),
+# the kernels' with ATen's core alone (measured here: 2 s of headers a compile, against 14 s with both)
+MODULE = build.Module("nanoserve_cpu", tuple(sorted(Path(__file__).resolve().parent.glob("csrc/*.cpp"))))
+K_TYPES = frozenset({Q4_K, Q6_K})  # the K-quant kernels' types; every other kept type is the blocks kernels'
 
 
 @dataclass(frozen=True)
 class QuantKernels:
-    """The quantized-weight kernels as one module: `quant_linear` / `quant_dequantize` / `quant_rows` /
-    `quant_pack` go to the module of the weight's type (qtype, + PACKED for a packed matrix), as do
-    `packs` / `int8_activations` given a type; any other attribute is the blocks module's."""
+    """The quantized-weight kernels: `quant_linear` / `quant_dequantize` / `quant_rows` / `quant_pack` go to
+    the kernels of the weight's type (qtype, + PACKED for a packed matrix), as do `packs` / `int8_activations`
+    given a type; any other attribute is the blocks kernels'. Both are the one module's, unless `kquants` is
+    None: then K-quant weights are dequantized at load."""
     blocks: Any
-    kquants: Any | None  # None: its build failed, and K-quant weights are dequantized at load
+    kquants: Any | None
 
     def _module(self, qtype: int) -> Any:
         if qtype & ~PACKED not in K_TYPES:
@@ -65,14 +67,11 @@ class QuantKernels:
     def quant_linear_glu(self, x: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor) -> None:
         self._module(qtype).quant_linear_glu(x, w, qtype, out)
 
-    def entry_points(self, qtype: int) -> tuple[Any, Any]:
-        """(quant_linear, quant_linear_glu) of the type's module as capsules, for the C++ decoder stack."""
-        return self._module(qtype).entry_points()
-
     def quant_dequantize(self, w: torch.Tensor, qtype: int, out: torch.Tensor) -> None:
         self._module(qtype).quant_dequantize(w, qtype, out)
 
-    def quant_rows(self, w: torch.Tensor, qtype: int, rows: int, ids: torch.Tensor, out: torch.Tensor) -> None:
+    def quant_rows(self, w: torch.Tensor, qtype: int, rows: int, ids: torch.Tensor,
+                   out: torch.Tensor) -> None:
         self._module(qtype).quant_rows(w, qtype, rows, ids, out)
 
     def quant_pack(self, w: torch.Tensor, qtype: int) -> torch.Tensor:
@@ -100,25 +99,19 @@ class QuantKernels:
 @functools.cache
 def load():
     """The compiled module, or None (no compiler, disabled, or the build failed: logged once)."""
-    return _build("nanoserve_cpu", SOURCE)
+    return _build(MODULE)
 
 
 @functools.cache
 def quant() -> QuantKernels | None:
-    """The GGUF quantized-weight kernels, or None like `load()` when the blocks module is unavailable."""
-    blocks = _blocks()
-    return None if blocks is None else QuantKernels(blocks, kquant())
+    """The GGUF quantized-weight kernels, or None like `load()`."""
+    module = load()
+    return None if module is None else QuantKernels(module, kquant())
 
 
-@functools.cache
-def _blocks():
-    return _build("nanoserve_quant", QUANT_SOURCE)
-
-
-@functools.cache
 def kquant():
-    """The K-quant kernels alone (csrc/kquant_kernels.cpp), or None like `load()`."""
-    return _build("nanoserve_kquant", KQUANT_SOURCE)
+    """The module that serves K-quant weights (the one module), or None like `load()`."""
+    return load()
 
 
 def keeps(qtype: int) -> bool:
@@ -135,21 +128,18 @@ def _target() -> str:
     return os.environ.get("NANOSERVE_CPU_MARCH", "native")
 
 
-MODULES = {"nanoserve_cpu": SOURCE, "nanoserve_quant": QUANT_SOURCE, "nanoserve_kquant": KQUANT_SOURCE}
-
-
-def _build(prefix: str, source: Path):
+def _build(spec: build.Module):
     if os.environ.get("NANOSERVE_CPU_KERNELS", "1") == "0":
         return None
     try:
-        loaded = build.load_or_build(build.Module(prefix, source), _target())
+        loaded = build.load_or_build(spec, _target())
     except Exception as e:  # noqa: BLE001 - any build problem means: use the torch path
-        log.warning("CPU kernels (%s) unavailable, using the torch path (%s: %s)", source.name, type(e).__name__,
-                    str(e).strip().splitlines()[-1] if str(e).strip() else "")
+        log.warning("CPU kernels (%s) unavailable, using the torch path (%s: %s)", spec.prefix,
+                    type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
         return None
     if loaded is None:
-        log.warning("CPU kernels (%s) unavailable: no compiler and no prebuilt build this CPU runs; using the "
-                    "torch path", source.name)
+        log.warning("CPU kernels (%s) unavailable: no compiler and no prebuilt build this CPU runs; using "
+                    "the torch path", spec.prefix)
         return None
     module, target = loaded
     module.build_target = target  # which build a start runs, for its log (describe)
@@ -157,32 +147,26 @@ def _build(prefix: str, source: Path):
 
 
 def prepare() -> None:
-    """Builds every module this install lacks for this CPU, side by side, announced by one line before and
-    one after; a start calls it before the model loads, so a build is never a silent wait inside a step."""
+    """Builds the module where this install lacks it for this CPU, announced by one line before and one
+    after; a start calls it before the model loads, so a build is never a silent wait inside a step."""
     if os.environ.get("NANOSERVE_CPU_KERNELS", "1") == "0":
         return
     try:
-        todo = [build.Module(p, src) for p, src in MODULES.items() if build.missing(build.Module(p, src), _target())]
-    except Exception:  # noqa: BLE001 - loading reports the same problem, once per module
-        return
-    if not todo:
+        if not build.missing(MODULE, _target()):
+            return
+    except Exception:  # noqa: BLE001 - loading reports the same problem
         return
     root = build.kernels_dir()
     target = build.target_for(_target(), build.compiler() or "c++")
     log.info("building CPU kernels for %s: once per install, about %.0f s", target.describe(),
              build.estimate_seconds(root) or build.DEFAULT_SECONDS)
     t0 = time.monotonic()
-    from concurrent.futures import ThreadPoolExecutor
-
-    def one(module: build.Module) -> str:
-        try:
-            build.ensure_built(module, _target(), root, announce=False)
-            return module.prefix
-        except Exception as e:  # noqa: BLE001 - that module falls back to torch, logged when it loads
-            return f"{module.prefix} failed ({type(e).__name__})"
-    with ThreadPoolExecutor(len(todo)) as pool:  # each build is a ninja subprocess: they run side by side
-        done = list(pool.map(one, todo))
-    log.info("built CPU kernels in %.1f s: %s, into %s", time.monotonic() - t0, ", ".join(done), root)
+    try:
+        build.ensure_built(MODULE, _target(), root, announce=False)
+    except Exception as e:  # noqa: BLE001 - the torch path runs, logged when the module loads
+        log.info("CPU kernels failed to build (%s)", type(e).__name__)
+        return
+    log.info("built CPU kernels in %.1f s into %s", time.monotonic() - t0, root)
 
 
 def gemm_amx(module: Any) -> bool:
@@ -193,7 +177,7 @@ def gemm_amx(module: Any) -> bool:
     forced = os.environ.get("NANOSERVE_CPU_AMX")
     if forced in ("0", "1"):
         return forced == "1"
-    return module is not None and bool(module.amx() if hasattr(module, "amx") else module.gemm_prefill())
+    return module is not None and bool(module.amx())
 
 
 def describe() -> str:
@@ -208,5 +192,7 @@ def describe() -> str:
     if quant_kernels is None:
         return text + "; GGUF weights dequantized (no quantized kernels)"
     activations = "int8 (VNNI)" if quant_kernels.int8_activations() else "fp32"
-    return (f"{text}; GGUF kept in blocks: {quant_kernels.isa()}, {'packed' if quant_kernels.packs() else 'block'} "
-            f"layout, {activations} activations, K-quants {'yes' if quant_kernels.kquants is not None else 'no'}")
+    layout = "packed" if quant_kernels.packs() else "block"
+    kquants = "yes" if quant_kernels.kquants is not None else "no"
+    return (f"{text}; GGUF kept in blocks: {quant_kernels.isa()}, {layout} layout, {activations} "
+            f"activations, K-quants {kquants}")

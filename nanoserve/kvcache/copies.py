@@ -93,7 +93,8 @@ class TierCopies:
     # ---- saves --------------------------------------------------------------------------------------
     def pending_saves(self, exclude: Collection[int] = ()) -> int:
         """Device blocks that saves in flight will make clean and reusable (unreferenced now)."""
-        return sum(1 for c in self.saves for b in c.dev_ids if not self.pool.ref_count[b] and b not in exclude)
+        return sum(1 for c in self.saves for b in c.dev_ids
+                   if not self.pool.ref_count[b] and b not in exclude)
 
     def save_dirty(self, n: int, protect: Collection[int] = ()) -> int:
         """Start saving up to `n` of the oldest dirty device blocks (marking clean, without a copy,
@@ -205,7 +206,8 @@ class TierCopies:
         wait for any load (see `state`: READY, or FAILED if one of them failed)."""
         for c in [c for c in self.saves if c.handle.done()]:
             self._end_save(c)
-        return [sid for ld in [ld for ld in self.loads if ld.copy.handle.done()] for sid in self._end_load(ld)]
+        return [sid for ld in [ld for ld in self.loads if ld.copy.handle.done()]
+                for sid in self._end_load(ld)]
 
     def wait_for(self, seq_id: int, timeout: float) -> None:
         """Wait (up to `timeout` in all) for the loads `seq_id` waits on; the caller polls after."""
@@ -246,7 +248,8 @@ class TierCopies:
         assert all(dev.pins[b] == dev_pins[b] for b in range(dev.num_blocks)), (
             "device block pinned without a copy in flight (or the reverse)")
         assert {db for db, _, _ in self.loading.values()} == {b for ld in self.loads for b in ld.copy.dev_ids}
-        assert all(ld in self.loads for lds in self.waiting_on.values() for ld in lds), "waiting on an ended load"
+        assert all(ld in self.loads for lds in self.waiting_on.values() for ld in lds), (
+            "waiting on an ended load")
         host.check_invariants()
         for a, b, name in ((dev, host, "device"), (host, dev, "host")):
             for blk in range(a.num_blocks):

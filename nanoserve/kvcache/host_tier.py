@@ -26,7 +26,8 @@ from nanoserve.kvcache.transfer import MAX_COPY_BYTES, Copier, Transfer, copy_sp
 
 log = logging.getLogger("nanoserve")
 GiB = 1 << 30
-REGISTER_BYTES = 64 * GiB  # one cudaHostRegister range at most (driver page-table limits; vLLM chunks the same)
+# one cudaHostRegister range at most (driver page-table limits; vLLM chunks the same)
+REGISTER_BYTES = 64 * GiB
 
 
 @dataclass
@@ -87,8 +88,8 @@ class HostCache(NamedTuple):
     ranges: list[tuple[int, int]]
 
 
-def alloc_host_cache(shape: tuple[int, ...], dtype: torch.dtype, pin: bool, max_copy_bytes: int = MAX_COPY_BYTES,
-                     register_bytes: int = REGISTER_BYTES) -> HostCache:
+def alloc_host_cache(shape: tuple[int, ...], dtype: torch.dtype, pin: bool,
+                     max_copy_bytes: int = MAX_COPY_BYTES, register_bytes: int = REGISTER_BYTES) -> HostCache:
     """Host KV pool, the call that unpins it (also run when the tensor is collected; the owner
     calls it first, once no copy can still target the memory), and its pinned ranges. Pinned with
     cudaHostRegister on a plain allocation, not `pin_memory=True` (the caching host allocator rounds
@@ -113,7 +114,8 @@ def alloc_host_cache(shape: tuple[int, ...], dtype: torch.dtype, pin: bool, max_
         registered = []
         try:
             for lo, hi in ranges:
-                torch.cuda.check_error(cudart.cudaHostRegister(base + lo * block_bytes, (hi - lo) * block_bytes, 0))
+                torch.cuda.check_error(cudart.cudaHostRegister(base + lo * block_bytes,
+                                                               (hi - lo) * block_bytes, 0))
                 registered.append(base + lo * block_bytes)
         except Exception:
             for p in registered:
@@ -201,7 +203,8 @@ class HostTier:
                 self.pool.publish(hb, h, key)
             self.pool.unpin(hb)  # unpublished (failed or duplicate): back to the free list
         if not ok:
-            log.error("KV save to host failed; %d blocks dropped", len(copy.host_ids), exc_info=copy.handle.error)
+            log.error("KV save to host failed; %d blocks dropped", len(copy.host_ids),
+                      exc_info=copy.handle.error)
         return ok
 
     def begin_load(self, host_ids: list[int], dev_ids: list[int]) -> HostCopy:

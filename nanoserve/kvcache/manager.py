@@ -144,7 +144,8 @@ class KVCacheManager:
                 table[i] = self.policy.allocate(lossy_ok)
             for i, b in zip(to_load, sorted(table[i] for i in to_load)):
                 table[i] = b
-            table.extend(self.policy.allocate(lossy_ok) for _ in range(need - sum(t is Tier.HOST for t, _ in hits)))
+            table.extend(self.policy.allocate(lossy_ok)
+                         for _ in range(need - sum(t is Tier.HOST for t, _ in hits)))
         except BaseException:
             self._release(table)
             raise

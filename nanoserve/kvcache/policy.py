@@ -34,7 +34,8 @@ class Supply(enum.Enum):
 class TierPolicy:
     def __init__(self, pool: BlockPool, copies: TierCopies | None, offload_watermark: int = 0) -> None:
         self.pool, self.copies = pool, copies
-        self.offload_watermark = min(offload_watermark, pool.num_blocks)  # 0 = the cleaner's target from demand
+        # 0 = the cleaner's target from demand
+        self.offload_watermark = min(offload_watermark, pool.num_blocks)
         self._allocs = 0                                    # device blocks allocated, ever
         self._allocs_seen = 0
         self._recent_allocs: deque[int] = deque(maxlen=16)  # per step
@@ -106,6 +107,7 @@ class TierPolicy:
         of blocks is reusable without loss (free, clean, or clean once a save in flight ends).
         Target: `offload_watermark` if set, else the most blocks allocated in one step lately plus
         `demand` (what the caller expects the next step to need). Returns the copies started."""
-        target = self.offload_watermark or min(self.pool.num_blocks, max(self._recent_allocs, default=0) + demand)
+        target = self.offload_watermark or min(self.pool.num_blocks,
+                                               max(self._recent_allocs, default=0) + demand)
         short = target - self.pool.num_available(lossless=True) - self.copies.pending_saves()
         return self.copies.save_dirty(short) if short > 0 else 0

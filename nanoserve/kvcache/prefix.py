@@ -41,7 +41,8 @@ class PrefixChains:
         hashes, keys, bs = seq.block_hashes, seq.block_keys, self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
-            key = BlockKey(hashes[-1] if hashes else self._root(seq), tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+            key = BlockKey(hashes[-1] if hashes else self._root(seq),
+                           tuple(seq.token_ids[i * bs:(i + 1) * bs]))
             hashes.append(chain_hash(key.parent, key.tokens, self.hash_salt))
             keys.append(key)
         return hashes[:num_blocks]
@@ -52,7 +53,8 @@ class PrefixChains:
         salt = seq.params.cache_salt
         if salt is None:
             return None
-        return hashlib.blake2b(salt.encode(), digest_size=32, key=self.hash_salt[:64], person=b"cache_salt").digest()
+        return hashlib.blake2b(salt.encode(), digest_size=32, key=self.hash_salt[:64],
+                               person=b"cache_salt").digest()
 
     def hash_prompt(self, seq: Sequence) -> None:
         if self.enabled:

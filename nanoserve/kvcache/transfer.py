@@ -183,7 +183,8 @@ class ThreadCopier(Copier):
 
     def submit(self, lane, src, src_ids, dst, dst_ids) -> Transfer:
         handle = self._last[lane] = ThreadTransfer()
-        self._lane(lane).put((handle, self.block_copy, self.max_copy_bytes, src, list(src_ids), dst, list(dst_ids)))
+        self._lane(lane).put((handle, self.block_copy, self.max_copy_bytes, src, list(src_ids), dst,
+                              list(dst_ids)))
         return handle
 
 

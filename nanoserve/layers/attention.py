@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from nanoserve.kernels.plan import KernelStep
+
 
 @dataclass
 class AttentionBatch:
@@ -48,9 +50,9 @@ class AttentionBackend(ABC):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] for the step's new tokens -> [T, H, D]."""
 
-    def kernel_step(self) -> tuple | None:
-        """This step's arguments for the C++ decoder stack (csrc/cpu_kernels.cpp's DecoderStack.forward,
-        after the activations), where this backend is the CPU kernels' it calls; else None."""
+    def kernel_step(self) -> KernelStep | None:
+        """This step's arguments for the C++ layer loop (csrc/decoder_stack.cpp), where this backend is the
+        CPU kernels' it calls; else None (the model's torch loop calls `forward`)."""
         return None
 
 
@@ -73,8 +75,9 @@ class TorchAttention(AttentionBackend):
     def __init__(self, kv_cache: torch.Tensor, num_heads: int, scale: float, kernels=None) -> None:
         """`kernels`: kernels/cpu_kernels.py's module (CPU caches only), or None for the torch path."""
         super().__init__(kv_cache, num_heads, scale)
-        # the kernels are built for head_dim 64 and 128 (the Llama family's)
-        self.kernels = kernels if kv_cache.shape[-1] in (64, 128) else None
+        # the kernels serve the head dims they are built for (64 and 128: the Llama family's); a model of
+        # any other runs this backend's torch path, and with it the model's torch loop
+        self.kernels = kernels if kernels is not None and kv_cache.shape[-1] in kernels.head_dims else None
         self.amx = True  # prefill GEMMs on AMX tiles where the CPU has them (tests turn it off)
         # chunks over cached context: CPU SDPA takes the bool mask with GQA; CUDA needs the bias
         self.causal_bias = kv_cache.device.type != "cpu"
@@ -113,13 +116,13 @@ class TorchAttention(AttentionBackend):
             self.prefills.append(_Prefill(start, start + qlen, ctx, blocks))
             start += qlen
 
-    def kernel_step(self) -> tuple | None:
+    def kernel_step(self) -> KernelStep | None:
         if self.kernels is None:
             return None
         b, nd = self.batch, self.batch.num_decodes
         decodes = (self.dec_table, self.dec_ctx) if nd else (None, None)
-        return (self.kv_cache, b.slot_blocks, b.slot_offsets, nd, *decodes,
-                None if self.pre_args is None else list(self.pre_args), self.scale, self.amx)
+        return KernelStep(self.kv_cache, b.slot_blocks, b.slot_offsets, nd, *decodes,
+                          *(self.pre_args or (None,) * 4), self.scale, self.amx)
 
     def _prepare_gather(self, table: torch.Tensor, context_lens: list[int]) -> None:
         # Rows of the whole cache viewed as [N * layers * 2 * kh, bs * D] (a free view: the
@@ -143,8 +146,8 @@ class TorchAttention(AttentionBackend):
         if self.kernels is not None:  # they read q's strided rows in place and write straight into out
             self.kernels.write_kv(k, v, self.kv_cache, layer, b.slot_blocks, b.slot_offsets)
             if nd:
-                self.kernels.paged_decode_attention(q[:nd], self.kv_cache, layer, self.dec_table, self.dec_ctx,
-                                                    self.scale, out[:nd])
+                self.kernels.paged_decode_attention(q[:nd], self.kv_cache, layer, self.dec_table,
+                                                    self.dec_ctx, self.scale, out[:nd])
             if self.pre_args is not None:
                 self.kernels.paged_prefill_attention(q[nd:], out[nd:], self.kv_cache, layer, *self.pre_args,
                                                      self.scale, self.amx)
@@ -163,7 +166,8 @@ class TorchAttention(AttentionBackend):
                 o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale,
                                                    enable_gqa=True)
             else:
-                o = self._attend_context(qp, self._gather_context(k_cache, p), self._gather_context(v_cache, p))
+                kp, vp = self._gather_context(k_cache, p), self._gather_context(v_cache, p)
+                o = self._attend_context(qp, kp, vp)
             out[p.start:p.end] = o.squeeze(0).transpose(0, 1)
         return out
 

@@ -12,7 +12,8 @@ import os
 import torch
 
 from nanoserve.layers.attention import AttentionBackend, TorchAttention
-from nanoserve.layers.flash_attention import FLASH_PAGE_MULTIPLE, FlashAttention, flash_works, import_flash_attn
+from nanoserve.layers.flash_attention import (FLASH_PAGE_MULTIPLE, FlashAttention, flash_works,
+                                              import_flash_attn)
 
 CHOICES = ("auto", "flash", "triton", "torch")
 

@@ -38,7 +38,8 @@ def import_flash_attn(name: str = "flash_attn") -> tuple[ModuleType | None, str 
         flash_attn = import_by_name(name)
     except Exception as e:  # noqa: BLE001 - whatever a broken build raises
         if not isinstance(e, ImportError):
-            log.warning("flash_attn is installed but does not import (%s: %s): not using it", type(e).__name__, e)
+            log.warning("flash_attn is installed but does not import (%s: %s): not using it",
+                        type(e).__name__, e)
         return None, f"{type(e).__name__}: {e}"
     return flash_attn, None
 

@@ -40,8 +40,8 @@ def zeros(nbytes: int) -> torch.Tensor:
 
 def owns_storage(t: torch.Tensor) -> bool:
     """Whether `t` is all of its storage (not a view into a larger one, such as a memory-mapped file)."""
-    return (t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous() and t.storage_offset() == 0
-            and t.untyped_storage().nbytes() == t.nbytes)
+    return (t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous()
+            and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes)
 
 
 def relocate(tensors: Iterable[torch.Tensor]) -> int:

@@ -15,12 +15,13 @@ import torch
 import torch.nn.functional as F
 
 
-# Where the split measured faster (experiment `bench/linear_split.py` at c256b25, 2-core AMX Xeon): 2 threads, 512-1535 rows,
+# Where the split measured faster (2-core AMX Xeon, one matmul timed each way): 2 threads, 512-1535 rows,
 # e.g. 1024 rows 2.08 vs oneDNN's 2.88 ms; at 1536 and 2048 rows oneDNN's own split is faster (2.86 vs
 # 3.20, 3.65 vs 4.13 ms). Other thread counts were not measured and keep oneDNN's.
 SPLIT_THREADS, SPLIT_ROWS = 2, range(512, 1536)
 
-SplitRows = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", int, str, "torch.Tensor | None"], torch.Tensor]
+SplitRows = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", int, str, "torch.Tensor | None"],
+                     torch.Tensor]
 
 
 class Linear:
@@ -53,17 +54,29 @@ class Linear:
             return self.split_rows(x, self.packed, self.bias, self.out_features, "mul", other)
         return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "mul")
 
-    def kernel_plan(self) -> tuple:
-        """This layer (packed) for csrc/cpu_kernels.cpp's DecoderStack, which calls oneDNN as `__call__`,
-        `silu` and `times` do: (packed weight, bias, out_features, the (rows from, to, threads) that
-        `_split` sends through `split_rows`, or None)."""
-        split = (SPLIT_ROWS.start, SPLIT_ROWS.stop, SPLIT_THREADS) if self.split_rows is not None else None
-        return self.packed, self.bias, self.out_features, split
-
     def _split(self, x: torch.Tensor) -> bool:
         if self.split_rows is None:
             return False
         return x.shape[0] in SPLIT_ROWS and torch.get_num_threads() == SPLIT_THREADS
+
+
+class GateUp:
+    """silu(x G^T) * (x U^T) of a [G; U] weight as two oneDNN GEMMs whose epilogues apply silu and the
+    product (packed CPU weights): no [tokens, 2 * inter] tensor written and read back by separate silu / mul
+    passes."""
+
+    def __init__(self, gate: Linear, up: Linear) -> None:
+        self.gate, self.up = gate, up
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.up.times(x, self.gate.silu(x))
+
+
+def gate_up_layer(weight: torch.Tensor, split_rows: SplitRows | None = None) -> GateUp | Linear:
+    """The layer of a dense [gate; up] weight: GateUp where oneDNN packs both halves, else one Linear."""
+    inter = weight.shape[0] // 2
+    gate, up = Linear(weight[:inter], split_rows=split_rows), Linear(weight[inter:], split_rows=split_rows)
+    return GateUp(gate, up) if gate.packed is not None and up.packed is not None else Linear(weight)
 
 
 @torch.no_grad()

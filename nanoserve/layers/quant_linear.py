@@ -1,12 +1,12 @@
 """Linear layers and embedding tables whose weights stay in GGUF blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K).
 
 Decode is weight-streaming bound: a Q4_1 weight is 0.625 bytes, a bf16 one 2, an fp32 one 4. The
-kernels (csrc/quant_kernels.cpp) read the blocks and dequantize them in registers with exact
-products, so results equal "dequantize, then matmul in fp32" up to rounding and summation order.
-Where the kernels have an AVX-512 build (`packs()`), Q4_0/Q4_1/Q8_0 matrices are rearranged once at
-load into groups of 16 interleaved rows (the same bytes; csrc/quant_kernels.cpp, PACKED): one vector
-then holds one weight of 16 rows, and the GEMV runs at about the memory's speed. Q4_K/Q6_K likewise
-(csrc/kquant_kernels.cpp, PACKED; Q4_K's scales unpacked: 148 bytes a 256 weights, not 144).
+kernels (csrc/quant.h) read the blocks and dequantize them in registers with exact products, so
+results equal "dequantize, then matmul in fp32" up to rounding and summation order. Where the kernels
+have an AVX-512 build (`packs()`), Q4_0/Q4_1/Q8_0 matrices are rearranged once at load into groups of
+16 interleaved rows (the same bytes; csrc/quant_blocks.cpp): one vector then holds one weight of 16
+rows, and the GEMV runs at about the memory's speed. Q4_K/Q6_K likewise (csrc/kquant.h; Q4_K's scales
+unpacked: 148 bytes a 256 weights, not 144).
 
 Packed matrices take every step on the kernel (beyond PACKED_MAX_ROWS rows only where the GEMM has
 AMX); block-layout ones up to GEMV_MAX_ROWS rows (decode). Larger steps dequantize the weight (in row
@@ -29,7 +29,7 @@ BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34), Q4_K: (256, 144), Q6_K
 TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q6_K: "Q6_K"}
 # Above this many rows a block-layout matrix (AVX2, scalar builds) is dequantized for the GEMM
 GEMV_MAX_ROWS = 12
-# Packed matrices take every step on the kernel: without AMX it was faster than dequantize + oneDNN
+# Packed matrices take every step on the kernel: without AMX it is faster than dequantize + oneDNN
 # GEMM at every size measured (one thread, 3072x576 Q4_1: int8 activations 22.6 vs 36.1 ms at 2048
 # rows, fp32 70 vs 83 ms), and a token's numerics then do not depend on its step's size. With AMX
 # (`gemm_prefill()`, not measured against the kernel) steps beyond this many rows take the GEMM
@@ -39,7 +39,7 @@ PACKED_MAX_ROWS = 64
 DEQUANT_CHUNK = 4 << 20
 PACKABLE = (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)  # types with a packed layout (where their module `packs`)
 # bytes of one block's share of a packed group, where not the block's own (Q4_K's scales and mins
-# unpacked to a byte each: csrc/kquant_kernels.cpp, PACKED)
+# unpacked to a byte each: csrc/kquant.h)
 PACKED_BYTES = {Q4_K: 148}
 PACKED = 256  # qtype + PACKED names a packed matrix to the kernels
 GROUP = 16  # rows per packed group
@@ -59,8 +59,10 @@ class QuantTensor:
         rows, cols = self.shape
         qk, nbytes = BLOCKS.get(self.qtype, (0, 0))
         packed_bytes = PACKED_BYTES.get(self.qtype, nbytes)
-        want = (-(-rows // GROUP), cols // qk * packed_bytes * GROUP) if self.packed and qk else (rows, cols // (qk or 1) * nbytes)
-        if not qk or cols % qk or tuple(self.data.shape) != want or (self.packed and self.qtype not in PACKABLE):
+        want = ((-(-rows // GROUP), cols // qk * packed_bytes * GROUP) if self.packed and qk
+                else (rows, cols // (qk or 1) * nbytes))
+        misshapen = not qk or cols % qk or tuple(self.data.shape) != want
+        if misshapen or self.packed and self.qtype not in PACKABLE:
             raise ValueError(f"not a {TYPE_NAMES.get(self.qtype, self.qtype)} [{rows}, {cols}] "
                              f"{'packed ' if self.packed else ''}block matrix: data {tuple(self.data.shape)}")
 
@@ -82,7 +84,8 @@ class QuantTensor:
         if self.packed or self.qtype not in PACKABLE or not callable(packs) or \
                 not (packs(self.qtype) if self.qtype in (Q4_K, Q6_K) else packs()):
             return self
-        return QuantTensor(kernels.quant_pack(self.data.contiguous(), self.qtype), self.qtype, self.shape, packed=True)
+        packed = kernels.quant_pack(self.data.contiguous(), self.qtype)
+        return QuantTensor(packed, self.qtype, self.shape, packed=True)
 
     def rows(self, start: int, stop: int) -> QuantTensor:
         """Rows [start, stop) (a multiple of 16 apart from the end when packed)."""
@@ -90,7 +93,8 @@ class QuantTensor:
             return QuantTensor(self.data[start:stop], self.qtype, (stop - start, self.shape[1]))
         if start % GROUP or (stop % GROUP and stop != self.shape[0]):
             raise ValueError(f"packed rows are taken 16 at a time, not [{start}, {stop})")
-        return QuantTensor(self.data[start // GROUP:-(-stop // GROUP)], self.qtype, (stop - start, self.shape[1]), True)
+        data = self.data[start // GROUP:-(-stop // GROUP)]
+        return QuantTensor(data, self.qtype, (stop - start, self.shape[1]), True)
 
     def dequantize(self) -> torch.Tensor:
         """fp32 [rows, cols] by the gguf package (the reference this layer is tested against)."""
@@ -126,7 +130,9 @@ def merged(parts: list[QuantTensor]) -> list[QuantTensor]:
             (parts[0].packed and any(p.shape[0] % GROUP for p in parts)):
         return parts
     rows = sum(p.shape[0] for p in parts)
-    return [QuantTensor(torch.cat([p.data for p in parts]), parts[0].qtype, (rows, parts[0].shape[1]), parts[0].packed)]
+    first = parts[0]
+    data = torch.cat([p.data for p in parts])
+    return [QuantTensor(data, first.qtype, (rows, first.shape[1]), first.packed)]
 
 
 class QuantLinear:
@@ -179,8 +185,9 @@ class QuantLinear:
         return out if self.bias is None else out.add_(self.bias)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(x G^T) * (x U^T) for this layer's W = [G; U] (a gate/up projection): one kernel call where the
-        packed kernel fuses it (the product rounded once, no [rows, 2 * inter] output to write and read back)."""
+        """silu(x G^T) * (x U^T) for this layer's W = [G; U] (a gate/up projection): one kernel call where
+        the packed kernel fuses it (the product rounded once, no [rows, 2 * inter] output to write and read
+        back)."""
         if self.fused_glu and x.shape[0] <= self.max_kernel_rows:
             out = torch.empty(x.shape[0], self.out_features // 2, dtype=x.dtype)
             self.kernels.quant_linear_glu(x, self.parts[0].data, self.parts[0].kernel_type, out)
@@ -188,17 +195,10 @@ class QuantLinear:
         gate, up = self(x).chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def kernel_plan(self) -> tuple:
-        """This layer's kernel path for csrc/cpu_kernels.cpp's DecoderStack (which runs it as `__call__`
-        and `silu_mul` do on steps within `max_kernel_rows`): ([(blocks, kernel type, first output
-        column, columns, quant_linear entry)], out_features, bias, the fused GLU's entry or None)."""
-        entries = [self.kernels.entry_points(p.kernel_type) for p in self.parts]
-        parts = [(p.data, p.kernel_type, start, p.shape[0], e[0]) for p, start, e in zip(self.parts, self.offsets, entries)]
-        return parts, self.out_features, self.bias, entries[0][1] if self.fused_glu else None
-
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole weight in `dtype`, in the shared scratch buffer (valid until the next call)."""
-        w = self.scratch.take(self.out_features * self.in_features, dtype).view(self.out_features, self.in_features)
+        rows, cols = self.out_features, self.in_features
+        w = self.scratch.take(rows * cols, dtype).view(rows, cols)
         for part, start in zip(self.parts, self.offsets):
             self.kernels.quant_dequantize(part.data, part.kernel_type, w[start:start + part.shape[0]])
         return w

@@ -71,7 +71,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
                  allowed: tuple[list[int], torch.Tensor] | None = None) -> SampleResult:
         """One host sync per step, whatever the batch asks for (logprobs, top-k alternatives).
-        `allowed`: (rows, bitmask [rows, ceil(V/32)] int32) of grammar-constrained rows (engine/grammar.py)."""
+        `allowed`: (rows, bitmask [rows, ceil(V/32)] int32) of grammar-constrained rows
+        (engine/grammar.py)."""
         logits = logits.float()
         want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         rows_t = _upload(torch.tensor(want, dtype=torch.long), logits.device) if want else None
@@ -81,8 +82,8 @@ class Sampler:
         lps: list[TokenLogprob | None] = [None] * len(seqs)
         if raw is None:
             return SampleResult(tokens.tolist(), lps)
-        rows, ids = _logprob_rows(raw, tokens.index_select(0, rows_t), [seqs[i].params.logprobs for i in want],
-                                  tokens)
+        rows, ids = _logprob_rows(raw, tokens.index_select(0, rows_t),
+                                  [seqs[i].params.logprobs for i in want], tokens)
         for i, lp in zip(want, rows):
             lps[i] = lp
         return SampleResult(ids, lps)
@@ -131,7 +132,8 @@ class Sampler:
         vocab = logits.shape[-1]
         params = torch.tensor([[1.0 if g else s.params.temperature,
                                 min(s.params.top_k, vocab) if s.params.top_k > 0 else vocab,
-                                s.params.top_p, s.params.min_p] for g, s in zip(greedy, seqs)], dtype=torch.float64)
+                                s.params.top_p, s.params.min_p] for g, s in zip(greedy, seqs)],
+                              dtype=torch.float64)
         temps, ks, ps, min_p = (c.unsqueeze(1) for c in _upload(params, dev).unbind(1))  # one copy
         logits = logits / temps.float()
         if any(s.params.top_k > 0 or s.params.top_p < 1.0 for s in seqs):
@@ -142,7 +144,8 @@ class Sampler:
             # drop a token if the tokens ranked above it already reach top_p (the best is always kept)
             drop |= (probs.cumsum(dim=-1) - probs) >= ps.float()
             drop[:, 0] = False  # a top_p that underflows to 0 must still keep the best token
-            logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+            logits = torch.full_like(logits, float("-inf")).scatter(
+                1, order, sorted_logits.masked_fill(drop, float("-inf")))
         probs = logits.softmax(dim=-1)
         if any(s.params.min_p > 0 for s in seqs):
             probs = probs.masked_fill(probs < min_p.float() * probs.max(dim=-1, keepdim=True).values, 0.0)

@@ -72,8 +72,8 @@ def _tile(qv, m_i, l_i, acc, k_cache, v_cache, table_row, pos, valid, visible, d
 
 @triton.jit
 def _prefill(q, k_cache, v_cache, out, part_acc, part_ml, tables, cu_q, cu_k, scale, sq_t, sq_h, so_t, so_h,
-             sc_b, sc_t, sc_h, st_b, H, G, D, BS, CHUNKS, KCHUNK, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             D_P: tl.constexpr, IEEE: tl.constexpr):
+             sc_b, sc_t, sc_h, st_b, H, G, D, BS, CHUNKS, KCHUNK, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, D_P: tl.constexpr, IEEE: tl.constexpr):
     """CHUNKS == 1: the tile's output. Else this program takes keys [sp * KCHUNK, +KCHUNK) and
     writes partials for `_combine` (a query that sees none of them: max -inf)."""
     b = tl.program_id(0)
@@ -96,7 +96,8 @@ def _prefill(q, k_cache, v_cache, out, part_acc, part_ml, tables, cu_q, cu_k, sc
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_P], tl.float32)
     lo = sp * KCHUNK
-    hi = tl.minimum(tl.minimum(ctx, ctx - qlen + (mt + 1) * BLOCK_M), lo + KCHUNK)  # past the last query: unseen
+    # past the last query: unseen
+    hi = tl.minimum(tl.minimum(ctx, ctx - qlen + (mt + 1) * BLOCK_M), lo + KCHUNK)
     for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < hi
@@ -270,11 +271,11 @@ class TritonAttention(FlashAttention):
             _decode[(rows, kh, chunks)](q, k_cache, v_cache, part_acc, part_ml, table, self.cache_seqlens,
                                         self.scale, q.stride(0), q.stride(1), sc[0], sc[1], sc[2],
                                         table.stride(0), h, g, d, self.block_size, fill, chunks,
-                                        CHUNK=self.decode_chunk, G_P=_p2(g, 16), D_P=d_p, BLOCK_N=self.block_n,
-                                        IEEE=self.ieee)
-            _combine[(rows, h)](part_acc, part_ml, out, self.cache_seqlens, out.stride(0), out.stride(1), h, d,
-                                fill, chunks, CHUNK=self.decode_chunk, BLOCK_N=self.block_n, BLOCK_C=16, D_P=d_p,
-                                DECODE=True)
+                                        CHUNK=self.decode_chunk, G_P=_p2(g, 16), D_P=d_p,
+                                        BLOCK_N=self.block_n, IEEE=self.ieee)
+            _combine[(rows, h)](part_acc, part_ml, out, self.cache_seqlens, out.stride(0), out.stride(1),
+                                h, d, fill, chunks, CHUNK=self.decode_chunk, BLOCK_N=self.block_n, BLOCK_C=16,
+                                D_P=d_p, DECODE=True)
             return out
         n, d_p = len(b.query_lens), _p2(d, 16)
         chunks, kchunk = self._prefill_chunks(h, b.query_lens)
@@ -282,10 +283,10 @@ class TritonAttention(FlashAttention):
         part_acc = torch.empty(t, h, chunks, d_p, dtype=torch.float32, device=q.device) if chunks > 1 else out
         part_ml = torch.empty(t, h, chunks, 2, dtype=torch.float32, device=q.device) if chunks > 1 else out
         grid = (n, h, triton.cdiv(self.max_seqlen_q, self.block_m) * chunks)
-        _prefill[grid](q, k_cache, v_cache, out, part_acc, part_ml, table, self.cu_seqlens_q, self.cu_seqlens_k,
-                       self.scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1), sc[0], sc[1], sc[2],
-                       table.stride(0), h, g, d, self.block_size, chunks, kchunk, BLOCK_M=self.block_m,
-                       BLOCK_N=self.block_n, D_P=d_p, IEEE=self.ieee)
+        _prefill[grid](q, k_cache, v_cache, out, part_acc, part_ml, table, self.cu_seqlens_q,
+                       self.cu_seqlens_k, self.scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                       sc[0], sc[1], sc[2], table.stride(0), h, g, d, self.block_size, chunks, kchunk,
+                       BLOCK_M=self.block_m, BLOCK_N=self.block_n, D_P=d_p, IEEE=self.ieee)
         if chunks > 1:
             _combine[(t, h)](part_acc, part_ml, out, self.cu_seqlens_k, out.stride(0), out.stride(1), h, d, 1,
                              chunks, CHUNK=self.decode_chunk, BLOCK_N=self.block_n, BLOCK_C=16, D_P=d_p,

@@ -87,8 +87,8 @@ def _gemm(x, w, scale, out, part, M, N, NB, sx, so, RB, QT: tl.constexpr, BB: tl
         wt = tl.reshape(_tile(w, rn, kb[None, :], nmask[:, None] & (kb < hi)[None, :], RB, QT, BB, HDR),
                         (BN, KB * 32))
         k = kb0 * 32 + tl.arange(0, KB * 32)
-        xt = tl.load(x + rm.to(tl.int64)[:, None] * sx + k[None, :], mask=mmask[:, None] & (k < hi * 32)[None, :],
-                     other=0.0)
+        xt = tl.load(x + rm.to(tl.int64)[:, None] * sx + k[None, :],
+                     mask=mmask[:, None] & (k < hi * 32)[None, :], other=0.0)
         if IEEE:  # fp32 activations, or the interpreter (whose bf16 dot is wrong)
             acc += tl.dot(xt.to(tl.float32), tl.trans(wt), input_precision="ieee")
         else:
@@ -150,10 +150,12 @@ class TritonQuant:
     def fp8_linear(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
         """out = (x (w * scale[:, None])^T); w: float8_e4m3fn [N, K], scale fp32 [N]."""
         if w.dtype != torch.float8_e4m3fn or scale.shape != (w.shape[0],) or scale.dtype != torch.float32:
-            raise ValueError(f"fp8 weight {w.dtype} {tuple(w.shape)} with scales {scale.dtype} {tuple(scale.shape)}")
+            raise ValueError(f"fp8 weight {w.dtype} {tuple(w.shape)} with scales {scale.dtype} "
+                             f"{tuple(scale.shape)}")
         self._gemm(x, w.view(torch.uint8), FP8, out, scale)
 
-    def quant_dequantize(self, w: torch.Tensor, qtype: int, out: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+    def quant_dequantize(self, w: torch.Tensor, qtype: int, out: torch.Tensor,
+                         scale: torch.Tensor | None = None) -> None:
         n, nb = _check_blocks(w, qtype, out.shape[1] if out.dim() == 2 else -1)
         if tuple(out.shape) != (n, nb * 32) or out.stride(1) != 1 or out.device != w.device:
             raise ValueError(f"dequantize: out {tuple(out.shape)} for {n} rows of {nb * 32} weights")
@@ -162,13 +164,15 @@ class TritonQuant:
         _dequant[grid](w, scale if scale is not None else w, out, n, nb, out.stride(0), w.stride(0),
                        QT=qtype, BB=bb, HDR=hdr, KB=4, BN=16)
 
-    def _gemm(self, x: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor, scale: torch.Tensor | None) -> None:
+    def _gemm(self, x: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor,
+              scale: torch.Tensor | None) -> None:
         m, k = x.shape
         n, nb = _check_blocks(w, qtype, k)
         if (x.stride(1) != 1 or tuple(out.shape) != (m, n) or out.stride(1) != 1 or out.dtype != x.dtype
-                or x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not x.device == w.device == out.device):
-            raise ValueError(f"quant linear: x {x.dtype} {tuple(x.shape)} -> out {out.dtype} {tuple(out.shape)}, "
-                             f"weight [{n}, {k}] on {w.device}")
+                or x.dtype not in (torch.float32, torch.bfloat16, torch.float16)
+                or not x.device == w.device == out.device):
+            raise ValueError(f"quant linear: x {x.dtype} {tuple(x.shape)} -> out {out.dtype} "
+                             f"{tuple(out.shape)}, weight [{n}, {k}] on {w.device}")
         if m == 0:
             return
         bm, bn, kb, warps = (16, 64, 4, 4) if m <= 16 else (64, 64, 2, 4) if m <= 64 else (128, 128, 2, 8)
@@ -177,8 +181,8 @@ class TritonQuant:
         part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
         bb, hdr = LAYOUT[qtype]
         _gemm[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
-            x, w, scale if scale is not None else w, out, part, m, n, nb, x.stride(0), out.stride(0), w.stride(0),
-            QT=qtype, BB=bb, HDR=hdr, KB=kb, BM=bm, BN=bn, SPLIT=split,
+            x, w, scale if scale is not None else w, out, part, m, n, nb, x.stride(0), out.stride(0),
+            w.stride(0), QT=qtype, BB=bb, HDR=hdr, KB=kb, BM=bm, BN=bn, SPLIT=split,
             IEEE=self.ieee or x.dtype == torch.float32, num_warps=warps)
         if split > 1:
             _reduce[(triton.cdiv(m * n, 1024),)](part, out, m, n, out.stride(0), SPLIT=split, BLOCK=1024)
@@ -266,7 +270,8 @@ class Fp8Linear:
     """x W^T (+ b) with W cast once to fp8 e4m3 and per-output-channel scales. `scaled_mm`: fp8 x fp8
     tensor-core GEMM (bf16 activations only: the row-wise kernel writes bf16), else weight-only."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: TritonQuant, scaled_mm: bool) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: TritonQuant,
+                 scaled_mm: bool) -> None:
         n, k = weight.shape
         self.weight, self.scale = fp8_cast(weight)
         self.bias, self.kernels = bias, kernels

@@ -40,7 +40,8 @@ def iter_gguf(path: Path, cfg, names: dict[str, str]) -> Iterator[tuple[str, tor
         if kept:  # [rows, row bytes]: the logical shape is GGUF's reversed
             w: torch.Tensor = torch.from_numpy(t.data)
         else:
-            if t.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
+            if t.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16,
+                                     GGMLQuantizationType.BF16):
                 converted[t.tensor_type.name] += 1
             w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
         # llama.cpp's converter permutes the rows of Q and K of *llama* models for its interleaved
@@ -48,7 +49,8 @@ def iter_gguf(path: Path, cfg, names: dict[str, str]) -> Iterator[tuple[str, tor
         permuted = cfg.model_type == "llama" and name.endswith(("q_proj.weight", "k_proj.weight"))
         if permuted:
             n = heads if name.endswith("q_proj.weight") else kv_heads
-            w = w.reshape(n, w.shape[0] // n // 2, 2, *w.shape[1:]).transpose(2, 1).reshape(w.shape).contiguous()
+            w = w.reshape(n, w.shape[0] // n // 2, 2,
+                          *w.shape[1:]).transpose(2, 1).reshape(w.shape).contiguous()
         if permuted or not kept:  # copied out: the map's pages of it would stay resident unread
             reader.release(t.data_offset, t.data_offset + t.n_bytes)
         if kept:

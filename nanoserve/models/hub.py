@@ -18,9 +18,9 @@ from nanoserve.errors import InvalidRequest
 # chat templates, and safetensors weights. Pickled *.bin / *.pt, original/ (Meta's checkpoints) and
 # consolidated* (Mistral's) are other copies of the same weights, often as large as the model itself.
 HF_FOLDER_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                   "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt",
-                   "chat_template.json", "chat_template.jinja", "additional_chat_templates/*.jinja",
-                   "*.safetensors", "model.safetensors.index.json"]
+                   "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json",
+                   "merges.txt", "chat_template.json", "chat_template.jinja",
+                   "additional_chat_templates/*.jinja", "*.safetensors", "model.safetensors.index.json"]
 NOT_LOADED = ["*/*.safetensors", "original/*", "consolidated*"]
 DEFAULT_QUANT = "Q4_K_M"  # what llama.cpp's `-hf user/repo` picks when no tag is given
 REPO_ID = re.compile(r"([A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?::([A-Za-z0-9][\w.-]*))?")
@@ -67,7 +67,8 @@ def find_cached(ref: RepoRef, opts: HubOptions) -> HubModel | None:
     """The repo at the revision asked for, complete in the local cache; no network. The cache layout
     (models--owner--name/refs/<rev> -> snapshots/<commit>/) is huggingface_hub's documented one."""
     from huggingface_hub import constants
-    root = Path(opts.download_dir or constants.HF_HUB_CACHE).expanduser() / f"models--{ref.repo.replace('/', '--')}"
+    root = (Path(opts.download_dir or constants.HF_HUB_CACHE).expanduser()
+            / f"models--{ref.repo.replace('/', '--')}")
     rev = opts.revision or "main"
     ref_file = root / "refs" / rev
     commit = rev if COMMIT.fullmatch(rev) else ref_file.read_text().strip() if ref_file.is_file() else None
@@ -109,20 +110,22 @@ def _pick_gguf(ref: RepoRef, opts: HubOptions, files: list[str], strict: bool) -
     if not strict and (not hits or not ref.quant):
         return None
     if hits and all(SPLIT_GGUF.search(f) for f in hits):
-        raise _choose(ref, ggufs, f"splits {tag} over {len(hits)} files, which nanoserve does not load; merge them "
-                      "with `llama-gguf-split --merge` and pass the file")
+        raise _choose(ref, ggufs, f"splits {tag} over {len(hits)} files, which nanoserve does not load; "
+                      "merge them with `llama-gguf-split --merge` and pass the file")
     if hits:
         raise _choose(ref, ggufs, f"has {len(hits)} .gguf files tagged {tag}")
     if not ggufs:
-        raise InvalidRequest(f"{ref.repo} has no config.json with *.safetensors weights and no .gguf file; its files: "
-                             f"{', '.join(sorted(files)) or 'none'}", param="model", code="model_not_found")
-    raise _choose(ref, ggufs, f"has no .gguf file tagged {tag}" if ref.quant else f"has {len(ggufs)} .gguf files")
+        raise InvalidRequest(f"{ref.repo} has no config.json with *.safetensors weights and no .gguf file; "
+                             f"its files: {', '.join(sorted(files)) or 'none'}", param="model",
+                             code="model_not_found")
+    raise _choose(ref, ggufs,
+                  f"has no .gguf file tagged {tag}" if ref.quant else f"has {len(ggufs)} .gguf files")
 
 
 def _choose(ref: RepoRef, ggufs: list[str], what: str) -> InvalidRequest:
     return InvalidRequest(f"{ref.repo} {what}; its .gguf files: {', '.join(ggufs) or 'none'}. Pick one with "
-                          f"--model {ref.repo}:QUANT (a tag in the file name, e.g. {DEFAULT_QUANT}) or --gguf-file NAME",
-                          param="model", code="model_not_found")
+                          f"--model {ref.repo}:QUANT (a tag in the file name, e.g. {DEFAULT_QUANT}) or "
+                          "--gguf-file NAME", param="model", code="model_not_found")
 
 
 def download(ref: RepoRef, opts: HubOptions) -> HubModel:
@@ -137,9 +140,9 @@ def download(ref: RepoRef, opts: HubOptions) -> HubModel:
         if opts.gguf_file or ref.quant or "config.json" not in files:
             gguf = _pick_gguf(ref, opts, files, strict=True)
         elif not any(fnmatch(f, "*.safetensors") and not _ignored(f) for f in files):
-            raise InvalidRequest(f"{ref.repo} has no *.safetensors weights (nanoserve loads safetensors or GGUF, "
-                                 f"not pickled .bin/.pt checkpoints); its files: {', '.join(sorted(files))}",
-                                 param="model", code="model_not_found")
+            raise InvalidRequest(f"{ref.repo} has no *.safetensors weights (nanoserve loads safetensors or "
+                                 "GGUF, not pickled .bin/.pt checkpoints); its files: "
+                                 f"{', '.join(sorted(files))}", param="model", code="model_not_found")
         path = snapshot_download(ref.repo, revision=opts.revision, cache_dir=opts.download_dir,
                                  endpoint=opts.endpoint, allow_patterns=[gguf] if gguf else HF_FOLDER_FILES,
                                  ignore_patterns=None if gguf else NOT_LOADED)
@@ -174,23 +177,23 @@ def _hub_errors(ref: RepoRef, opts: HubOptions) -> Iterator[None]:
         yield
     except errors.GatedRepoError as e:
         if has_token:
-            raise say(f"{ref.repo} is gated and the account of the token in HF_TOKEN has no access yet: accept its "
-                      f"conditions at {host}/{ref.repo} (some repos also wait for approval)", "model_gated") from e
-        raise say(f"{ref.repo} is gated: accept its conditions at {host}/{ref.repo} while logged in, then set "
-                  f"HF_TOKEN to a read token of that account ({host}/settings/tokens)", "model_gated") from e
+            raise say(f"{ref.repo} is gated and the account of the token in HF_TOKEN has no access yet: "
+                      f"accept its conditions at {host}/{ref.repo} (some repos also wait for approval)",
+                      "model_gated") from e
+        raise say(f"{ref.repo} is gated: accept its conditions at {host}/{ref.repo} while logged in, then "
+                  f"set HF_TOKEN to a read token of that account ({host}/settings/tokens)",
+                  "model_gated") from e
     except errors.RepositoryNotFoundError as e:
-        if _status(e) == 401:
-            raise say(f"{host} answered 401 for {ref.repo}: it does not exist, or it is private or gated and "
-                      f"needs a token; check the id, or {token_hint}") from e
-        raise say(f"{ref.repo} does not exist on {host}: check the repo id (owner/name)") from e
+        raise say(f"{host} answered 401 for {ref.repo}: it does not exist, or it is private or gated and "
+                  f"needs a token; check the id, or {token_hint}" if _status(e) == 401
+                  else f"{ref.repo} does not exist on {host}: check the repo id (owner/name)") from e
     except errors.RevisionNotFoundError as e:
         raise say(f"{ref.repo} has no revision {opts.revision!r} (--revision): give a branch, tag or commit "
                   "of the repo") from e
     except errors.HfHubHTTPError as e:
-        if _status(e) == 401:
-            raise say(f"{host} refused the token in HF_TOKEN (401): set a valid read token "
-                      f"({host}/settings/tokens)") from e
-        raise say(f"{host} answered {_status(e)} for {ref.repo}: {str(e).strip().splitlines()[0]}") from e
+        raise say(f"{host} refused the token in HF_TOKEN (401): set a valid read token "
+                  f"({host}/settings/tokens)" if _status(e) == 401
+                  else f"{host} answered {_status(e)} for {ref.repo}: {str(e).strip().splitlines()[0]}") from e
     except errors.LocalEntryNotFoundError as e:  # snapshot_download: the hub went away, nothing cached
         raise HubUnreachable(f"{host} could not be reached ({_reason(e.__cause__ or e)})") from e
     except Exception as e:

@@ -2,6 +2,10 @@
 cache through an attention backend. Q/K/V and gate/up projections are fused into one matmul each;
 `load_weights` maps HF names onto the fused slices.
 
+One forward per device: on CPU with the C++ kernels the layers run as csrc/decoder_stack.cpp's loop, from the
+typed plan models/llama_plan.py makes of them; everywhere else (CUDA, CPU without the kernels or with head
+dims their attention does not serve) as `_layers`, torch ops and the layers' own calls.
+
 Tensor parallel (distributed/parallel.py): a rank holds its heads' rows of QKV, its columns of
 o_proj, its slice of gate/up and of down, and its rows of the embedding and LM head; the
 constructor's sizes are this rank's, and `weight_targets` says which slice of each checkpoint
@@ -20,15 +24,15 @@ from nanoserve.heap import trim_heap
 from nanoserve.layers import hugepages
 from nanoserve.layers.attention import AttentionBackend
 from nanoserve.kernels.cpu_kernels import gemm_amx
-from nanoserve.layers.linear import Linear
+from nanoserve.layers.linear import GateUp, Linear, gate_up_layer
 from nanoserve.layers.quant_linear import QuantEmbedding, QuantLinear, QuantTensor, Scratch
 from nanoserve.layers.rotary import RotaryEmbedding, rotate
+from nanoserve.models.llama_plan import cpu_stack
 
-
-FUSED_MAX_ROWS = 32
 # the checkpoint tensors behind each (fused) projection, in row order
-QUANT_GROUPS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
-                "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
+QUANT_GROUPS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                "o": ("self_attn.o_proj",), "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+                "down": ("mlp.down_proj",)}
 
 
 @dataclass(frozen=True)
@@ -42,7 +46,8 @@ class WeightTarget:
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg, dtype: torch.dtype, device: torch.device, tp: TensorParallel | None = None) -> None:
+    def __init__(self, cfg, dtype: torch.dtype, device: torch.device,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.tp = tp = tp or TensorParallel()
@@ -85,18 +90,18 @@ class LlamaModel(nn.Module):
         for table in (self.embed, self.lm_head):  # the last rank's padding rows: zero logits, cut later
             table[self.vocab_end - self.vocab_start:].zero_()
         scaling = getattr(cfg, "rope_scaling", None)
-        theta = getattr(cfg, "rope_theta", None) or (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
-        if scaling is None:
-            params = getattr(cfg, "rope_parameters", None) or {}
-            if params.get("rope_type", "default") != "default":
-                scaling = params
-        self.rotary = RotaryEmbedding(self.head_dim, cfg.max_position_embeddings, theta, scaling, dtype, device)
+        params = getattr(cfg, "rope_parameters", None) or {}
+        theta = getattr(cfg, "rope_theta", None) or params.get("rope_theta", 10000.0)
+        if scaling is None and params.get("rope_type", "default") != "default":
+            scaling = params
+        self.rotary = RotaryEmbedding(self.head_dim, cfg.max_position_embeddings, theta, scaling, dtype,
+                                      device)
         self.scale = self.head_dim ** -0.5
         # GGUF blocks kept as they are (layers/quant_linear.py), by checkpoint name; finalize() builds
         # their layers
         self.quantized: dict[str, QuantTensor] = {}
         self.embed_rows: QuantEmbedding | None = None
-        self.stack, self.stack_rows = None, 0  # finalize() builds the C++ layer loop where the model has one
+        self.stack = None  # the C++ layer loop, which finalize() builds where the CPU kernels are loaded
 
     def weight_targets(self) -> dict[str, WeightTarget]:
         """HF tensor name -> where (and which slice of it) this rank loads. Checked to cover every
@@ -121,7 +126,8 @@ class LlamaModel(nn.Module):
             "mlp.up_proj.weight": ("gate_up", (inter, 2 * inter), (total_inter, hid), 0, i0),
             "mlp.down_proj.weight": ("down", None, (hid, total_inter), 1, i0)}
         real_vocab = self.vocab_end - self.vocab_start
-        table = lambda p: WeightTarget(p[:real_vocab], (self.vocab_size, hid), 0, self.vocab_start)  # noqa: E731
+        table = lambda p: WeightTarget(p[:real_vocab], (self.vocab_size, hid), 0,  # noqa: E731
+                                       self.vocab_start)
         targets = {"embed_tokens.weight": table(self.embed), "norm.weight": WeightTarget(self.norm, (hid,))}
         if not self.tied:
             targets["lm_head.weight"] = table(self.lm_head)
@@ -134,7 +140,7 @@ class LlamaModel(nn.Module):
         for t in targets.values():
             base = t.dst._base if t.dst._base is not None else t.dst
             filled[id(base)] += t.dst.numel()
-        padding = {id(self.embed): self.embed[real_vocab:].numel(), id(self.lm_head): self.lm_head[real_vocab:].numel()}
+        padding = {id(p): p[real_vocab:].numel() for p in (self.embed, self.lm_head)}
         assert all(filled[id(p)] + padding.get(id(p), 0) == p.numel() for p in self.parameters()), \
             "weight table misses a parameter"
         return targets
@@ -179,28 +185,19 @@ class LlamaModel(nn.Module):
     def finalize(self, kernels=None, quant_kernels=None) -> None:
         """After loading: wrap the projection weights in (CPU-prepacked) linear layers, or in
         quantized ones where the checkpoint's blocks were kept (`quant_kernels`: their kernels; without
-        them the blocks are dequantized here); `kernels` (kernels/cpu_kernels.py, given for CPU models
-        only) fuses each residual add with the RMSNorm after it and applies RoPE in place; the
-        attention backend takes it from here too."""
+        them the blocks are dequantized here); with `kernels` (kernels/cpu_kernels.py, given for CPU models
+        only) the layers' C++ loop is built (`stack`)."""
         self.kernels = kernels
         quant = quant_layers(self, quant_kernels)
         # bf16 on AMX: prefill-sized GEMMs split by rows over the threads (layers/linear.py); in fp32,
         # and without AMX (not measured), oneDNN's own split
-        rows = (kernels.linear_rows if kernels is not None and gemm_amx(kernels) and self.embed.dtype == torch.bfloat16
-                else None)
+        split = kernels is not None and gemm_amx(kernels) and self.embed.dtype == torch.bfloat16
+        rows = kernels.linear_rows if split else None
         for i, layer in enumerate(self.layers):
             q = quant.get(i, {})
             layer.qkv_lin = q.get("qkv") or Linear(layer.qkv, layer.qkv_bias, rows)
             layer.o_lin = q.get("o") or Linear(layer.o, split_rows=rows)
-            if "gate_up" in q:
-                layer.gate_up_lin, layer.gate_lin, layer.up_lin = q["gate_up"], None, None
-            else:
-                # Packed (CPU): gate and up as two GEMMs whose epilogues apply silu and the product, so
-                # no [tokens, 2 * inter] tensor is written and read back by separate silu / mul passes.
-                gate = Linear(layer.gate_up[:self.inter], split_rows=rows)
-                up = Linear(layer.gate_up[self.inter:], split_rows=rows)
-                layer.gate_up_lin = None if gate.packed is not None and up.packed is not None else Linear(layer.gate_up)
-                layer.gate_lin, layer.up_lin = (gate, up) if layer.gate_up_lin is None else (None, None)
+            layer.gate_up_lin = q.get("gate_up") or gate_up_layer(layer.gate_up, rows)
             layer.down_lin = q.get("down") or Linear(layer.down, split_rows=rows)
         self.lm_head_lin = quant.get("lm_head") or Linear(self.lm_head)
         release_copied(self)
@@ -209,16 +206,16 @@ class LlamaModel(nn.Module):
         hugepages.relocate([p.data for lin in kept for p in getattr(lin, "parts", ())]
                            + ([self.embed_rows.table.data] if self.embed_rows is not None else []))
         trim_heap()  # what the load freed (packing, relocating, released parameters)
-        self.stack, self.stack_rows = decoder_stack(self, kernels)
+        self.stack = cpu_stack(self, kernels)
 
     def replace_linears(self, make) -> None:
         """Each dense projection (not one kept in GGUF blocks) rebuilt by `make(weight, bias)` (fp8:
         layers/triton_quant.py), its parameter released. The LM head stays: every logit depends on it,
         for a few percent of the weight bytes."""
-        self.stack = None  # it calls the layers being replaced
+        self.stack = None  # it calls the layers being replaced; the torch loop calls the device kernels' ones
         for layer in self.layers:
-            if layer.gate_up_lin is None:  # CPU's two packed GEMMs (gate, up): one layer for make()
-                layer.gate_up_lin, layer.gate_lin, layer.up_lin = Linear(layer.gate_up), None, None
+            if isinstance(layer.gate_up_lin, GateUp):  # CPU's two packed GEMMs: one layer for make()
+                layer.gate_up_lin = Linear(layer.gate_up)
             for attr, name, bias in (("qkv_lin", "qkv", layer.qkv_bias), ("o_lin", "o", None),
                                      ("gate_up_lin", "gate_up", None), ("down_lin", "down", None)):
                 lin, param = getattr(layer, attr), getattr(layer, name)
@@ -232,38 +229,28 @@ class LlamaModel(nn.Module):
         tensor-parallel group; None on the others)."""
         x = self._embed(input_ids)
         cos, sin = self.rotary.cos_sin(positions)
-        step = attn.kernel_step() if self.stack is not None and x.shape[0] <= self.stack_rows else None
-        residual = self.stack.forward(x, cos, sin, *step) if step is not None else self._layers(x, cos, sin, attn)
+        # the C++ loop wherever the attention backend is the C++ kernels' (TorchAttention, for the head dims
+        # they serve), which then gives the step's arguments
+        step = attn.kernel_step() if self.stack is not None else None
+        residual = self._layers(x, cos, sin, attn) if step is None else self.stack.forward(x, cos, sin, step)
         x = F.rms_norm(residual[logits_indices], (self.hidden,), self.norm, self.eps)
         return self.tp.gather_logits(self.lm_head_lin(x).float(), self.vocab_size)
 
-    def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        """The decoder layers over the embedded tokens x (updated in place): the last layer's residual stream."""
+    def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn: AttentionBackend) -> torch.Tensor:
+        """The decoder layers over the embedded tokens x (updated in place): the last layer's residual
+        stream. The torch loop: every device's but a CPU model's with the C++ kernels (its `stack`)."""
         h, d, hk = self.num_heads, self.head_dim, self.num_kv_heads
         k_end = self.q_size + self.kv_size
-        residual, delta = x, None  # residual += delta happens inside the next norm
+        residual = x
         for i, layer in enumerate(self.layers):
-            x = self._add_norm(delta, residual, layer.input_norm)
-            qkv = layer.qkv_lin(x)
-            if self._fused(qkv):  # in place, bit-exact with rotate()
-                self.kernels.rope_(qkv, h + hk, d, cos, sin)
-                q = qkv[:, :self.q_size].view(-1, h, d)
-                k = qkv[:, self.q_size:k_end].view(-1, hk, d)
-            else:
-                qk = rotate(qkv[:, :k_end].view(-1, h + hk, d), cos, sin)
-                q, k = qk[:, :h], qk[:, h:]
-            v = qkv[:, k_end:].view(-1, hk, d)
-            o = attn.forward(q, k, v, i)
-            x = self._add_norm(self.tp.all_reduce(layer.o_lin(o.view(-1, h * d))), residual, layer.post_norm)
-            if layer.gate_up_lin is None:
-                delta = layer.down_lin(layer.up_lin.times(x, layer.gate_lin.silu(x)))
-            elif isinstance(layer.gate_up_lin, QuantLinear):
-                delta = layer.down_lin(layer.gate_up_lin.silu_mul(x))
-            else:
-                gate, up = layer.gate_up_lin(x).chunk(2, dim=-1)
-                delta = layer.down_lin(F.silu(gate) * up)
-            self.tp.all_reduce(delta)
-        return residual.add_(delta)
+            qkv = layer.qkv_lin(F.rms_norm(residual, (self.hidden,), layer.input_norm, self.eps))
+            qk = rotate(qkv[:, :k_end].view(-1, h + hk, d), cos, sin)
+            o = attn.forward(qk[:, :h], qk[:, h:], qkv[:, k_end:].view(-1, hk, d), i)
+            residual.add_(self.tp.all_reduce(layer.o_lin(o.view(-1, h * d))))
+            x = F.rms_norm(residual, (self.hidden,), layer.post_norm, self.eps)
+            residual.add_(self.tp.all_reduce(layer.down_lin(silu_mul(layer.gate_up_lin, x))))
+        return residual
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_rows is not None:
@@ -275,24 +262,14 @@ class LlamaModel(nn.Module):
         x = F.embedding(local.masked_fill(outside, 0), self.embed)
         return self.tp.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0))
 
-    def _fused(self, x: torch.Tensor) -> bool:
-        """The fused C++ norm and RoPE win at every batch size with AVX-512 (measured on 2048
-        rows: 0.6 vs 5.4 ms for the norm, 0.6 vs 2.4 ms for RoPE); without it they go element by
-        element and only pay on decode-sized batches, where per-op overhead dominates."""
-        return self.kernels is not None and (self.kernels.vectorized or x.shape[0] <= FUSED_MAX_ROWS)
 
-    def _add_norm(self, delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """residual += delta (in place), then RMSNorm(residual) * weight."""
-        if self._fused(residual):
-            return self.kernels.add_rms_norm(delta, residual, weight, self.eps)
-        if delta is not None:
-            residual.add_(delta)
-        return F.rms_norm(residual, (self.hidden,), weight, self.eps)
-
-
-def mlp_layers(layer: nn.Module) -> tuple:
-    """(the [gate; up] layer, None), or (gate, up) where they are two (CPU's packed oneDNN GEMMs)."""
-    return (layer.gate_up_lin, None) if layer.gate_up_lin is not None else (layer.gate_lin, layer.up_lin)
+def silu_mul(lin: object, x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a [gate; up] projection: the layer's own where it fuses it (GateUp's oneDNN
+    epilogues, QuantLinear's GLU kernel), else from its output's halves."""
+    if isinstance(lin, (GateUp, QuantLinear)):
+        return lin.silu_mul(x)
+    gate, up = lin(x).chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def release_copied(model: LlamaModel) -> None:
@@ -301,34 +278,14 @@ def release_copied(model: LlamaModel) -> None:
     instead of 16). A tied LM head's table stays: the embedding reads it."""
     owners = [] if model.tied else [(model.lm_head, [model.lm_head_lin])]
     for layer in model.layers:
+        mlp = layer.gate_up_lin
         owners += [(layer.qkv, [layer.qkv_lin]), (layer.o, [layer.o_lin]), (layer.down, [layer.down_lin]),
-                   (layer.gate_up, [lin for lin in mlp_layers(layer) if lin is not None])]
+                   (layer.gate_up, [mlp.gate, mlp.up] if isinstance(mlp, GateUp) else [mlp])]
     for param, lins in owners:
         if param.numel() and all(isinstance(lin, Linear) and lin.copies_weight for lin in lins):
             for lin in lins:
                 lin.weight = None
             param.data = param.data.new_empty(0)
-
-
-def decoder_stack(model: LlamaModel, kernels) -> tuple[object | None, int]:
-    """csrc/cpu_kernels.cpp's DecoderStack (the layer loop of `_layers` in one C++ call, the same kernels in
-    the same order) for a CPU model whose every projection is kept quantized or dense on a oneDNN-packed
-    weight, and the most tokens a step may have to take it (where each quantized layer and the fused
-    norm and RoPE take their kernel path); (None, 0) for any other model."""
-    def plannable(lin) -> bool:
-        return type(lin) is QuantLinear or (isinstance(lin, Linear) and lin.packed is not None)
-
-    lins = [lin for layer in model.layers
-            for lin in (layer.qkv_lin, layer.o_lin, layer.down_lin, *mlp_layers(layer)) if lin is not None]
-    if kernels is None or model.tp.enabled or not hasattr(kernels, "DecoderStack") or not all(map(plannable, lins)):
-        return None, 0
-    stack = kernels.DecoderStack(model.num_heads, model.num_kv_heads, model.head_dim, model.eps)
-    for layer in model.layers:
-        gate_up, up = mlp_layers(layer)
-        stack.add_layer(layer.input_norm, layer.post_norm, layer.qkv_lin.kernel_plan(), layer.o_lin.kernel_plan(),
-                        gate_up.kernel_plan(), None if up is None else up.kernel_plan(), layer.down_lin.kernel_plan())
-    rows = min([lin.max_kernel_rows for lin in lins if isinstance(lin, QuantLinear)] or [1 << 62])
-    return stack, rows if kernels.vectorized else min(rows, FUSED_MAX_ROWS)
 
 
 def quant_layers(model: LlamaModel, kernels) -> dict:
@@ -341,14 +298,15 @@ def quant_layers(model: LlamaModel, kernels) -> dict:
         return {}
     targets, out, scratch = model.weight_targets(), {}, Scratch()
     # device kernels (layers/triton_quant.py) bring their own layer classes and read only some types
-    linear, embedding = (getattr(kernels, "linear_layer", QuantLinear), getattr(kernels, "embedding_layer", QuantEmbedding))
+    linear = getattr(kernels, "linear_layer", QuantLinear)
+    embedding = getattr(kernels, "embedding_layer", QuantEmbedding)
     if (types := getattr(kernels, "qtypes", None)) is not None:
         for n, w in list(kept.items()):
             if w.qtype not in types:
                 targets[n].dst.copy_(kept.pop(n).dequantize())
     device = model.embed.device
 
-    def moved(w: QuantTensor) -> QuantTensor:  # the blocks go to the device once, here, in the kernels' layout
+    def moved(w: QuantTensor) -> QuantTensor:  # the blocks go to the device once, in the kernels' layout
         w = w if w.data.device == device else QuantTensor(w.data.to(device), w.qtype, w.shape)
         return w.packed_for(kernels)
 
@@ -365,7 +323,8 @@ def quant_layers(model: LlamaModel, kernels) -> dict:
         out[i] = {}
         for attr, group in QUANT_GROUPS.items():
             bias = layer.qkv_bias if attr == "qkv" else None
-            if (lin := take([f"layers.{i}.{g}.weight" for g in group], getattr(layer, attr), bias)) is not None:
+            lin = take([f"layers.{i}.{g}.weight" for g in group], getattr(layer, attr), bias)
+            if lin is not None:
                 out[i][attr] = lin
     if kernels is not None:
         table = kept.pop("embed_tokens.weight", None)

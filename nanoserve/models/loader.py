@@ -136,7 +136,8 @@ def _gguf_config(path: Path):
         num_key_value_heads=a("attention.head_count_kv", heads),
         max_position_embeddings=a("context_length"), rms_norm_eps=a("attention.layer_norm_rms_epsilon"),
         rope_theta=a("rope.freq_base", 10000.0),
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         # GGUF has no tie flag: a missing output.weight means the embedding doubles as lm_head
         tie_word_embeddings="output.weight" not in names)
     cls = LlamaConfig if arch == "llama" else Qwen2Config
@@ -182,7 +183,8 @@ def materialize(src: ModelSource, dequantize: bool = True) -> ModelSource:
         return src
     f = src.path / src.gguf_file
     st = f.stat()
-    out = cache_dir() / "gguf" / f"{f.stem}-{st.st_size}-{int(st.st_mtime)}{'' if dequantize else '-quantized'}"
+    out = cache_dir() / "gguf" / (f"{f.stem}-{st.st_size}-{int(st.st_mtime)}"
+                                  f"{'' if dequantize else '-quantized'}")
     weights = "model.safetensors" if dequantize else GGUF_LINK
     if not (out / weights).exists():
         from safetensors.torch import save_file

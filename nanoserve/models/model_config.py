@@ -1,6 +1,6 @@
 """What the model code reads of a checkpoint's config.json, read without transformers: importing its
-config classes costs a process ~80 MB of resident memory and ~1.5 s (bench/memory.py) for a dozen
-numbers. A missing key takes transformers' default for that model_type (tests/test_model_files.py
+config classes costs a process ~80 MB of resident memory and ~1.5 s (bench/latency.py --load-stages)
+for a dozen numbers. A missing key takes transformers' default for that model_type (tests/test_model_files.py
 compares them), so a config.json written with transformers' `use_diff` reads the same here as there."""
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                   num_attention_heads=32, max_position_embeddings=2048, eos_token_id=2),
     "mistral": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096 * 32, eos_token_id=2),
+                    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096 * 32,
+                    eos_token_id=2),
     "qwen2": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
                   num_attention_heads=32, max_position_embeddings=32768, eos_token_id=None),
 }
@@ -63,9 +64,10 @@ class ModelConfig:
                    intermediate_size=get("intermediate_size"), num_hidden_layers=get("num_hidden_layers"),
                    num_attention_heads=heads, num_key_value_heads=get("num_key_value_heads", heads),
                    head_dim=get("head_dim", hidden // heads),
-                   max_position_embeddings=get("max_position_embeddings"), rms_norm_eps=get("rms_norm_eps", 1e-6),
-                   rope_theta=float(params.get("rope_theta") or get("rope_theta") or 10000.0), rope_scaling=scaling,
-                   tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+                   max_position_embeddings=get("max_position_embeddings"),
+                   rms_norm_eps=get("rms_norm_eps", 1e-6),
+                   rope_theta=float(params.get("rope_theta") or get("rope_theta") or 10000.0),
+                   rope_scaling=scaling, tie_word_embeddings=bool(get("tie_word_embeddings", False)),
                    attention_bias=bool(get("attention_bias", False)),
                    eos_token_id=d["eos_token_id"] if "eos_token_id" in d else DEFAULTS[kind]["eos_token_id"])
 

@@ -1,8 +1,8 @@
 """What the engine needs to know of a tokenizer without holding one: its EOS token and the longest
 text one token stands for. A served engine never tokenizes (the API process does), and transformers'
 tokenizer classes cost a process ~125 MB resident with the config machinery they import
-(bench/memory.py); so these are read from the tokenizer's files, as transformers resolves them
-(tests/test_model_files.py compares the two)."""
+(bench/latency.py --load-stages); so these are read from the tokenizer's files, as transformers
+resolves them (tests/test_model_files.py compares the two)."""
 from __future__ import annotations
 
 import json
@@ -19,7 +19,8 @@ class TokenizerFacts:
 
 def facts_of(tokenizer: Any) -> TokenizerFacts:
     """From a loaded transformers tokenizer."""
-    longest = max((len(t or "") for t in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))), default=1)
+    longest = max((len(t or "") for t in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))),
+                  default=1)
     return TokenizerFacts(tokenizer.eos_token_id, longest or 1)
 
 
@@ -37,9 +38,10 @@ def _content(token: Any) -> str | None:
 
 def read_tokenizer_facts(folder: Path, generic_classes: tuple[str, ...]) -> TokenizerFacts | None:
     """From a fast tokenizer's files; None where the files cannot say what transformers would: no readable
-    tokenizer.json (a slow-only tokenizer, a remote name), an EOS named but not in the vocabulary (transformers
-    adds it as a new id), or none named by a tokenizer class not in `generic_classes` (its class may have a
-    default), or files of a shape not foreseen here. The caller then loads the tokenizer and asks it (`facts_of`)."""
+    tokenizer.json (a slow-only tokenizer, a remote name), an EOS named but not in the vocabulary
+    (transformers adds it as a new id), or none named by a tokenizer class not in `generic_classes` (its class
+    may have a default), or files of a shape not foreseen here. The caller then loads the tokenizer and asks
+    it (`facts_of`)."""
     try:
         return _facts(folder, generic_classes)
     except (AttributeError, KeyError, TypeError, ValueError):  # files of a shape not foreseen here
@@ -57,13 +59,17 @@ def _facts(folder: Path, generic_classes: tuple[str, ...]) -> TokenizerFacts | N
         return None
     ids.update((t["content"], t["id"]) for t in tok.get("added_tokens", []))
     config = _read_json(folder / "tokenizer_config.json")
-    # transformers 5 reads special_tokens_map.json (and lets it win) only where the config has no added_tokens_decoder
-    special = config if config.get("added_tokens_decoder") else {**config, **_read_json(folder / "special_tokens_map.json")}
+    # transformers 5 reads special_tokens_map.json (and lets it win) only where the config has no
+    # added_tokens_decoder
+    special = (config if config.get("added_tokens_decoder")
+               else {**config, **_read_json(folder / "special_tokens_map.json")})
     ids.update((_content(t), int(i)) for i, t in (config.get("added_tokens_decoder") or {}).items())
     eos = _content(special.get("eos_token"))
-    if (eos is not None and eos not in ids) or (eos is None and config.get("tokenizer_class") not in generic_classes):
+    if ((eos is not None and eos not in ids)
+            or (eos is None and config.get("tokenizer_class") not in generic_classes)):
         return None
-    tokens = [t for k, t in special.items() if k.endswith("_token")] + list(special.get("additional_special_tokens") or [])
+    tokens = ([t for k, t in special.items() if k.endswith("_token")]
+              + list(special.get("additional_special_tokens") or []))
     declared = [c for c in map(_content, tokens) if isinstance(c, str)]  # not add_bos_token's true
     longest = max(map(len, [*ids, *declared]), default=1)
     return TokenizerFacts(ids.get(eos) if eos else None, longest or 1)

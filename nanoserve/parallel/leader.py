@@ -148,7 +148,8 @@ def start_worker(spec: WorkerSpec) -> subprocess.Popen:
     path = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
     env = compute_process_env()
     env["PYTHONPATH"] = path + os.pathsep + os.environ.get("PYTHONPATH", "")
-    return subprocess.Popen([sys.executable, "-m", "nanoserve.parallel.worker", json.dumps(asdict(spec))], env=env)
+    return subprocess.Popen([sys.executable, "-m", "nanoserve.parallel.worker", json.dumps(asdict(spec))],
+                            env=env)
 
 
 def cpu_slices(cpus: list[int], ranks: int) -> list[tuple[int, ...] | None]:
@@ -171,7 +172,8 @@ class LocalWorkers:
         self.first_death: dict[int, int] = {}  # what the watchdog saw, before it stopped the rest
         self.on_death: Callable[[], None] | None = None  # e.g. fail the shared-memory waits at once
         if procs:
-            threading.Thread(target=self._watch, args=(poll_s,), daemon=True, name="nanoserve-tp-watchdog").start()
+            threading.Thread(target=self._watch, args=(poll_s,), daemon=True,
+                             name="nanoserve-tp-watchdog").start()
 
     def _watch(self, poll_s: float) -> None:
         while not self.stopping.wait(poll_s):

@@ -77,8 +77,8 @@ def decode(data: bytes | memoryview, expect: type | tuple[type, ...] = (Setup, S
     except msgspec.DecodeError as e:  # ValidationError is one
         raise MessageError(f"malformed tensor-parallel message ({len(data)} bytes): {e}") from None
     if version != WIRE_VERSION:
-        raise MessageError(f"tensor-parallel message of wire version {version}; this rank speaks {WIRE_VERSION} "
-                           "(every node must run the same nanoserve)")
+        raise MessageError(f"tensor-parallel message of wire version {version}; this rank speaks "
+                           f"{WIRE_VERSION} (every node must run the same nanoserve)")
     if name not in decoders:
         raise MessageError(f"unknown tensor-parallel message type {name[:40]!r}")
     try:

@@ -57,7 +57,8 @@ class PlacementRequest:
     cpu_threads: int | None = None
 
 
-def engine_placement(config: EngineConfig, request: PlacementRequest | None, engine_process: bool) -> CpuPlacement:
+def engine_placement(config: EngineConfig, request: PlacementRequest | None,
+                     engine_process: bool) -> CpuPlacement:
     """The plan for an engine about to load its model; None asks for none (affinity and threads unchanged)."""
     if request is None:
         return CpuPlacement()

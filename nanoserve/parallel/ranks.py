@@ -51,8 +51,8 @@ class Ranks:
         ranks.followers = Followers(channel, ranks.tp)
         ranks._stop = weakref.finalize(ranks, stop_workers, ranks.followers, ranks.local)
         ranks.followers.send(setup)
-        log.info("tensor parallel: %d ranks (%d on this node), collectives through %s", ranks.tp.size, len(specs),
-                 "NCCL" if device.type == "cuda" else "shared memory" if ranks.tp.shm else "gloo")
+        log.info("tensor parallel: %d ranks (%d on this node), collectives through %s", ranks.tp.size,
+                 len(specs), "NCCL" if device.type == "cuda" else "shared memory" if ranks.tp.shm else "gloo")
         return ranks
 
     @staticmethod

@@ -50,10 +50,11 @@ def startup_phase(name: str, quiet: bool = False) -> Iterator[Phase]:
         log.info("%s: %s in %.1fs", name, phase.what, time.monotonic() - t0)
 
 
-def build_shard(config: EngineConfig, source: ModelSource, hf_config, device: torch.device, dtype: torch.dtype,
-                tp: TensorParallel) -> ModelShard:
+def build_shard(config: EngineConfig, source: ModelSource, hf_config, device: torch.device,
+                dtype: torch.dtype, tp: TensorParallel) -> ModelShard:
     quiet = tp.rank != 0
-    if device.type == "cpu":  # a missing build is made (and announced) before the weights' wait, not inside it
+    # a missing build is made (and announced) before the weights' wait, not inside it
+    if device.type == "cpu":
         cpu_kernels.prepare()
     with startup_phase("weights", quiet) as phase:
         model = LlamaModel(hf_config, dtype, device, tp)
@@ -141,7 +142,8 @@ def _max_model_len(config: EngineConfig, model_max: int, kv_tokens: int) -> int:
     asked = config.max_model_len
     if asked:
         if asked > model_max:
-            raise ValueError(f"--max-model-len {asked} exceeds the model's max_position_embeddings {model_max}")
+            raise ValueError(f"--max-model-len {asked} exceeds the model's max_position_embeddings "
+                             f"{model_max}")
         if asked > kv_tokens:
             raise ValueError(f"--max-model-len {asked} does not fit the KV cache: it holds {kv_tokens} "
                              f"tokens; raise --kv-cache-gb or lower --max-model-len")
@@ -164,7 +166,8 @@ def host_blocks(config: EngineConfig, layout: KVLayout, ranks: int) -> int:
                          f"({available / GiB:.1f} GiB)")
     blocks = int(gb * GiB / ranks // layout.bytes_per_block)
     if blocks < 1:
-        raise ValueError(f"--host-cache-gb {gb} holds no block ({layout.bytes_per_block * ranks / GiB:.4f} GiB each)")
+        raise ValueError(f"--host-cache-gb {gb} holds no block "
+                         f"({layout.bytes_per_block * ranks / GiB:.4f} GiB each)")
     return blocks
 
 

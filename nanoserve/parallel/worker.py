@@ -31,7 +31,8 @@ from nanoserve.models.loader import ModelSource, load_config
 log = logging.getLogger("nanoserve.worker")
 
 
-def run_copies(copies: list[CopyCommand], device_cache: torch.Tensor, host_cache: torch.Tensor | None) -> list[int]:
+def run_copies(copies: list[CopyCommand], device_cache: torch.Tensor,
+               host_cache: torch.Tensor | None) -> list[int]:
     """Run this rank's part of rank 0's copies, in order, before the step's forward (on CUDA on the
     compute stream, so the forward is ordered after them). -> 1 per failed copy."""
     failed = []

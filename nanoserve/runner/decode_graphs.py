@@ -81,7 +81,8 @@ class DecodeGraphs:
                 self._abandon(pool, stream, e)
                 return
             self.graphs[b] = graph
-        log.info("captured decode CUDA graphs for batch sizes %s (%s)", sorted(self.graphs), type(self.attn).__name__)
+        log.info("captured decode CUDA graphs for batch sizes %s (%s)", sorted(self.graphs),
+                 type(self.attn).__name__)
 
     def replay(self, bucket: int) -> torch.Tensor | None:
         """The captured forward of a staged, prepared batch of this bucket."""

@@ -20,7 +20,8 @@ class MemoryProfile:
     graphs_ok: bool        # False: capture is not possible here (the real runner should not try)
 
 
-def profile_memory(model: LlamaModel, layout: KVLayout, device: torch.device, opts: RunnerOptions) -> MemoryProfile:
+def profile_memory(model: LlamaModel, layout: KVLayout, device: torch.device,
+                   opts: RunnerOptions) -> MemoryProfile:
     """CUDA: run a max_num_batched_tokens prefill whose every row is a logits row, plus the
     sampler's prompt-logprob pass over them, on a runner with a cache just big enough, and measure
     the peak; then capture the decode graphs and measure them. The real runner is built

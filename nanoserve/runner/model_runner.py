@@ -51,7 +51,8 @@ class KVLayout:
 
 @dataclass
 class RunnerOptions:
-    flash_module: object | None = None  # flash-attn (or its reference); used iff layout.backend is FlashAttention
+    flash_module: object | None = None  # flash-attn (or its reference); used iff layout.backend is
+                                        # FlashAttention
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_model_len: int = 0              # sizes the graphs' block tables; 0 = the model's max positions
@@ -89,8 +90,9 @@ class ModelRunner:
             # longest sequence this engine admits, not the model's own maximum
             width = -(-(opts.max_model_len or model.cfg.max_position_embeddings) // layout.block_size)
             self.attn: AttentionBackend = layout.backend(
-                self.kv_cache, model.num_heads, model.scale, flash=opts.flash_module, max_seqs=opts.max_num_seqs,
-                max_blocks_per_seq=width, scratch_block=num_blocks, staging=self.staging)
+                self.kv_cache, model.num_heads, model.scale, flash=opts.flash_module,
+                max_seqs=opts.max_num_seqs, max_blocks_per_seq=width, scratch_block=num_blocks,
+                staging=self.staging)
         else:
             self.attn = TorchAttention(self.kv_cache, model.num_heads, model.scale,
                                        model.kernels)
@@ -111,7 +113,8 @@ class ModelRunner:
         self.decode_graphs.graphs = graphs
 
     @torch.inference_mode()
-    def run(self, scheduled: list[ScheduledTokens]) -> tuple[torch.Tensor, list[Sequence], list[PromptLogitRows]]:
+    def run(self,
+            scheduled: list[ScheduledTokens]) -> tuple[torch.Tensor, list[Sequence], list[PromptLogitRows]]:
         """Compute one step. Returns logits whose first S rows belong to the S sequences whose
         scheduled tokens reach their end (they sample next), in that order, followed by the rows
         that score prompt tokens for requests that asked for prompt logprobs."""
@@ -123,7 +126,8 @@ class ModelRunner:
             listener.after()
         return logits, samplers, prompt_rows
 
-    def plan(self, scheduled: list[ScheduledTokens]) -> tuple[StepPlan, list[Sequence], list[PromptLogitRows]]:
+    def plan(self,
+             scheduled: list[ScheduledTokens]) -> tuple[StepPlan, list[Sequence], list[PromptLogitRows]]:
         # decodes first: both backends attend them together
         decodes = [s for s in scheduled if is_decode(s)]
         order = decodes + [s for s in scheduled if not is_decode(s)]

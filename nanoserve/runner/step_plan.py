@@ -93,7 +93,8 @@ def plan_padded_decode(decodes: list[ScheduledTokens], bucket: int, block_size: 
     pos = [s.num_computed_tokens for s in seqs]
     return StepPlan([s.token_ids[p] for s, p in zip(seqs, pos)], pos,
                     [s.block_table[p // bs] for s, p in zip(seqs, pos)], [p % bs for p in pos],
-                    [], [1] * len(seqs), [p + 1 for p in pos], [s.block_table for s in seqs], len(seqs), bucket)
+                    [], [1] * len(seqs), [p + 1 for p in pos], [s.block_table for s in seqs], len(seqs),
+                    bucket)
 
 
 def plan_padding(bucket: int) -> StepPlan:

@@ -14,7 +14,7 @@ import nanoserve
 from nanoserve.client.engine_client import EngineClient
 from nanoserve.server.endpoints import Server
 from nanoserve.server.gate import DEFAULT_MAX_REQUEST_BYTES, RequestGate
-from nanoserve.server.protocol import APIError
+from nanoserve.server.api_error import APIError
 from nanoserve.server.response_store import ResponseStore
 from nanoserve.server.responses_api import ResponsesAPI
 
@@ -59,11 +59,13 @@ def create_app(engine: EngineClient, served_model_name: str | None = None, api_k
 
     responses = ResponsesAPI(srv, ResponseStore())
     for path, endpoint, method in (
-            ("/health", srv.health, "GET"), ("/version", srv.version, "GET"), ("/metrics", srv.render_metrics, "GET"),
+            ("/health", srv.health, "GET"), ("/version", srv.version, "GET"),
+            ("/metrics", srv.render_metrics, "GET"),
             ("/v1/models", srv.models, "GET"), ("/v1/models/{model_id:path}", srv.model, "GET"),
             ("/v1/completions", srv.completions, "POST"), ("/v1/chat/completions", srv.chat, "POST"),
             ("/tokenize", srv.tokenize, "POST"), ("/detokenize", srv.detokenize, "POST"),
-            ("/v1/responses", responses.create, "POST"), ("/v1/responses/{response_id}", responses.retrieve, "GET"),
+            ("/v1/responses", responses.create, "POST"),
+            ("/v1/responses/{response_id}", responses.retrieve, "GET"),
             ("/v1/responses/{response_id}", responses.delete, "DELETE")):
         app.add_api_route(path, endpoint, methods=[method])
     return app

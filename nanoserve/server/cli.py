@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         config, opts = from_args(EngineConfig, args), from_args(ServerConfig, args)
     except ValueError as e:
         parser.error(str(e))
-    logging.basicConfig(level=opts.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(level=opts.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
 
     if config.node_rank > 0:  # this node only runs tensor-parallel workers; node 0 serves the API
         from nanoserve.parallel.leader import run_node_workers
@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     model_name = aengine.frontend.model_name
     name = opts.served_model_name or model_name
     aengine.observer = ServerMetrics(name)
-    app = create_app(aengine, name, opts.api_key, opts.max_queue, opts.max_request_bytes, opts.auto_tool_parser)
+    app = create_app(aengine, name, opts.api_key, opts.max_queue, opts.max_request_bytes,
+                     opts.auto_tool_parser)
     return run_server(app, aengine, opts, serving)
 
 

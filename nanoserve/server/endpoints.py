@@ -20,7 +20,8 @@ from nanoserve.server.gate import RequestGate
 from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.render import ChatRender, CompletionRender, Render, sse, stream_chunks
 from nanoserve.server.tools import ToolMode, render_tools_into_messages, template_renders_tools
-from nanoserve.server.protocol import (MAX_LOGPROBS, APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
+from nanoserve.server.api_error import APIError
+from nanoserve.server.protocol import (MAX_LOGPROBS, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                        DetokenizeRequest, TokenizeRequest, new_id, now, parse)
 
 log = logging.getLogger("nanoserve.server")
@@ -173,8 +174,8 @@ class Server:
         cid = new_id("cmpl")
         reqs = await asyncio.to_thread(self.make_requests, cid, prompts, params)
         self.gate.check_capacity(len(reqs))
-        render = CompletionRender(cid, now(), self.model_name, params.n, body.logprobs is not None, self.token_str,
-                                  echo=bool(body.echo), prompt_text=self._prompt_text)
+        render = CompletionRender(cid, now(), self.model_name, params.n, body.logprobs is not None,
+                                  self.token_str, echo=bool(body.echo), prompt_text=self._prompt_text)
         return await self.respond(request, reqs, render, body)
 
     def _prompt_text(self, out: RequestOutput) -> str:
@@ -251,7 +252,8 @@ class Server:
 
     async def health(self) -> Response:
         if not self.engine.alive:
-            return JSONResponse(APIError("the engine is not running", 503, "server_error").body(), status_code=503)
+            return JSONResponse(APIError("the engine is not running", 503, "server_error").body(),
+                                status_code=503)
         return Response(status_code=200)
 
     async def version(self) -> dict:

@@ -12,7 +12,7 @@ from fastapi import Request
 
 from nanoserve.client.engine_client import EngineClient
 from nanoserve.server.json_body import parse_json_body
-from nanoserve.server.protocol import APIError
+from nanoserve.server.api_error import APIError
 
 JSON_TYPES = ("application/json", "application/x-www-form-urlencoded")  # the latter: `curl -d` default
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
@@ -33,7 +33,8 @@ class RequestGate:
             return
         auth = request.headers.get("authorization", "")
         scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+        if (scheme.lower() != "bearer"
+                or not hmac.compare_digest(token.strip().encode(), self.api_key.encode())):
             raise APIError("Incorrect API key provided." if auth else
                            "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.",
                            401, "invalid_request_error", code="invalid_api_key")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from nanoserve.server.protocol import APIError
+from nanoserve.server.api_error import APIError
 
 
 def _reject_constant(name: str):

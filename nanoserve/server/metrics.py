@@ -16,7 +16,7 @@ TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 
                 10.0, 20.0, 40.0, 80.0, 160.0)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                1.0, 2.5, 5.0, 10.0, 20.0)
-# fine geometric buckets (x1.25 from 0.5 ms to ~40 s): the removed experiment bench/decode_step.py (at c256b25) read medians from them
+# fine geometric buckets (x1.25 from 0.5 ms to ~40 s), fine enough to read step-time medians from
 STEP_BUCKETS = tuple(round(0.0005 * 1.25 ** i, 6) for i in range(51))
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0)
@@ -40,7 +40,8 @@ class _SnapshotCollector:
         yield from self._tier_metrics()
         for name, doc, v in (("prompt_tokens", "Prompt tokens admitted (x n choices).", s.prompt_tokens),
                              ("generation_tokens", "Tokens generated.", s.generation_tokens),
-                             ("num_preemptions", "Sequences preempted for lack of KV blocks.", s.num_preemptions),
+                             ("num_preemptions", "Sequences preempted for lack of KV blocks.",
+                              s.num_preemptions),
                              ("engine_step_errors", "Engine steps that raised (their requests failed).",
                               s.step_errors),
                              ("kv_invariant_violations", "KV block accounting checks that failed (checked "
@@ -70,9 +71,10 @@ class _SnapshotCollector:
                                         labels=["model_name", "tier"])
         clean = CounterMetricFamily(P + "kv_clean_evictions", "Cached KV blocks evicted whose KV the other "
                                     "tier also held (nothing lost), per tier.", labels=["model_name", "tier"])
-        lossy = CounterMetricFamily(P + "kv_lossy_evictions", "Cached KV blocks evicted with no copy anywhere "
-                                    "else (their KV is lost), per tier. With a host tier, device-side ones "
-                                    "happen only when the host has no room.", labels=["model_name", "tier"])
+        lossy = CounterMetricFamily(P + "kv_lossy_evictions", "Cached KV blocks evicted with no copy "
+                                    "anywhere else (their KV is lost), per tier. With a host tier, "
+                                    "device-side ones happen only when the host has no room.",
+                                    labels=["model_name", "tier"])
         moved = CounterMetricFamily(P + "kv_transfer_bytes", "KV bytes copied into (in) and out of a tier.",
                                     labels=["model_name", "tier", "direction"])
         moved_s = CounterMetricFamily(P + "kv_transfer_seconds", "Seconds spent copying KV into (in) and "
@@ -108,8 +110,8 @@ class ServerMetrics(MetricsObserver):
         lbl = ["model_name"]
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token (server arrival to "
                               "first generated token).", lbl, registry=self.registry, buckets=TTFT_BUCKETS)
-        self.itl = Histogram(P + "inter_token_latency_seconds", "Time between successive outputs of a request.",
-                             lbl, registry=self.registry, buckets=ITL_BUCKETS)
+        self.itl = Histogram(P + "inter_token_latency_seconds", "Time between successive outputs of a "
+                             "request.", lbl, registry=self.registry, buckets=ITL_BUCKETS)
         self.e2e = Histogram(P + "e2e_request_latency_seconds", "Server arrival to last output of a request.",
                              lbl, registry=self.registry, buckets=E2E_BUCKETS)
         self.step = Histogram(P + "engine_step_seconds", "Duration of one engine step (schedule, forward, "

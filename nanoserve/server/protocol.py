@@ -13,55 +13,16 @@ import time
 import uuid
 from typing import Any, Literal, Union
 
-import llguidance  # noqa: F401 -- with the server, not in its first constrained request (~0.25 s holding the GIL)
+# with the server, not in its first constrained request (~0.25 s holding the GIL)
+import llguidance  # noqa: F401
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
-from nanoserve.engine.protocol import EngineDead
 from nanoserve.sampling_params import InvalidRequest, SamplingParams
+from nanoserve.server.api_error import APIError, error_from_validation
 from nanoserve.server.tools import ToolMode
 from nanoserve.structured import StructuredSpec, json_spec
 
 MAX_LOGPROBS = 20
-
-
-class APIError(Exception):
-    """An error answered as an OpenAI error object."""
-
-    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
-        self.headers = headers
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-    @classmethod
-    def from_invalid(cls, e: InvalidRequest) -> "APIError":
-        return cls(str(e), 400, "invalid_request_error", e.param, e.code)
-
-    @classmethod
-    def from_engine(cls, e: Exception) -> "APIError":
-        """What a failed generation answers: 503 when the engine is gone, 400 for a request it refused."""
-        if isinstance(e, EngineDead):
-            return cls(str(e), 503, "server_error", code="service_unavailable")
-        if isinstance(e, InvalidRequest):
-            return cls.from_invalid(e)
-        return e if isinstance(e, APIError) else cls(str(e) or type(e).__name__, 500, "server_error",
-                                                     code="internal_error")
-
-
-def error_from_validation(e: ValidationError) -> APIError:
-    err = e.errors()[0]
-    loc = [x for x in err.get("loc", ())
-           if isinstance(x, int) or not any(c in x for c in "[]-") and x not in ("str", "int", "float", "bool")]
-    where = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".")
-    param = next((x for x in loc if isinstance(x, str)), None)
-    if err.get("type") == "missing":
-        return APIError(f"'{where}' is a required property", param=param)
-    return APIError(f"Invalid value for '{where}': {err.get('msg', 'invalid value')}", param=param)
 
 
 class _Base(BaseModel):
@@ -129,8 +90,8 @@ class _SamplingFields(_Base):
         try:
             found = self._constraints() + ([extra] if extra else [])
             if len(found) > 1:
-                raise APIError(f"'{found[1].param}' cannot be combined with '{found[0].param}': give one output "
-                               "constraint", param=found[1].param)
+                raise APIError(f"'{found[1].param}' cannot be combined with '{found[0].param}': give one "
+                               "output constraint", param=found[1].param)
             if found:
                 found[0].validate()
         except InvalidRequest as e:
@@ -150,9 +111,12 @@ class _SamplingFields(_Base):
         so = self.structured_outputs
         for param, kind, value in (
                 ("guided_json", "json", self.guided_json), ("guided_regex", "regex", self.guided_regex),
-                ("guided_choice", "choice", self.guided_choice), ("guided_grammar", "grammar", self.guided_grammar),
-                ("structured_outputs", "json", so and so.json_), ("structured_outputs", "regex", so and so.regex),
-                ("structured_outputs", "choice", so and so.choice), ("structured_outputs", "grammar", so and so.grammar),
+                ("guided_choice", "choice", self.guided_choice),
+                ("guided_grammar", "grammar", self.guided_grammar),
+                ("structured_outputs", "json", so and so.json_),
+                ("structured_outputs", "regex", so and so.regex),
+                ("structured_outputs", "choice", so and so.choice),
+                ("structured_outputs", "grammar", so and so.grammar),
                 ("structured_outputs", "json", {"type": "object"} if so and so.json_object else None)):
             if value is None:
                 continue
@@ -194,8 +158,8 @@ class _SamplingFields(_Base):
             n=self.n, max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
             min_tokens=self.min_tokens, seed=self.seed, stop=self.stop or [],
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, logprobs=logprobs,
-            logit_bias=bias, include_stop_str_in_output=self.include_stop_str_in_output, structured=structured,
-            cache_salt=self.cache_salt)
+            logit_bias=bias, include_stop_str_in_output=self.include_stop_str_in_output,
+            structured=structured, cache_salt=self.cache_salt)
         for name, default in (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0),
                               ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
                               ("repetition_penalty", 1.0)):
@@ -268,7 +232,8 @@ class ChatMessage(_Base):
             d["tool_call_id"] = self.tool_call_id
         if self.tool_calls:  # templates expect arguments as an object (they serialize it themselves)
             d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.function.name, "arguments": _arguments(c.function.arguments, i)}} for c in self.tool_calls]
+                "name": c.function.name, "arguments": _arguments(c.function.arguments, i)}}
+                for c in self.tool_calls]
         return d
 
 
@@ -322,13 +287,13 @@ class ChatCompletionRequest(_SamplingFields):
         tools = [t.model_dump(exclude_none=True) for t in self.tools]
         if isinstance(choice, NamedToolChoice):
             if choice.function.name not in {t.function.name for t in self.tools}:
-                raise APIError(f"tool_choice names the function {choice.function.name!r}, which is not in 'tools'",
-                               param="tool_choice")
+                raise APIError(f"tool_choice names the function {choice.function.name!r}, which is not in "
+                               "'tools'", param="tool_choice")
             return ToolMode(tools, "named", choice.function.name, self.parallel_tool_calls)
         if choice == "auto" and auto_parser is None:
-            raise APIError('"auto" tool choice (the default with tools) needs the server to run with --enable-auto-'
-                           'tool-choice and --tool-call-parser; send "required", a named function or "none"',
-                           param="tool_choice")
+            raise APIError('"auto" tool choice (the default with tools) needs the server to run with '
+                           '--enable-auto-tool-choice and --tool-call-parser; send "required", a named '
+                           'function or "none"', param="tool_choice")
         return ToolMode(tools, choice, None, self.parallel_tool_calls, auto_parser)
 
     def num_logprobs(self) -> int | None:
@@ -381,8 +346,8 @@ def parse(model_cls: type[BaseModel], obj: Any) -> Any:
     if issubclass(model_cls, _SamplingFields):
         for name, harmless in NOT_IMPLEMENTED.items():
             if name in obj and not harmless(obj[name]):
-                raise APIError(f"'{name}' is not supported by this server; the request was not run", param=name,
-                               code="unsupported_parameter")
+                raise APIError(f"'{name}' is not supported by this server; the request was not run",
+                               param=name, code="unsupported_parameter")
     try:
         return model_cls.model_validate(obj)
     except ValidationError as e:

@@ -13,9 +13,10 @@ from pydantic import BaseModel
 
 from nanoserve.outputs import CompletionOutput, RequestOutput
 from nanoserve.sequence import TokenLogprob
-from nanoserve.server.responses import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta,
-                                        ChatLogprob, ChatLogprobs, ChatMessageOut, Completion, CompletionChoice,
-                                        CompletionLogprobs, DeltaFunction, DeltaToolCall, PromptTokensDetails, TopLogprob, Usage)
+from nanoserve.server.responses import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
+                                        ChatDelta, ChatLogprob, ChatLogprobs, ChatMessageOut, Completion,
+                                        CompletionChoice, CompletionLogprobs, DeltaFunction, DeltaToolCall,
+                                        PromptTokensDetails, TopLogprob, Usage)
 from nanoserve.server.tools import (ArgumentsDelta, CallStarted, ContentDelta, ToolCallStreamer, ToolEvent,
                                     ToolMode)
 
@@ -64,7 +65,8 @@ class Render:
     def response(self, finals: list[RequestOutput]) -> BaseModel: ...
 
     def _choices(self, finals: list[RequestOutput]) -> list:
-        return [self.final(pi * self.n + c.index, out, c) for pi, out in enumerate(finals) for c in out.outputs]
+        return [self.final(pi * self.n + c.index, out, c) for pi, out in enumerate(finals)
+                for c in out.outputs]
 
 
 @dataclass
@@ -102,7 +104,8 @@ class CompletionRender(Render):
             tops.append(top)
             offsets.append(off)
             off += len(s)
-        return CompletionLogprobs(tokens=tokens, token_logprobs=token_lps, top_logprobs=tops, text_offset=offsets)
+        return CompletionLogprobs(tokens=tokens, token_logprobs=token_lps, top_logprobs=tops,
+                                  text_offset=offsets)
 
     def delta(self, idx: int, text: str, lp: BaseModel | None, c: CompletionOutput) -> CompletionChoice:
         return CompletionChoice(index=idx, text=text, logprobs=lp, finish_reason=c.finish_reason,
@@ -135,7 +138,8 @@ class ChatRender(Render):
 
     def render_logprobs(self, lps: list[TokenLogprob], prompt: RequestOutput | None) -> ChatLogprobs:
         return ChatLogprobs(content=[ChatLogprob(**self._entry(lp.token_id, lp.logprob),
-                                                 top_logprobs=[TopLogprob(**self._entry(t, l)) for t, l in lp.top])
+                                                 top_logprobs=[TopLogprob(**self._entry(t, l))
+                                                               for t, l in lp.top])
                                      for lp in lps])
 
     def _outcome(self, text: str, c: CompletionOutput):
@@ -192,7 +196,8 @@ async def stream_chunks(outputs: AsyncIterator[tuple[int, RequestOutput]], num_p
     finals: list[RequestOutput | None] = [None] * num_prompts  # the latest output of each prompt
 
     def chunk(choices: list) -> str:
-        return sse(render.chunk(choices, usage([f for f in finals if f is not None]) if continuous_usage else None))
+        return sse(render.chunk(choices, usage([f for f in finals if f is not None]) if continuous_usage
+                                else None))
 
     async for pi, out in outputs:
         finals[pi] = out

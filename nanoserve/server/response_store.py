@@ -9,7 +9,7 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from nanoserve.server.protocol import APIError
+from nanoserve.server.api_error import APIError
 
 log = logging.getLogger("nanoserve.server")
 

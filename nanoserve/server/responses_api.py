@@ -14,7 +14,8 @@ from fastapi.responses import Response, StreamingResponse
 
 from nanoserve.errors import InvalidRequest
 from nanoserve.server.endpoints import Server
-from nanoserve.server.protocol import APIError, ChatCompletionRequest, parse
+from nanoserve.server.api_error import APIError
+from nanoserve.server.protocol import ChatCompletionRequest, parse
 from nanoserve.server.response_store import ResponseStore, StoredResponse
 from nanoserve.server.responses_api_objects import ResponseObject
 from nanoserve.server.responses_api_protocol import (ResponsesRequest, chat_body, input_messages,
@@ -51,8 +52,9 @@ class ResponsesAPI:
         fmt = req.format().model_dump(by_alias=True, exclude_none=True)
         return ResponseObject(
             id=rid, created_at=int(time.time()), status="in_progress", model=self.srv.model_name,
-            instructions=req.instructions, max_output_tokens=req.max_output_tokens, temperature=req.temperature,
-            top_p=req.top_p, tools=req.tools or [], tool_choice=req.echo_tool_choice(),
+            instructions=req.instructions, max_output_tokens=req.max_output_tokens,
+            temperature=req.temperature, top_p=req.top_p, tools=req.tools or [],
+            tool_choice=req.echo_tool_choice(),
             parallel_tool_calls=req.parallel_tool_calls is not False, text={"format": fmt},
             previous_response_id=req.previous_response_id, store=req.store is not False,
             metadata=req.metadata or {})

@@ -40,7 +40,8 @@ OutputItem = Union[OutputMessage, FunctionCallItem]
 
 class InputTokensDetails(BaseModel):
     cached_tokens: int
-    cache_write_tokens: int = 0  # explicit cache writes (prompt_cache_options), not done: prefix caching is automatic
+    # explicit cache writes (prompt_cache_options), not done: prefix caching is automatic
+    cache_write_tokens: int = 0
 
 
 class OutputTokensDetails(BaseModel):

@@ -11,14 +11,15 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from nanoserve.server.protocol import APIError, parse
+from nanoserve.server.api_error import APIError
+from nanoserve.server.protocol import parse
 
 # Accepted and ignored on purpose: none of them changes what the client gets back (chat's list is
 # protocol.ACCEPTED_IGNORED).
 IGNORED_FIELDS = {
     "user": "an end-user id for the provider's abuse monitoring", "safety_identifier": "the same, newer name",
-    "service_tier": "a processing tier: there is one", "prompt_cache_key": "a hint for prefix-cache routing: the "
-    "prefix cache needs none", "prompt_cache_retention": "the same cache's lifetime",
+    "service_tier": "a processing tier: there is one", "prompt_cache_key": "a hint for prefix-cache routing: "
+    "the prefix cache needs none", "prompt_cache_retention": "the same cache's lifetime",
     "prompt_cache_options": "explicit cache writes and their lifetime: the prefix cache is automatic",
     "stream_options": "include_obfuscation pads stream events against length side channels: none are padded",
 }
@@ -47,7 +48,8 @@ IMPLEMENTED_FIELDS = ("model", "input", "instructions", "max_output_tokens", "te
                       "metadata")
 
 # chat-completions parameter -> the Responses parameter a client wrote (errors name the latter)
-_PARAM_NAMES = {"messages": "input", "response_format": "text.format", "max_completion_tokens": "max_output_tokens",
+_PARAM_NAMES = {"messages": "input", "response_format": "text.format",
+                "max_completion_tokens": "max_output_tokens",
                 "max_tokens": "max_output_tokens", "prompt": "input"}
 
 
@@ -98,8 +100,8 @@ def parse_responses_request(obj: Any) -> ResponsesRequest:
     for name, value in obj.items():
         if name in NOT_IMPLEMENTED:
             if not NOT_IMPLEMENTED[name](value):
-                raise APIError(f"'{name}' is not supported by this server; the request was not run", param=name,
-                               code="unsupported_parameter")
+                raise APIError(f"'{name}' is not supported by this server; the request was not run",
+                               param=name, code="unsupported_parameter")
         elif name not in IMPLEMENTED_FIELDS and name not in IGNORED_FIELDS:
             raise APIError(f"Unknown parameter: '{name}'.", param=name, code="unknown_parameter")
     return parse(ResponsesRequest, obj)
@@ -142,7 +144,8 @@ def input_messages(items: str | list[dict] | None) -> list[dict]:
                         "content": _text_of(item.get("content"), where, parts)})
         elif kind == "function_call":
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
-                raise APIError(f"{where}: a function_call needs string call_id, name and arguments", param="input")
+                raise APIError(f"{where}: a function_call needs string call_id, name and arguments",
+                               param="input")
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
             if out and out[-1]["role"] == "assistant":  # the calls of one turn share one assistant message
@@ -163,8 +166,8 @@ def input_messages(items: str | list[dict] | None) -> list[dict]:
 def _chat_tool(i: int, tool: Any) -> dict:
     kind = tool.get("type") if isinstance(tool, dict) else None
     if kind != "function":
-        raise APIError(f"tools[{i}]: the tool type {kind!r} is not supported (function tools are; built-in tools "
-                       "are not)", param="tools", code="unsupported_parameter")
+        raise APIError(f"tools[{i}]: the tool type {kind!r} is not supported (function tools are; built-in "
+                       "tools are not)", param="tools", code="unsupported_parameter")
     fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
     return {"type": "function", "function": fn}
 
@@ -175,7 +178,8 @@ def _chat_tool_choice(choice: str | dict | None) -> str | dict | None:
     if choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
     raise APIError(f"tool_choice {json.dumps(choice)} is not supported (none, auto, required or "
-                   '{"type": "function", "name": ...} are)', param="tool_choice", code="unsupported_parameter")
+                   '{"type": "function", "name": ...} are)', param="tool_choice",
+                   code="unsupported_parameter")
 
 
 def chat_body(req: ResponsesRequest, messages: list[dict]) -> dict:
@@ -192,7 +196,8 @@ def chat_body(req: ResponsesRequest, messages: list[dict]) -> dict:
     if req.tools:
         body["tools"] = [_chat_tool(i, t) for i, t in enumerate(req.tools)]
     choice = _chat_tool_choice(req.tool_choice)
-    if choice is not None and (req.tools or choice not in ("auto", "none")):  # OpenAI takes these without tools
+    # OpenAI takes these without tools
+    if choice is not None and (req.tools or choice not in ("auto", "none")):
         body["tool_choice"] = choice
     fmt = req.format()
     if fmt.type == "json_object":

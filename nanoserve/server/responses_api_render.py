@@ -13,14 +13,14 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from nanoserve.outputs import CompletionOutput, RequestOutput
-from nanoserve.server.protocol import APIError
+from nanoserve.server.api_error import APIError
 from nanoserve.server.responses_api_objects import (ArgumentsDeltaEvent, ArgumentsDoneEvent, ContentPartEvent,
                                                     ErrorEvent, FunctionCallItem, IncompleteDetails,
                                                     InputTokensDetails, LifecycleEvent, OutputItemEvent,
                                                     OutputMessage, OutputText, ResponseError, ResponseObject,
                                                     ResponseUsage, StreamEvent, TextDeltaEvent, TextDoneEvent)
-from nanoserve.server.tools import (ArgumentsDelta, CallDone, CallStarted, ContentDelta, ToolCallStreamer, ToolEvent,
-                                    ToolMode)
+from nanoserve.server.tools import (ArgumentsDelta, CallDone, CallStarted, ContentDelta, ToolCallStreamer,
+                                    ToolEvent, ToolMode)
 
 
 def item_id(prefix: str) -> str:
@@ -97,19 +97,20 @@ class ResponseBuilder:
         if isinstance(e, ContentDelta):
             sent = self._open_message() if self.message is None else []
             self.message.content[0].text += e.text
-            return sent + [self._emit(TextDeltaEvent(item_id=self.message.id, output_index=self._index(self.message),
-                                                     delta=e.text))]
+            return sent + [self._emit(TextDeltaEvent(item_id=self.message.id,
+                                                     output_index=self._index(self.message), delta=e.text))]
         if isinstance(e, CallStarted):
             sent = self._close_message("completed")
-            item = self.calls[e.index] = FunctionCallItem(id=item_id("fc"), call_id=e.id, name=e.name, arguments="",
-                                                          status="in_progress")
+            item = self.calls[e.index] = FunctionCallItem(id=item_id("fc"), call_id=e.id, name=e.name,
+                                                          arguments="", status="in_progress")
             self.state.output.append(item)
             return sent + [self._emit(OutputItemEvent(type="response.output_item.added",
                                                       output_index=self._index(item), item=item))]
         item = self.calls[e.index]
         if isinstance(e, ArgumentsDelta):
             item.arguments += e.text
-            return [self._emit(ArgumentsDeltaEvent(item_id=item.id, output_index=self._index(item), delta=e.text))]
+            return [self._emit(ArgumentsDeltaEvent(item_id=item.id, output_index=self._index(item),
+                                                   delta=e.text))]
         assert isinstance(e, CallDone)
         # arguments already streamed stay as sent; a call the output ended inside is marked incomplete
         item.arguments, item.status = e.arguments, "completed" if _is_object(e.arguments) else "incomplete"
@@ -136,8 +137,8 @@ class ResponseBuilder:
         at, part = self._index(msg), msg.content[0]
         msg.status = status  # type: ignore[assignment]
         return [self._emit(TextDoneEvent(item_id=msg.id, output_index=at, text=part.text)),
-                self._emit(ContentPartEvent(type="response.content_part.done", item_id=msg.id, output_index=at,
-                                            part=part)),
+                self._emit(ContentPartEvent(type="response.content_part.done", item_id=msg.id,
+                                            output_index=at, part=part)),
                 self._emit(OutputItemEvent(type="response.output_item.done", output_index=at, item=msg))]
 
     def _finish(self, out: RequestOutput, c: CompletionOutput) -> list[str]:

@@ -388,8 +388,8 @@ def render_tools_into_messages(messages: list[dict], tools: list[dict] | None) -
         return out
     sig = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
     text = ("You may call one or more functions to assist with the user query. The function signatures are "
-            f"within <tools></tools> XML tags:\n<tools>\n{sig}\n</tools>\nFor each function call, return a json "
-            "object with the function name and arguments within <tool_call></tool_call> XML tags:\n"
+            f"within <tools></tools> XML tags:\n<tools>\n{sig}\n</tools>\nFor each function call, return a "
+            "json object with the function name and arguments within <tool_call></tool_call> XML tags:\n"
             '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
     if out and out[0]["role"] == "system":
         out[0] = dict(out[0], content=f"{out[0]['content']}\n\n{text}")

@@ -1,0 +1,38 @@
+// The kernels' entry points, as module.cpp binds them and the decoder stack (decoder_stack.cpp) calls them
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+#include <c10/util/string_view.h>
+#include <cstdint>
+#include <string>
+
+// decode_attention.cpp: one query token per sequence over its KV blocks (head_dim 64 or 128)
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor cache, int64_t layer, at::Tensor tables,
+                                  at::Tensor ctx, double scale, c10::optional<at::Tensor> out);
+// prefill_attention.cpp: every prefill chunk of a step, over its cached context
+void paged_prefill_attention(at::Tensor q, at::Tensor out, at::Tensor cache, int64_t layer, at::Tensor tables,
+                             at::Tensor start, at::Tensor len, at::Tensor ctx, double scale, bool allow_amx);
+bool amx();  // whether bf16 GEMM tiles can be packed for AMX here
+
+// elementwise.cpp
+at::Tensor add_rms_norm(c10::optional<at::Tensor> x, at::Tensor residual, at::Tensor weight, double eps);
+void rope_(at::Tensor qkv, int64_t heads, int64_t d, at::Tensor cos, at::Tensor sin);
+void write_kv(at::Tensor k, at::Tensor v, at::Tensor cache, int64_t layer, at::Tensor blocks,
+              at::Tensor offsets);
+
+// gemm_split.cpp: oneDNN's matmul on a prepacked weight (epilogue attr; times *other where given), and the
+// same by rows over the threads
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                         c10::string_view attr, const at::Tensor* other);
+at::Tensor linear_rows(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias, int64_t n_out,
+                       std::string attr, c10::optional<at::Tensor> other);
+
+// quant.cpp: GGUF blocks computed on directly
+void quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, at::Tensor out);
+void quant_linear_glu(at::Tensor x, at::Tensor w, int64_t qtype, at::Tensor out);
+void quant_dequantize(at::Tensor w, int64_t qtype, at::Tensor out);
+void quant_rows(at::Tensor w, int64_t qtype, int64_t N, at::Tensor ids, at::Tensor out);
+at::Tensor quant_pack(at::Tensor w, int64_t qtype);
+bool quant_packs();       // whether packed matrices have kernels here (AVX-512)
+bool int8_activations();  // whether bf16 activations meet packed weights as int8 (AVX512_VNNI)
+std::string isa();

@@ -1,0 +1,180 @@
+// The extension module's Python face: every kernel under the name the Python side calls it by, and the
+// decoder stack built from kernels/plan.py's typed plan, each field read by name
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
+#include <map>
+#include <string>
+#include "decoder_stack.h"
+#include "kernels.h"
+#include "vec.h"
+
+namespace {
+
+template <typename T>
+T field(const py::handle& obj, const char* name) {
+  return obj.attr(name).cast<T>();
+}
+
+c10::optional<at::Tensor> optional_tensor(const py::handle& obj, const char* name) {
+  const py::object value = obj.attr(name);
+  return value.is_none() ? c10::nullopt : c10::optional<at::Tensor>(value.cast<at::Tensor>());
+}
+
+std::unique_ptr<QuantProjection> read_quant(const py::handle& p, const std::shared_ptr<Scratch>& scratch) {
+  auto q = std::make_unique<QuantProjection>();
+  for (const py::handle part : p.attr("parts"))
+    q->parts.push_back({field<at::Tensor>(part, "blocks"), field<int64_t>(part, "qtype"),
+                        field<int64_t>(part, "start"), field<int64_t>(part, "rows")});
+  q->in_features = field<int64_t>(p, "in_features");
+  q->out_features = field<int64_t>(p, "out_features");
+  q->bias = optional_tensor(p, "bias");
+  q->fused_glu = field<bool>(p, "fused_glu");
+  q->max_kernel_rows = field<int64_t>(p, "max_kernel_rows");
+  q->dequant_chunk = field<int64_t>(p, "dequant_chunk");
+  q->scratch = scratch;
+  TORCH_CHECK(!q->parts.empty() && (!q->fused_glu || q->parts.size() == 1),
+              "a quantized projection's plan: no parts, "
+              "or a fused GLU of several");
+  return q;
+}
+
+OneDnnProjection read_onednn(const py::handle& p) {
+  OneDnnProjection d;
+  d.packed = field<at::Tensor>(p, "packed");
+  d.bias = optional_tensor(p, "bias");
+  d.out_features = field<int64_t>(p, "out_features");
+  const py::object split = p.attr("split_rows");
+  if (!split.is_none()) d.split = split.cast<std::array<int64_t, 3>>();
+  return d;
+}
+
+// a projection of any kind kernels/plan.py defines; any other is refused, naming it
+std::unique_ptr<Projection> read_projection(const py::handle& p, const std::shared_ptr<Scratch>& scratch) {
+  const std::string kind = field<std::string>(p, "kind");
+  if (kind == "quant") return read_quant(p, scratch);
+  if (kind == "onednn") return std::make_unique<OneDnnProjection>(read_onednn(p));
+  if (kind == "torch") {
+    auto t = std::make_unique<TorchProjection>();
+    t->weight = field<at::Tensor>(p, "weight");
+    t->bias = optional_tensor(p, "bias");
+    return t;
+  }
+  if (kind == "onednn_gate_up") {
+    auto g = std::make_unique<GateUpProjection>();
+    g->gate = read_onednn(p.attr("gate"));
+    g->up = read_onednn(p.attr("up"));
+    return g;
+  }
+  throw py::value_error("DecoderStack has no projection kind '" + kind + "' (" +
+                        py::str(py::type::handle_of(p).attr("__name__")).cast<std::string>() + ")");
+}
+
+// the all-reduce the plan gives (a Python callable), called with the GIL: the stack runs without it
+std::function<void(const at::Tensor&)> read_all_reduce(const py::object& fn) {
+  if (fn.is_none()) return {};
+  auto held =
+      std::make_shared<py::object>(fn);  // released with the stack, which Python frees holding the GIL
+  return [held](const at::Tensor& t) {
+    py::gil_scoped_acquire gil;
+    (*held)(t);
+  };
+}
+
+DecoderStack read_stack(const py::object& plan) {
+  StackPlan s;
+  s.heads = field<int64_t>(plan, "heads");
+  s.kv_heads = field<int64_t>(plan, "kv_heads");
+  s.head_dim = field<int64_t>(plan, "head_dim");
+  s.eps = field<double>(plan, "eps");
+  s.fused_rows = field<int64_t>(plan, "fused_rows");
+  const auto scratch = std::make_shared<Scratch>();
+  for (const py::handle layer : plan.attr("layers"))
+    s.layers.push_back(
+        {field<at::Tensor>(layer, "input_norm"), field<at::Tensor>(layer, "post_norm"),
+         read_projection(layer.attr("qkv"), scratch), read_projection(layer.attr("o"), scratch),
+         read_projection(layer.attr("gate_up"), scratch), read_projection(layer.attr("down"), scratch)});
+  s.all_reduce = read_all_reduce(plan.attr("all_reduce"));
+  return DecoderStack(std::move(s));
+}
+
+StepArgs read_step(const py::handle& step) {
+  return {field<at::Tensor>(step, "cache"),
+          field<at::Tensor>(step, "slot_blocks"),
+          field<at::Tensor>(step, "slot_offsets"),
+          field<int64_t>(step, "num_decodes"),
+          optional_tensor(step, "decode_tables"),
+          optional_tensor(step, "decode_context"),
+          optional_tensor(step, "prefill_tables"),
+          optional_tensor(step, "prefill_starts"),
+          optional_tensor(step, "prefill_lens"),
+          optional_tensor(step, "prefill_context"),
+          field<double>(step, "scale"),
+          field<bool>(step, "amx")};
+}
+
+void define_attention(py::module_& m) {
+#if defined(NS_PHASE_TIMES)
+  m.def("phase_times", []() {  // {phase: seconds} since the last call, summed over threads
+    std::map<std::string, double> r;
+    const char* names[kPhases] = {"pack K/V", "load Q",     "QK^T GEMM",      "softmax",   "PV GEMM",
+                                  "store O",  "decode q.k", "decode softmax", "decode p.V"};
+    for (int p = 0; p < kPhases; ++p) r[names[p]] = phase_ns[p].exchange(0) * 1e-9;
+    return r;
+  });
+#endif
+  m.def("paged_prefill_attention", &paged_prefill_attention);
+  m.def("amx", &amx);
+  m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("cache"), py::arg("layer"),
+        py::arg("tables"), py::arg("ctx"), py::arg("scale"), py::arg("out") = py::none());
+  m.attr("head_dims") = py::make_tuple(64, 128);  // the attention kernels' templates
+  m.def("add_rms_norm", &add_rms_norm);
+  m.def("rope_", &rope_);
+  m.def("write_kv", &write_kv);
+  m.def("linear_rows", &linear_rows);
+#if defined(__AVX512F__)
+  m.attr("vectorized") = true;  // the norm and RoPE kernels run 16 lanes at a time (bf16, fp32)
+#else
+  m.attr("vectorized") = false;  // element by element: only worth it on decode-sized batches
+#endif
+}
+
+void define_quant(py::module_& m) {
+  m.def("quant_linear", &quant_linear, py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("out"));
+  m.def("quant_linear_glu", &quant_linear_glu, py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("out"));
+  m.def("quant_dequantize", &quant_dequantize, py::arg("w"), py::arg("qtype"), py::arg("out"));
+  m.def("quant_rows", &quant_rows, py::arg("w"), py::arg("qtype"), py::arg("rows"), py::arg("ids"),
+        py::arg("out"));
+  m.def("quant_pack", &quant_pack, py::arg("w"), py::arg("qtype"));
+  // whether quant_linear takes packed matrices (the layer packs its weights at load where it does)
+  m.def("packs", &quant_packs);
+  // whether bf16 activations meet packed weights as int8 (AVX512_VNNI), not exact (quant.h)
+  m.def("int8_activations", &int8_activations);
+  m.def("isa", &isa);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  define_attention(m);
+  define_quant(m);
+  py::class_<DecoderStack>(m, "DecoderStack")
+      .def(py::init(&read_stack), py::arg("plan"))
+      .def(
+          "forward",
+          [](const DecoderStack& stack, at::Tensor residual, at::Tensor cos, at::Tensor sin,
+             const py::object& step) {
+            const StepArgs args = read_step(step);
+            py::gil_scoped_release release;
+            return stack.forward(residual, cos, sin, args);
+          },
+          py::arg("residual"), py::arg("cos"), py::arg("sin"), py::arg("step"))
+      .def_property(
+          "timing", [](const DecoderStack& stack) { return stack.times.on; },
+          [](const DecoderStack& stack, bool on) { stack.times.on = on; })
+      .def("part_times", [](const DecoderStack& stack) {  // {part: seconds} since the last call
+        std::map<std::string, double> r;
+        for (int p = 0; p < PartTimes::kParts; ++p)
+          r[PartTimes::names[p]] = std::exchange(stack.times.seconds[p], 0.0);
+        return r;
+      });
+}
