@@ -117,12 +117,15 @@ def print_serving_metrics(s: dict, title: str) -> None:
 
 
 def comparison_table(rows: dict[str, dict[str, float]], title: str) -> str:
-    """Markdown: per row {side: value}, each side's value and every other side's over the first's."""
+    """Markdown: per row {side: value}, each side's value and every other side's over the first's (None: a
+    side that has no such value)."""
     names = list(next(iter(rows.values())))
     head = [title, *names, *(f"{n} / {names[0]}" for n in names[1:])]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for label, v in rows.items():
-        cells = [f"{v[n]:.1f}" for n in names] + [f"{v[n] / v[names[0]]:.3f}x" for n in names[1:]]
+        cells = ([f"{v[n]:.1f}" if v[n] is not None else "-" for n in names]
+                 + [f"{v[n] / v[names[0]]:.3f}x" if None not in (v[n], v[names[0]]) and v[names[0]] else "-"
+                    for n in names[1:]])
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -286,14 +289,14 @@ def export_embedded_hf(out_dir: str = "~/.cache/nanoserve/smollm2-hf") -> str:
 
 
 # ---- A/B against another checkout ------------------------------------------------------------------
-def run_in_tree(tree: Path, script: str, args: list[str]) -> dict:
+def run_in_tree(tree: Path, script: str, args: list[str], env: dict[str, str] | None = None) -> dict:
     """This checkout's bench `script` run with `tree`'s nanoserve (PYTHONPATH) in a fresh process; its
     last stdout line is JSON. The baseline tree needs no bench/ of its own. The process has a server
     engine's environment (parallel/placement.compute_process_env: malloc on huge pages), so an offline
     side computes as the engine process of `nanoserve` would."""
     from nanoserve.parallel.placement import compute_process_env
     out = subprocess.run([sys.executable, str(BENCH / script), *args], cwd=tree, capture_output=True,
-                         text=True, env=compute_process_env(dict(os.environ, PYTHONPATH=str(tree))))
+                         text=True, env=compute_process_env(dict(os.environ, **(env or {}), PYTHONPATH=str(tree))))
     if out.returncode:
         raise RuntimeError(f"{script} in {tree} failed (rc {out.returncode}):\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -321,13 +324,14 @@ class OtherTree:
     tree: Path
     script: str
     argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)  # beside the caller's environment
 
     @property
     def cores(self) -> str:
-        return f"a fresh process of {self.tree} per run"
+        return f"a fresh process of {self.tree} per run" + "".join(f", {k}={v}" for k, v in self.env.items())
 
     def run_child(self, *extra: str) -> dict:
-        return run_in_tree(self.tree, self.script, [*self.argv, *extra])
+        return run_in_tree(self.tree, self.script, [*self.argv, *extra], self.env)
 
 
 def write_json(path: str | Path | None, obj: dict) -> None:

@@ -20,7 +20,10 @@ torch; torch: always):
                error on the same sequences, and teacher-forced argmax agreement (flash and Triton).
                Prefills are chunked at 64 tokens, so steps of non-final chunks are covered.
   speed        Llama-3-8B-shaped, random bf16 weights made on the GPU: decode output tok/s at batch
-               1/32/128, graphed and eager on the same engine, vs the HBM roofline; prefill tok/s.
+               1/32/128, graphed and eager on the same engine, vs the HBM roofline; per row the
+               forward's busy time (CUDA: kernel time by the profiler over 8 more steps; CPU: the compute
+               thread's clock around it), the host gap (step - busy), kernels per step (CUDA), and the first mode's
+               tok/s with scheduling one step ahead turned off on the same engine; prefill tok/s.
   quant        weight-only quantized layers (layers/triton_quant.py): decode GEMVs (batch 1, 16) and a
                prefill GEMM of 8B-shaped layers (4096x4096, 14336x4096) in bf16 vs Q8_0 kept in its GGUF
                blocks vs fp8 (torch._scaled_mm where it runs, and the weight-only Triton kernel): time,
@@ -431,18 +434,42 @@ def decode_rate(llm: LLM, batch: int, shapes: Shapes, device: str, tag: str) -> 
     r = eng.runner
     g0, e0, tok0 = r.steps_graphed, r.steps_eager, eng.stats.generation_tokens
     sync(device)
-    t0 = time.perf_counter()
+    busy0, t0 = eng.pipeline.busy_seconds, time.perf_counter()
     for _ in range(shapes.decode_steps):
         eng.step()
         assert len(sched.running) == batch and not sched.waiting, "the batch shrank inside the timed window"
     sync(device)
     el = time.perf_counter() - t0
     tokens = eng.stats.generation_tokens - tok0
+    graphed = r.steps_graphed - g0
+    out = dict(batch=batch, tokens=tokens, tok_s=tokens / el, step_ms=1000 * el / shapes.decode_steps,
+               graphed_share=graphed / max(graphed + r.steps_eager - e0, 1), kernels_per_step=None)
+    if device == "cuda":  # the device's own clock: kernel time and count over a few more steps
+        out["kernels_per_step"], out["busy_ms"] = kernel_profile(eng, PROFILED_STEPS)
+    else:  # the clock around each forward
+        out["busy_ms"] = 1000 * (eng.pipeline.busy_seconds - busy0) / shapes.decode_steps
+    out["gap_ms"] = max(out["step_ms"] - out["busy_ms"], 0.0)
     for rid in ids:
         eng.abort(rid)
-    graphed = r.steps_graphed - g0
-    return dict(batch=batch, tokens=tokens, tok_s=tokens / el, step_ms=1000 * el / shapes.decode_steps,
-                graphed_share=graphed / max(graphed + r.steps_eager - e0, 1))
+    eng.drain()
+    return out
+
+
+PROFILED_STEPS = 8
+
+
+def kernel_profile(eng, steps: int) -> tuple[float, float]:
+    """(kernels, ms of kernel time) per step over `steps` decode steps, by the CUDA profiler: the device's
+    busy time; what the step's wall time has beyond it is the host's gap."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    sync("cuda")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            eng.step()
+        sync("cuda")
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return len(kernels) / steps, sum(e.device_time for e in kernels) / steps / 1e3
 
 
 def prefill_rate(llm: LLM, shapes: Shapes, device: str) -> float:
@@ -483,17 +510,24 @@ def speed(run: Run, put: Put) -> None:
         put(b.name, "streamed_weight_gb", weight_bytes / 1e9)
         graphs = runner.graphs
         modes = [("graphed", graphs), ("eager", {})] if graphs else [("eager", {})]
+        pipeline = llm.engine.pipeline
         for mode, use in modes:
             runner.graphs = use
             for batch in shapes.batches:
                 r = decode_rate(llm, batch, shapes, device, f"{b.name}-{mode}")
+                if mode == modes[0][0]:  # the same engine serially: scheduling one step ahead on vs off
+                    pipeline.one_ahead = False
+                    r["serial_tok_s"] = decode_rate(llm, batch, shapes, device, f"{b.name}-serial")["tok_s"]
+                    pipeline.one_ahead = True
                 ctx = shapes.prompt_len + shapes.decode_steps // 2
                 r["roofline_tok_s"] = batch * bw / (weight_bytes + batch * ctx * kv_tok_bytes)
                 r["of_roofline"] = r["tok_s"] / r["roofline_tok_s"]
                 put(b.name, mode, f"batch_{batch}", r)
                 log(f"{b.name} {mode} decode batch {batch}: {r['tok_s']:.0f} tok/s "
                     f"({r['of_roofline']:.0%} of roofline {r['roofline_tok_s']:.0f}), "
-                    f"graphed share {r['graphed_share']:.0%}")
+                    f"graphed share {r['graphed_share']:.0%}, busy {r['busy_ms']:.2f} ms, "
+                    f"host gap {r['gap_ms']:.2f} ms of {r['step_ms']:.2f}"
+                    + (f", serially {r['serial_tok_s']:.0f} tok/s" if "serial_tok_s" in r else ""))
         runner.graphs = graphs
         rate = prefill_rate(llm, shapes, device)
         put(b.name, "prefill_tok_s", rate)
@@ -1247,15 +1281,18 @@ def verdict(r: dict, criteria: list[Criterion], judge_timing: bool) -> bool:
 def print_table(r: dict, criteria: list[Criterion], judged: bool) -> None:
     s = r.get("speed", {})
     print(f"\n{'backend':8} {'mode':8} {'batch':>5} {'tok/s':>9} {'roofline':>9} {'of roof':>8} "
-          f"{'graphed':>8}")
+          f"{'graphed':>8} {'busy ms':>8} {'gap ms':>7} {'kern/step':>9} {'serial':>9}")
     for name, v in s.items():
         if not isinstance(v, dict):
             continue
         for mode in ("graphed", "eager"):
             for row in v.get(mode, {}).values():
+                kern, serial = row.get("kernels_per_step"), row.get("serial_tok_s")
                 print(f"{name:8} {mode:8} {row['batch']:>5} {row['tok_s']:>9.0f} "
                       f"{row['roofline_tok_s']:>9.0f} "
-                      f"{row['of_roofline']:>8.0%} {row['graphed_share']:>8.0%}")
+                      f"{row['of_roofline']:>8.0%} {row['graphed_share']:>8.0%} {row['busy_ms']:>8.2f} "
+                      f"{row['gap_ms']:>7.2f} {kern if kern is not None else '-':>9} "
+                      f"{f'{serial:.0f}' if serial is not None else '-':>9}")
         if "prefill_tok_s" in v:
             print(f"{name:8} prefill  {v['prefill_tok_s']:.0f} tok/s")
     for row in r.get("tier_ttft", {}).get("rows", []):

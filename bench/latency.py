@@ -6,6 +6,8 @@ time goes inside nanoserve's forward pass.
     python bench/latency.py --threads 1 --peer vllm --runs 3      # per core, against vLLM-CPU
     python bench/latency.py --threads 2 --base /tmp/base --decode-batch ''   # A/B of cold TTFT
     python bench/latency.py --threads 1 --breakdown --decode-batch ''        # where a prefill's time goes
+    python bench/latency.py --one-ahead --base /tmp/base --ttft-lens '' --decode-batch 1,32
+        # serial (CPU's default) vs one step ahead vs another checkout: decode tok/s, forward busy, host gap
     python bench/latency.py --load-stages --kv-cache-gb 0.25     # an engine's memory, stage by stage
     python bench/latency.py --tp-wire --decode-batch 1,32    # a tensor-parallel step message's codec
     python bench/latency.py --vs-dequantized --threads 2 --decode-batch 1 --ttft-lens 256 --offline 16 \
@@ -22,7 +24,11 @@ Runs alternate the sides (A B, B A, ...); every side gets the same prompts in a 
 --threads N: N compute threads pinned to the last N cores (where vLLM's CPU binding puts its
 worker, keeping the first for its scheduler); default: torch's own. vLLM-CPU keeps its own binding
 (bench/peers.py, --vllm-cores). --base: every run of either side is a fresh process of this script
-with that checkout's nanoserve. --breakdown: every call of each part of nanoserve's forward pass
+with that checkout's nanoserve; --one-ahead: a side of this checkout with NANOSERVE_ASYNC_SCHEDULING=1
+(on CPU the default is serial), so that --one-ahead --base gives the three side by side. Decode rows also give tok/s,
+the forwards' busy time per step (the step pipeline's clock around each forward: embedding, the C++ layer
+loop, the LM head; a checkout without one shows none) and the host gap, the step's share outside any forward.
+--breakdown: every call of each part of nanoserve's forward pass
 is timed (the linear layers by projection, norms, RoPE, KV write, attention, all-reduce: by the C++
 layer loop itself; the LM head; the rest is the model's Python, batch building, scheduling and sampling).
 --tp-wire: encode + decode of the decode step that rank 0 sends to the other tensor-parallel ranks
@@ -117,7 +123,8 @@ class Breakdown:
             model._layers = timed(model._layers, acc, "layers (torch loop)")
         model.lm_head_lin = Timed(model.lm_head_lin, acc, {"__call__": "lm head"})
         model.forward = timed(model.forward, acc, "_model")
-        eng.runner.run = timed(eng.runner.run, acc, "_runner")
+        eng.runner.plan = timed(eng.runner.plan, acc, "_runner")
+        eng.runner.execute = timed(eng.runner.execute, acc, "_runner")
 
     def parts(self, total: float) -> dict[str, float]:
         acc = self.acc
@@ -166,6 +173,8 @@ class Nanoserve:
                 stamps.append(time.perf_counter())
             return outs
         engine.step = stamped
+        clock = getattr(engine, "pipeline", None)  # a checkout before issue 45 has none
+        busy0 = clock.busy_seconds if clock else None
         t0, c0 = time.perf_counter(), time.process_time()
         try:
             self.llm.generate(prompts, params)
@@ -173,6 +182,8 @@ class Nanoserve:
             del engine.step
         elapsed = time.perf_counter() - t0
         out = {"elapsed_s": elapsed, "cpu_s": time.process_time() - c0}
+        if clock:
+            out["busy_s"] = clock.busy_seconds - busy0
         if len(prompts) == 1 and max_tokens > 1:
             assert len(stamps) == max_tokens, (len(stamps), max_tokens)
             out["first_to_last_s"] = stamps[-1] - stamps[0]
@@ -223,7 +234,7 @@ def measure(side, args, r: int) -> dict:
     if isinstance(side, LlamaServerSide):  # a fresh server, then this function on it
         return side.measure(lambda running: measure(running, args, r))
     out: dict = {what: {} for what in ("ttft_ms", "decode_step_ms", "prefill_ms", "parts_ms", "memory",
-                                       "cpu_ms", "decode_stream_ms")}
+                                       "cpu_ms", "decode_stream_ms", "busy_ms")}
     for i, n in enumerate(args.lens):
         runs = [side.run(token_prompts(1, n, seed=1000 * r + 10 * i + k), 1) for k in range(args.prompts)]
         best = sorted(runs, key=lambda x: x["elapsed_s"])[len(runs) // 2]
@@ -243,6 +254,8 @@ def measure(side, args, r: int) -> dict:
                 cpu = (more["cpu_s"] - one["cpu_s"]) / args.decode_steps
                 out["cpu_ms"][f"decode step, {key}"] = cpu * 1e3
             out["prefill_ms"][key] = one["elapsed_s"] * 1e3
+            if "busy_s" in more:  # the forwards' own time; the rest of the step is the host's gap
+                out["busy_ms"][key] = (more["busy_s"] - one["busy_s"]) / args.decode_steps * 1e3
             if "first_to_last_s" in more:  # batch 1: its own tokens' times, no prefill in it
                 out["decode_stream_ms"][key] = more["first_to_last_s"] / args.decode_steps * 1e3
             if "parts_s" in one:
@@ -451,6 +464,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--peer", choices=["vllm"], default=None, help="alternate with vLLM-CPU's offline LLM")
     ap.add_argument("--base", type=Path, default=None, help="alternate with this checkout's nanoserve")
+    ap.add_argument("--one-ahead", action="store_true",
+                    help="alternate with this checkout scheduling one step ahead (NANOSERVE_ASYNC_SCHEDULING=1)")
     ap.add_argument("--breakdown", action="store_true", help="time the parts of nanoserve's forward pass")
     ap.add_argument("--load-stages", action="store_true", help="an engine's memory by load stage, then exit")
     ap.add_argument("--tp-wire", action="store_true", help="time tensor parallelism's step messages, exit")
@@ -475,7 +490,7 @@ def parse_args() -> argparse.Namespace:
 
 def report(args, sides: dict, runs: dict[str, list[dict]], bandwidth: float | None) -> dict:
     """The medians of every side as one table (and the breakdown's), as the JSON written."""
-    whats = ("ttft_ms", "decode_step_ms", "prefill_ms", "memory", "cpu_ms", "decode_stream_ms")
+    whats = ("ttft_ms", "decode_step_ms", "prefill_ms", "memory", "cpu_ms", "decode_stream_ms", "busy_ms")
     med = {name: {what: {k: statistics.median(x[what][k] for x in rs) for k in rs[0].get(what, {})}
                   for what in whats} for name, rs in runs.items()}
     print(f"\n{cpu_name()}; dtype {args.dtype}; medians of {args.runs}")
@@ -486,6 +501,14 @@ def report(args, sides: dict, runs: dict[str, list[dict]], bandwidth: float | No
                                       ("decode step", "decode_step_ms", ""),
                                       ("prefill + first token", "prefill_ms", ""))
             for k in med["nanoserve"][what]}
+    for k in med["nanoserve"]["busy_ms"]:
+        has = [n for n in sides if k in med[n]["busy_ms"]]
+        rows[f"decode step {k}: forward busy"] = {n: med[n]["busy_ms"][k] if n in has else None for n in sides}
+        rows[f"decode step {k}: host gap (% of step)"] = {
+            n: 100 * (1 - med[n]["busy_ms"][k] / med[n]["decode_step_ms"][k]) if n in has else None
+            for n in sides}
+        rows[f"decode step {k}: tok/s"] = {n: int(k.split()[0]) * 1e3 / med[n]["decode_step_ms"][k]
+                                           for n in sides}
     if args.vs_dequantized:
         mem = {n: med[n]["memory"] for n in sides}
         for k in med["nanoserve"]["decode_stream_ms"]:  # batch 1, first to last token
@@ -542,8 +565,10 @@ def main() -> int:
             print(json.dumps(measure(Nanoserve(args), args, args.one_run)))
             return 0
         child = child_argv(sys.argv[1:], flags=("--vs-dequantized",))
-        fresh = args.base or args.vs_dequantized
+        fresh = args.base or args.vs_dequantized or args.one_ahead
         sides = {"nanoserve": OtherTree(ROOT, "latency.py", child) if fresh else Nanoserve(args), **sides}
+        if args.one_ahead:
+            sides["one-ahead"] = OtherTree(ROOT, "latency.py", child, {"NANOSERVE_ASYNC_SCHEDULING": "1"})
         if args.base:
             sides["base"] = OtherTree(args.base.resolve(), "latency.py", child)
         if args.vs_dequantized:

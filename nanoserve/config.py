@@ -88,6 +88,11 @@ class EngineConfig:
                                       "--no-enable-prefix-caching (or --no-prefix-caching) computes every "
                                       "prompt in full", negatable=True, off_aliases=("--no-prefix-caching",),
                                       group="KV cache")
+    async_scheduling: bool | None = opt(None, "schedule step N+1 while step N's kernels run, its sampled "
+                                        "tokens fed to N+1 on the device; default: on with CUDA, off on CPU, "
+                                        "where the host's work would take cores from the forward "
+                                        "($NANOSERVE_ASYNC_SCHEDULING=1|0 sets the default)",
+                                        negatable=True, group="scheduling")
     max_num_seqs: int = opt(128, "most sequences in one batch", group="scheduling")
     max_num_batched_tokens: int | None = opt(None, "token budget of one engine step (prefill chunks + "
                                              "decodes); default: 1024 on CPU, 2048 on CUDA",
@@ -164,6 +169,15 @@ class EngineConfig:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda was asked for but torch sees no CUDA device")
         return torch.device(self.device)
+
+    def resolved_async_scheduling(self, device: torch.device) -> bool:
+        """The flag, else $NANOSERVE_ASYNC_SCHEDULING (a whole test suite one way), else by device."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        env = os.environ.get("NANOSERVE_ASYNC_SCHEDULING", "")
+        if env not in ("", "0", "1"):
+            raise ValueError(f"$NANOSERVE_ASYNC_SCHEDULING must be 0 or 1, got {env!r}")
+        return env == "1" if env else device.type == "cuda"
 
     def resolved_dtype(self, device: torch.device) -> torch.dtype:
         """An explicit dtype wins; `auto` honours $NANOSERVE_DTYPE (so a whole test suite or a
@@ -275,7 +289,7 @@ def _add_class_flags(parser: argparse.ArgumentParser, cls: type, groups: dict[st
             group = groups[key]
         kw: dict[str, typing.Any] = {"dest": f.name, "help": meta["help"], "default": f.default}
         typ = hints[f.name]
-        if typ is bool:
+        if typ is bool or meta.get("negatable"):
             kw["action"] = (argparse.BooleanOptionalAction if meta.get("negatable")
                             else "store_false" if f.default else "store_true")
         else:

@@ -71,6 +71,7 @@ class LLM:
             while len(done) < len(reqs):
                 for out in self._step():
                     self._process(out, pending, done, bar)
+            self.engine.drain()  # one step ahead: a step of finished sequences may still be in flight
         except BaseException:
             for r in reqs:  # leave the engine clean for the next call
                 if r.request_id not in done:

@@ -103,6 +103,9 @@ class Scheduler:
         deferred = False
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_pending and seq.num_output_tokens + seq.num_pending >= seq.max_tokens:
+                i += 1  # its last token is being sampled: nothing more to compute for it
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while (supply := self.kv.allocate_slots(seq, n)) is Supply.SHORT:
                 victim = self.running.pop()
@@ -124,6 +127,9 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.parent is not None and not (seq.parent.prompt_done or seq.parent.is_finished):
                 skipped.append(self.waiting.popleft())  # n > 1: wait for the shared prompt's KV
+                continue
+            if seq.num_pending:  # preempted while a token was being sampled: back once it is known
+                skipped.append(self.waiting.popleft())
                 continue
             if not self._admit(seq, budget):
                 break

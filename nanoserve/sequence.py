@@ -40,7 +40,10 @@ class Sequence:
     generator: torch.Generator | None = None
     parent: Sequence | None = None   # n > 1: siblings wait until the parent's prompt is cached
     token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
+    num_computed_tokens: int = 0     # tokens whose KV a launched step computes (done, or in flight)
+    num_inflight_tokens: int = 0     # of those, the ones the step still in flight computes
+    num_pending: int = 0             # tokens sampled by launched steps, not yet known here
+    num_published_blocks: int = 0    # leading full blocks already in the prefix cache
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chain digests of the leading full blocks
     block_keys: list[tuple] = field(default_factory=list)    # their kvcache BlockKeys (parent digest, tokens)
@@ -67,7 +70,8 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Known tokens and those still being sampled (a step one ahead reads the latter from the device)."""
+        return len(self.token_ids) + self.num_pending
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -89,4 +93,5 @@ class Sequence:
 
     @property
     def prompt_done(self) -> bool:
-        return self.num_computed_tokens >= self.num_prompt_tokens
+        """The prompt's KV is written (not only launched): its blocks are published."""
+        return self.num_computed_tokens - self.num_inflight_tokens >= self.num_prompt_tokens

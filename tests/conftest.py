@@ -31,6 +31,10 @@ TINY_CONFIGS = {
 }
 
 
+# The servers and engine processes the tests start check the KV invariants whenever their engine goes
+# idle (a served engine checks them only after a failed step).
+os.environ.setdefault("NANOSERVE_CHECK_INVARIANTS", "1")
+
 # Under pytest-xdist (`make test`: 2 workers on 2 cores) each worker's in-process torch gets its share
 # of the cores: two workers' OpenMP pools of every core each would spin against each other.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):

@@ -34,7 +34,7 @@ def make(config: EngineConfig) -> LLMEngine:
     engine = LLMEngine(config)
     path = Path(os.environ[PLAN_ENV])
     state = {"generation": None, "calls": 0, "plan": {}}
-    real_step, real_run = engine.step, engine.runner.run
+    real_step, real_plan = engine.step, engine.runner.plan
 
     def step():
         plan = json.loads(path.read_text()) if path.exists() else {}
@@ -46,11 +46,11 @@ def make(config: EngineConfig) -> LLMEngine:
             raise RuntimeError("injected fault")
         return real_step()
 
-    def run(scheduled):
+    def plan(scheduled, *args):
         poison = state["plan"].get("poison")
         if poison and any(s.seq.request_id == poison for s in scheduled):
             raise RuntimeError("poisoned batch")
-        return real_run(scheduled)
+        return real_plan(scheduled, *args)
 
-    engine.step, engine.runner.run = step, run
+    engine.step, engine.runner.plan = step, plan
     return engine

@@ -148,11 +148,14 @@ def test_shared_memory_channel_delivers_every_message_in_order(tmp_path):
 
 
 # ---- same tokens --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name,collectives", [("llama-gqa-tied", "shm"), ("llama-gqa-tied", "gloo"),
-                                              ("llama3-rope-scaling", "shm"), ("qwen2-bias", "shm")])
-def test_two_ranks_match_one_rank_and_hf(name, collectives, tiny_path, monkeypatch):
+@pytest.mark.parametrize("name,collectives,ahead", [("llama-gqa-tied", "shm", False),
+                                                    ("llama-gqa-tied", "gloo", True),
+                                                    ("llama3-rope-scaling", "shm", False),
+                                                    ("qwen2-bias", "shm", True)])
+def test_two_ranks_match_one_rank_and_hf(name, collectives, ahead, tiny_path, monkeypatch):
     """gqa-tied: 2 KV heads, one per rank; rope-scaling: 1 KV head, replicated; qwen2: QKV bias,
-    untied LM head. Collectives through shared memory (one CPU node), and through gloo."""
+    untied LM head. Collectives through shared memory (one CPU node), and through gloo. Half the cases
+    schedule one step ahead (the followers receive each plan with its placeholders resolved)."""
     if collectives == "gloo":  # rank 0 sizes the shared-memory slots; 0 = none
         monkeypatch.setattr("nanoserve.parallel.ranks.shm_slot_bytes", lambda *a: 0)
     path = tiny_path(name)
@@ -160,7 +163,8 @@ def test_two_ranks_match_one_rank_and_hf(name, collectives, tiny_path, monkeypat
     kw = dict(dtype="float32", block_size=16, num_kv_blocks=64)
     with LLM(str(path), **kw) as one:
         single = [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY)]
-    with LLM(str(path), tensor_parallel_size=2, **kw) as two:
+    with LLM(str(path), tensor_parallel_size=2, async_scheduling=ahead, **kw) as two:
+        assert two.engine.pipeline.one_ahead is ahead
         parallel = [o.outputs[0].token_ids for o in two.generate(prompts, GREEDY)]
         assert two.engine.model.num_heads == 2 and two.engine.model.embed.shape[0] == 49152 // 2
         room = os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 256 << 20  # else gloo

@@ -10,7 +10,6 @@ import dataclasses
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -18,7 +17,9 @@ from nanoserve.config import EngineConfig
 from nanoserve.distributed.parallel import TensorParallel
 from nanoserve.engine.grammar import GrammarMatchers
 from nanoserve.engine.protocol import EngineSnapshot, ModelInfo, PromptRequest, StepFailed
-from nanoserve.engine.requests import Request, RequestBuilder, eos_token_ids, request_output
+from nanoserve.engine.request_table import RequestTable
+from nanoserve.engine.requests import Request, RequestBuilder, eos_token_ids
+from nanoserve.engine.step_pipeline import Collected, Launched, StepPipeline
 from nanoserve.heap import trim_heap
 from nanoserve.parallel.ranks import Ranks
 from nanoserve.parallel.shard import build_shard, check_memory, host_blocks, startup_phase
@@ -32,22 +33,12 @@ from nanoserve.models.loader import (GENERIC_TOKENIZERS, load_config, load_token
                                      resolve_model, tokenizer_dir)
 from nanoserve.models.tokenizer_facts import facts_of, read_tokenizer_facts
 from nanoserve.outputs import RequestOutput
-from nanoserve.sampling_params import InvalidRequest, SamplingParams
+from nanoserve.sampling_params import SamplingParams
 from nanoserve.scheduler import Scheduler
-from nanoserve.sequence import Sequence
 
 log = logging.getLogger("nanoserve")
 
 GiB = 1 << 30
-
-
-@dataclass
-class EngineStats:
-    """Monotonic counters for /metrics and benchmarks."""
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    finished: dict[str, int] = field(default_factory=dict)  # by finish reason
-    steps: int = 0
 
 
 class LLMEngine:
@@ -87,12 +78,15 @@ class LLMEngine:
         self.sampler = Sampler(config.seed, self.device)
         # constrained sequences
         self.grammars = GrammarMatchers(lambda: self.tokenizer, self.model.vocab_size)
+        self.pipeline = StepPipeline(self.runner, self.sampler, self.grammars, self.ranks,
+                                     config.resolved_async_scheduling(self.device))
+        self.inflight: Launched | None = None  # one step ahead: the step whose forward runs
         facts = (read_tokenizer_facts(tokenizer_dir(self.source, config.tokenizer), GENERIC_TOKENIZERS)
                  or facts_of(self.tokenizer))
         eos_ids = eos_token_ids(facts.eos_token_id, self.hf_config, self.source.path)
         self.max_token_chars = facts.max_token_chars
-        self.requests: dict[str, Request] = {}
-        self.stats = EngineStats()
+        self.table = RequestTable(self.scheduler, self.grammars)
+        self.requests, self.stats = self.table.requests, self.table.stats
         self.model_name = self.source.name
         self.info = ModelInfo(self.model_name, str(self.source.path), self.model.vocab_size,
                               self.max_model_len, self.max_token_chars, tuple(sorted(eos_ids)))
@@ -115,7 +109,8 @@ class LLMEngine:
         if not blocks:
             return None
         with startup_phase("host tier") as phase:
-            host = HostTier(blocks, self.runner.kv_cache, self.ranks.copier(make_copier(self.device)))
+            copier = make_copier(self.device)
+            host = HostTier(blocks, self.runner.kv_cache, self.ranks.copier(copier))
             how = (f"pinned in {len(host.pinned_ranges)} range(s)" if self.device.type == "cuda"
                    else "allocated")
             phase.what = (f"{blocks} blocks = {blocks * self.layout.block_size} tokens, "
@@ -136,38 +131,20 @@ class LLMEngine:
         return self.request_builder.build(preq)
 
     def add(self, req: Request) -> None:
-        if req.request_id in self.requests:
-            raise InvalidRequest(f"duplicate request id {req.request_id!r}", param="request_id")
-        self.requests[req.request_id] = req
-        self.grammars.add(req.seqs)
-        self.stats.prompt_tokens += len(req.prompt_token_ids) * len(req.seqs)
-        for seq in req.seqs:
-            self.scheduler.add(seq)
+        self.table.add(req)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
         self.add(self.make_request(request_id, prompt, params))
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        req = self.requests.get(request_id)
-        if req is None:
-            return None
-        for seq in req.seqs:
-            if not seq.is_finished:
-                self._finish(seq, "abort")
-        return self._output(req)
+        return self.table.abort(request_id)
 
     def finish(self, request_id: str, indices: list[int], stop_reason: str) -> RequestOutput | None:
         """Finish these choices with reason "stop" (the output processor found their stop string)."""
-        req = self.requests.get(request_id)
-        if req is None:
-            return None
-        for seq in req.seqs:
-            if seq.index in indices and not seq.is_finished:
-                seq.stop_reason = stop_reason
-                self._finish(seq, "stop")
-        return self._output(req)
+        return self.table.finish(request_id, indices, stop_reason)
 
     def has_unfinished(self) -> bool:
+        """Requests to step (a step left in flight only for finished ones completes with the next)."""
         return bool(self.requests)
 
     def active_request_ids(self) -> set[str]:
@@ -184,8 +161,7 @@ class LLMEngine:
         return self.scheduler.next_step_kind()
 
     def discard(self, request_id: str) -> None:
-        """Forget a request whose abort failed, so that it cannot fail every later step."""
-        self.requests.pop(request_id, None)
+        self.table.discard(request_id)
 
     def snapshot(self) -> EngineSnapshot:
         """Counts and counters for /metrics; the loop adds its own (step errors, invariant violations)."""
@@ -199,81 +175,81 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One step; raises StepFailed naming the requests a failure concerns (the scheduled ones, or,
-        when scheduling itself failed, the running ones and the one it was admitting)."""
+        """One turn: schedule a step, collect the one in flight (one step ahead), launch the new one, complete
+        the collected one; serially, launch, collect and complete the new one. Returns the outputs of the step
+        completed. Raises StepFailed naming the requests a failure concerns (a failed step's, or, when
+        scheduling itself failed, the running ones and the one it was admitting), with the outputs already
+        made."""
         try:
             sched = self.scheduler.schedule()
         except Exception as e:
             raise StepFailed(self.active_request_ids(), e) from e
-        try:
-            return self._step(sched)
-        except Exception as e:
-            raise StepFailed({s.seq.request_id for s in sched.scheduled}, e) from e
-
-    def _step(self, sched) -> list[RequestOutput]:
-        # the cleaner after scheduling: its saves overlap this step's forward, and it sees what the
-        # next step will ask for
+        # the cleaner after scheduling: its saves overlap the forward, and it sees what the next step needs
         self.kv.offload_cold_blocks(self.scheduler.kv_demand())
-        # only copies in flight (loads, or saves a deferral waits for): block, don't spin
-        if not sched.scheduled:
+        prev, self.inflight = self.inflight, None
+        collected = self._guarded(prev, self.pipeline.collect, prev) if prev is not None else None
+        try:
+            launched = self._launch(sched.scheduled, collected)
+        except StepFailed as e:
+            if collected is not None:  # the step before is done all the same: its outputs go with the error
+                e.outputs = self._guarded(prev, self._complete, collected)
+            raise
+        outputs = self._guarded(prev, self._complete, collected) if collected is not None else []
+        if launched is not None and not self.pipeline.one_ahead:
+            outputs += self._guarded(launched, self._complete, self._guarded(launched, self.pipeline.collect,
+                                                                              launched))
+        else:
+            self.inflight = launched
+        if launched is None and prev is None:  # only copies in flight: block, don't spin
             self.ranks.guard(self.scheduler.wait_for_transfers, 0.05)
-            return []
+        return outputs
+
+    def _launch(self, scheduled, collected):
+        if not scheduled:
+            return None
+        try:
+            launched = self.pipeline.launch(scheduled, collected)
+        except Exception as e:
+            raise StepFailed({s.seq.request_id for s in scheduled}, e) from e
         self.stats.steps += 1
-        logits, samplers, prompt_rows = self._run(sched)
-        for s in sched.scheduled:
-            s.seq.num_computed_tokens += s.num_tokens
-            self.kv.publish_computed(s.seq)
-        row = len(samplers)
-        for pr in prompt_rows:
-            targets = pr.seq.token_ids[pr.first_target:pr.first_target + pr.count]
-            pr.seq.prompt_logprobs += self.sampler.prompt_logprobs(
-                logits[row:row + pr.count], targets, pr.seq.params.prompt_logprobs)
-            row += pr.count
+        return launched
+
+    @staticmethod
+    def _guarded(launched: Launched, fn, *args):
+        try:
+            return fn(*args)
+        except StepFailed:
+            raise
+        except Exception as e:
+            raise StepFailed(launched.request_ids, e) from e
+
+    def drain(self) -> list[RequestOutput]:
+        """Complete the step in flight (one step ahead), if any."""
+        prev, self.inflight = self.inflight, None
+        return [] if prev is None else self._guarded(prev, self._complete,
+                                                     self._guarded(prev, self.pipeline.collect, prev))
+
+    def _complete(self, collected: Collected) -> list[RequestOutput]:
+        """A collected step's KV into the prefix cache and its tokens into their sequences."""
+        launched = collected.launched
+        for s, start in zip(launched.scheduled, launched.starts):
+            seq = s.seq
+            seq.num_inflight_tokens = 0
+            if seq.block_table and not seq.is_finished:  # not freed since (finished, aborted, preempted)
+                self.kv.publish_computed(seq, start + s.num_tokens)
         touched: dict[str, Request] = {}
-        if samplers:
-            result = self.sampler(logits[:len(samplers)], samplers, self.grammars.bitmask(samplers))
-            now = time.monotonic()
-            for seq, tok, lp in zip(samplers, result.token_ids, result.logprobs):
-                req = self.requests[seq.request_id]
+        if collected.result is not None:
+            result, now = collected.result, time.monotonic()
+            for seq, tok, lp in zip(launched.samplers, result.token_ids, result.logprobs):
+                seq.num_pending -= 1
+                if seq.is_finished:  # finished or aborted after this step was launched: its token is dropped
+                    continue
+                req = self.table.append(seq, tok, lp, now)
                 touched[req.request_id] = req
-                self._append(req, seq, tok, lp, now)
-        return [self._output(r) for r in touched.values()]
+        return [self.table.output(r) for r in touched.values()]
 
     def check_workers(self) -> None:
         self.ranks.check()
-
-    def _run(self, sched):
-        return self.ranks.guard(self.runner.run, sched.scheduled)
-
-    def _append(self, req: Request, seq: Sequence, tok: int, lp, now: float) -> None:
-        seq.token_ids.append(tok)
-        self.stats.generation_tokens += 1
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        if lp is not None:
-            seq.output_logprobs.append(lp)
-        p = seq.params
-        if (grammar_end := self.grammars.accept(seq, tok)) is not None:  # complete (or, a bug, refused)
-            self._finish(seq, grammar_end)
-        elif tok in p.stop_token_ids:
-            seq.stop_reason = tok
-            self._finish(seq, "stop")
-        elif tok in seq.eos_token_ids and not p.ignore_eos:
-            self._finish(seq, "stop")
-        elif seq.num_output_tokens >= seq.max_tokens:
-            self._finish(seq, "length")
-
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        seq.finish_reason = reason
-        self.scheduler.finish(seq)
-        self.grammars.free(seq)
-        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
-
-    def _output(self, req: Request) -> RequestOutput:
-        out = request_output(req)
-        if out.finished:
-            del self.requests[req.request_id]
-        return out
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
@@ -283,7 +259,12 @@ class LLMEngine:
         other tensor-parallel ranks."""
         self.grammars.close()
         try:
-            self.kv.close()
+            self.drain()
+        except StepFailed:  # its requests are being failed by whoever closes the engine
+            pass
         finally:
-            self.ranks.close()
+            try:
+                self.kv.close()
+            finally:
+                self.ranks.close()
 

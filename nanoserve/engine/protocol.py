@@ -35,6 +35,7 @@ class StepFailed(RuntimeError):
     def __init__(self, request_ids: set[str], cause: Exception) -> None:
         super().__init__(f"{type(cause).__name__}: {cause}")
         self.request_ids, self.cause = request_ids, cause
+        self.outputs: list[RequestOutput] = []  # of a step completed in the same turn (one step ahead)
 
 
 class EngineStartError(RuntimeError):

@@ -18,7 +18,7 @@ import logging
 
 from nanoserve.kvcache.block_pool import BlockPool
 from nanoserve.kvcache.copies import Load, LoadState, TierCopies
-from nanoserve.kvcache.hit_stats import HitStats, PrefixCacheStats
+from nanoserve.kvcache.tier_stats import HitStats, PrefixCacheStats, tier_reports
 from nanoserve.kvcache.host_tier import HostTier
 from nanoserve.kvcache.policy import Supply, TierPolicy
 from nanoserve.kvcache.prefix import PrefixChains, PrefixHit, Tier
@@ -120,6 +120,9 @@ class KVCacheManager:
             self.copies.wait_on(seq.seq_id, shared)
         seq.block_table = table
         seq.num_computed_tokens = num_cached
+        # the leading device hits are published; a load publishes its blocks when it lands
+        seq.num_published_blocks = next((i for i, (t, _) in enumerate(hits) if t is not Tier.DEVICE),
+                                        len(hits))
         self.hits.admitted(seq, num_cached, len(host_hits) * self.block_size, loading=bool(shared))
         return Admission.ADMITTED
 
@@ -226,40 +229,37 @@ class KVCacheManager:
             self.policy.note_lossy(before, room)
         return supply
 
-    def publish_computed(self, seq: Sequence) -> None:
-        """Publish the full blocks whose KV has now been written."""
+    def publish_computed(self, seq: Sequence, num_tokens: int | None = None) -> None:
+        """Publish the full blocks among the first `num_tokens` (default: every computed one) whose KV has
+        now been written: only those not published yet (a step hashes and looks at its newly full blocks,
+        not the whole table)."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
-        for i, h in enumerate(self.chains.hashes(seq, num_full)):
+        num_tokens = seq.num_computed_tokens if num_tokens is None else num_tokens
+        first, num_full = seq.num_published_blocks, num_tokens // self.block_size
+        if num_full <= first:
+            return
+        hashes = self.chains.hashes(seq, num_full)
+        for i in range(first, num_full):
             block = seq.block_table[i]
             if self.pool.block_hash[block] is None:
-                if self.pool.publish(block, h, seq.block_keys[i]) and self.copies is not None:
+                if self.pool.publish(block, hashes[i], seq.block_keys[i]) and self.copies is not None:
                     self.copies.twin(block)  # computed again while its KV was on host: clean already
+        seq.num_published_blocks = num_full
 
     def free(self, seq: Sequence) -> None:
         """Release every block; tail blocks first so the LRU evicts them before shared prefixes."""
         for block in reversed(seq.block_table):
             self.pool.release(block)  # a block still loading stays pinned by its copy
         seq.block_table = []
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_published_blocks = 0
         if self.copies is not None:
             self.copies.forget(seq.seq_id)
         self.hits.forget(seq.seq_id)
 
     def reports(self) -> list[TierReport]:
-        st = self.pool.stats()
-        out = [TierReport("device", st.total, st.in_use, st.cached_free, st.free, self.block_size,
-                          self.device_stats.queries, self.device_stats.hits, self.pool.num_evictions,
-                          st.in_flight, lossy_evictions=self.pool.num_lossy_evictions)]
-        if self.host is not None:
-            hs, t = self.host.pool.stats(), self.host.transfers
-            out.append(TierReport("host", hs.total, hs.in_use, hs.cached_free, hs.free, self.block_size,
-                                  self.host_stats.queries, self.host_stats.hits, self.host.pool.num_evictions,
-                                  hs.in_flight, self.host.pool.num_lossy_evictions, t.bytes_in, t.bytes_out,
-                                  t.seconds_in, t.seconds_out, t.failed_in + self.num_save_submit_failures,
-                                  t.failed_out + self.num_load_submit_failures))
-        return out
+        return tier_reports(self.pool, self.hits, self.host, self.block_size, self.num_save_submit_failures,
+                            self.num_load_submit_failures)
 
     def check_invariants(self) -> None:
         """Pool accounting per tier, pins and clean flags (copies.py), and held hit stats."""

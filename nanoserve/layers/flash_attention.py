@@ -3,7 +3,8 @@
 Block layout [block_size, kv_heads, head_dim] inside the block-major cache
 [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]; each layer's K and V are strided
 views of it (flash-attn needs only the last dim contiguous: the cache is never copied).
-Per layer: one indexed store of the step's new K/V, then
+Per layer: one indexed store of the step's new K/V (skipped when the caller stored them: a fused
+RoPE + KV write, `kv_destination` and `forward(..., kv_written=True)`), then
 - any step with a prefill chunk: one `flash_attn_varlen_func(..., block_table=...)`;
 - pure-decode steps: one `flash_attn_with_kvcache(q[:, None], ..., cache_seqlens, block_table)`.
 
@@ -130,13 +131,25 @@ class FlashAttention(AttentionBackend):
         # padded (graph) steps bake this int into the graph: use the table's capacity
         self.max_seqlen_k = max(batch.context_lens) if pad_to is None else width * bs
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    def kv_destination(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(K cache, V cache, slot blocks, slot offsets): this layer's caches as [blocks, block_size,
+        kv_heads, head_dim] views and the prepared step's block and offset of each new token, for a caller
+        that stores the step's K/V itself (layers/triton_fused.py's rope_kv) and then calls
+        `forward(..., kv_written=True)`."""
+        b = self.batch
+        return self.kv_cache[:, layer, 0], self.kv_cache[:, layer, 1], b.slot_blocks, b.slot_offsets
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                kv_written: bool = False) -> torch.Tensor:
+        """kv_written: k and v are already stored at the step's slots (kv_destination); they are still
+        read where a fresh prefill attends its own K/V."""
         k_cache, v_cache = self.kv_cache[:, layer, 0], self.kv_cache[:, layer, 1]  # [N, bs, kh, D] views
         b = self.batch
         # index_put_ with int64 indices: in place, and the block stride (past 2^31 elements on
         # 8B-sized caches) never passes through int32 arithmetic
-        k_cache[b.slot_blocks, b.slot_offsets] = k
-        v_cache[b.slot_blocks, b.slot_offsets] = v
+        if not kv_written:
+            k_cache[b.slot_blocks, b.slot_offsets] = k
+            v_cache[b.slot_blocks, b.slot_offsets] = v
         if self.decode_only:
             out = self.flash.flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache,
                                                      cache_seqlens=self.cache_seqlens,

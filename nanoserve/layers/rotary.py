@@ -42,6 +42,7 @@ class RotaryEmbedding:
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D] (Q and K heads together: one pass instead of two)."""
+    """x [T, heads, D] (Q and K heads together: one pass instead of two). layers/triton_fused.py's
+    rope_kv rounds as this does (each product, then the sum): a change here is a change there."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

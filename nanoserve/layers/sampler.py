@@ -9,10 +9,39 @@ import torch
 from nanoserve.sequence import Sequence, TokenLogprob
 
 
+class HostTokens:
+    """Sampled ids on the host. On CPU at once; on CUDA through a pinned copy queued right after
+    sampling and waited for on first use, so a step launched in between does not delay it (reading the
+    device tensor itself would wait for everything queued before the read)."""
+
+    def __init__(self, tokens: torch.Tensor, ids: list[int] | None = None) -> None:
+        self._ids, self._pending = ids, None
+        if ids is None and tokens.device.type == "cuda":
+            pinned = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            pinned.copy_(tokens, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            self._pending = (pinned, done)
+        elif ids is None:
+            self._ids = tokens.tolist()
+
+    def get(self) -> list[int]:
+        if self._ids is None:
+            pinned, done = self._pending
+            done.synchronize()
+            self._ids, self._pending = pinned.tolist(), None
+        return self._ids
+
+
 @dataclass
 class SampleResult:
-    token_ids: list[int]
+    tokens: torch.Tensor                 # [S] on the logits' device (a step one ahead reads them there)
+    host: HostTokens
     logprobs: list[TokenLogprob | None]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.host.get()
 
 
 def apply_penalties(logits: torch.Tensor, seq: Sequence) -> None:
@@ -81,12 +110,12 @@ class Sampler:
         tokens = self._choose(self._process(logits, seqs, allowed), seqs)
         lps: list[TokenLogprob | None] = [None] * len(seqs)
         if raw is None:
-            return SampleResult(tokens.tolist(), lps)
+            return SampleResult(tokens, HostTokens(tokens), lps)
         rows, ids = _logprob_rows(raw, tokens.index_select(0, rows_t),
                                   [seqs[i].params.logprobs for i in want], tokens)
         for i, lp in zip(want, rows):
             lps[i] = lp
-        return SampleResult(ids, lps)
+        return SampleResult(tokens, HostTokens(tokens, ids), lps)
 
     @staticmethod
     @torch.inference_mode()

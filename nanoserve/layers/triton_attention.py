@@ -2,7 +2,8 @@
 
 Same cache layout and step metadata as the flash backend (it reuses FlashAttention.prepare:
 int32 block tables, cu_seqlens, cache_seqlens in persistent staged buffers), three kernels:
-- `_store_kv`: each new token's K and V into its (block, offset) slot;
+- `_store_kv`: each new token's K and V into its (block, offset) slot (unless the caller stored them:
+  `kv_written`, as in FlashAttention);
 - `_prefill`: varlen causal attention of each sequence's query chunk over its paged context
   (bottom-right aligned: query i of a chunk of n sees keys 0..ctx-n+i), any mix of fresh
   prefills, chunk continuations, prefix hits and decodes; when the query tiles are too few
@@ -251,15 +252,18 @@ class TritonAttention(FlashAttention):
         per = -(-self.max_seqlen_k // chunks)
         return chunks, -(-per // self.block_n) * self.block_n
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                kv_written: bool = False) -> torch.Tensor:
+        """kv_written: as FlashAttention's (the step's K/V already at their slots: no `_store_kv`)."""
         k_cache, v_cache = self.kv_cache[:, layer, 0], self.kv_cache[:, layer, 1]  # [N, bs, kh, D] views
         b = self.batch
         t, h, d = q.shape
         kh = k.shape[1]
         g = h // kh
         sc = k_cache.stride()
-        _store_kv[(t,)](k, v, k_cache, v_cache, b.slot_blocks, b.slot_offsets, k.stride(0), k.stride(1),
-                        v.stride(0), v.stride(1), sc[0], sc[1], sc[2], kh, d, KH_P=_p2(kh), D_P=_p2(d))
+        if not kv_written:
+            _store_kv[(t,)](k, v, k_cache, v_cache, b.slot_blocks, b.slot_offsets, k.stride(0), k.stride(1),
+                            v.stride(0), v.stride(1), sc[0], sc[1], sc[2], kh, d, KH_P=_p2(kh), D_P=_p2(d))
         out = torch.empty_like(q)
         table = self.block_table
         if self.decode_only:

@@ -193,7 +193,8 @@ def _hub_errors(ref: RepoRef, opts: HubOptions) -> Iterator[None]:
     except errors.HfHubHTTPError as e:
         raise say(f"{host} refused the token in HF_TOKEN (401): set a valid read token "
                   f"({host}/settings/tokens)" if _status(e) == 401
-                  else f"{host} answered {_status(e)} for {ref.repo}: {str(e).strip().splitlines()[0]}") from e
+                  else f"{host} answered {_status(e)} for {ref.repo}: "
+                       f"{str(e).strip().splitlines()[0]}") from e
     except errors.LocalEntryNotFoundError as e:  # snapshot_download: the hub went away, nothing cached
         raise HubUnreachable(f"{host} could not be reached ({_reason(e.__cause__ or e)})") from e
     except Exception as e:

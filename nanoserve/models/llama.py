@@ -4,7 +4,8 @@ cache through an attention backend. Q/K/V and gate/up projections are fused into
 
 One forward per device: on CPU with the C++ kernels the layers run as csrc/decoder_stack.cpp's loop, from the
 typed plan models/llama_plan.py makes of them; everywhere else (CUDA, CPU without the kernels or with head
-dims their attention does not serve) as `_layers`, torch ops and the layers' own calls.
+dims their attention does not serve) as `_layers`, torch ops and the layers' own calls; on CUDA with the
+small ops fused into Triton kernels (`fused_layers`, layers/triton_fused.py; $NANOSERVE_FUSED_OPS=0: off).
 
 Tensor parallel (distributed/parallel.py): a rank holds its heads' rows of QKV, its columns of
 o_proj, its slice of gate/up and of down, and its rows of the embedding and LM head; the
@@ -12,8 +13,10 @@ constructor's sizes are this rank's, and `weight_targets` says which slice of ea
 tensor the rank reads, so no rank ever holds a full tensor it does not use."""
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +26,8 @@ from nanoserve.distributed.parallel import TensorParallel, shard_heads, split, v
 from nanoserve.heap import trim_heap
 from nanoserve.layers import hugepages
 from nanoserve.layers.attention import AttentionBackend
+from nanoserve.layers.backend_choice import triton_usable
+from nanoserve.layers.flash_attention import FlashAttention
 from nanoserve.kernels.cpu_kernels import gemm_amx
 from nanoserve.layers.linear import GateUp, Linear, gate_up_layer
 from nanoserve.layers.quant_linear import QuantEmbedding, QuantLinear, QuantTensor, Scratch
@@ -240,6 +245,8 @@ class LlamaModel(nn.Module):
                 attn: AttentionBackend) -> torch.Tensor:
         """The decoder layers over the embedded tokens x (updated in place): the last layer's residual
         stream. The torch loop: every device's but a CPU model's with the C++ kernels (its `stack`)."""
+        if (ops := fused_ops(x.device)) is not None:
+            return fused_layers(self, x, cos, sin, attn, ops)
         h, d, hk = self.num_heads, self.head_dim, self.num_kv_heads
         k_end = self.q_size + self.kv_size
         residual = x
@@ -261,6 +268,49 @@ class LlamaModel(nn.Module):
         outside = (local < 0) | (local >= self.vocab_end - self.vocab_start)
         x = F.embedding(local.masked_fill(outside, 0), self.embed)
         return self.tp.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0))
+
+
+def fused_ops(device: torch.device) -> ModuleType | None:
+    """layers/triton_fused.py where `_layers` runs its fused loop, else None: on CUDA when Triton imports.
+    $NANOSERVE_FUSED_OPS=0 turns them off (the A/B of a GPU run), =1 asks for them wherever Triton runs
+    (CPU: under TRITON_INTERPRET=1, for tests) and fails where it does not."""
+    forced = os.environ.get("NANOSERVE_FUSED_OPS", "")
+    if forced not in ("", "0", "1"):
+        raise ValueError(f"$NANOSERVE_FUSED_OPS must be 0 or 1, got {forced!r}")
+    if forced == "0" or (forced == "" and device.type != "cuda"):
+        return None
+    if (why := triton_usable(device)) is not None:
+        if forced == "1":
+            raise ValueError(f"NANOSERVE_FUSED_OPS=1: {why}")
+        return None
+    from nanoserve.layers import triton_fused
+    return triton_fused
+
+
+def fused_layers(model: LlamaModel, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 attn: AttentionBackend, ops: ModuleType) -> torch.Tensor:
+    """`LlamaModel._layers` with the small ops fused (`ops`: layers/triton_fused.py): each residual add
+    with the RMSNorm after it (a layer's input norm takes the previous layer's MLP add), RoPE in
+    place in the QKV output with the step's K/V stored into a paged backend's cache (which then skips
+    its own store), SiLU·mul. The torch loop's roundings, to the bounds the fused ops state."""
+    m, h, hk, d = model, model.num_heads, model.num_kv_heads, model.head_dim
+    paged = isinstance(attn, FlashAttention)  # Triton's too: their forward takes kv_written
+    residual = x
+    x = ops.add_rms_norm(residual, None, m.layers[0].input_norm, m.eps)
+    for i, layer in enumerate(m.layers):
+        dest = attn.kv_destination(i) if paged else None
+        q, k, v = ops.rope_kv(layer.qkv_lin(x), cos, sin, h, hk, dest)
+        o = attn.forward(q, k, v, i, kv_written=True) if paged else attn.forward(q, k, v, i)
+        x = ops.add_rms_norm(residual, m.tp.all_reduce(layer.o_lin(o.view(-1, h * d))), layer.post_norm,
+                             m.eps)
+        lin = layer.gate_up_lin  # a layer that fuses SiLU·mul into its GEMM keeps doing so
+        own = isinstance(lin, GateUp) or getattr(lin, "fused_glu", False)
+        mlp = m.tp.all_reduce(layer.down_lin(lin.silu_mul(x) if own else ops.silu_mul(lin(x))))
+        if i + 1 < len(m.layers):
+            x = ops.add_rms_norm(residual, mlp, m.layers[i + 1].input_norm, m.eps)
+        else:
+            residual.add_(mlp)
+    return residual
 
 
 def silu_mul(lin: object, x: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from typing import Literal, Union
 
 from nanoserve.runner.step_plan import StepPlan
 
-WIRE_VERSION = 1  # bump on any change to a message's fields: nodes of two versions refuse each other
+WIRE_VERSION = 2  # bump on any change to a message's fields: nodes of two versions refuse each other
 
 
 class MessageError(RuntimeError):

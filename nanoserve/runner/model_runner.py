@@ -126,28 +126,41 @@ class ModelRunner:
             listener.after()
         return logits, samplers, prompt_rows
 
-    def plan(self,
-             scheduled: list[ScheduledTokens]) -> tuple[StepPlan, list[Sequence], list[PromptLogitRows]]:
+    def plan(self, scheduled: list[ScheduledTokens], sample_rows: dict[int, int] | None = None
+             ) -> tuple[StepPlan, list[Sequence], list[PromptLogitRows]]:
+        """`sample_rows`: where the tokens still being sampled come from (runner/step_plan.py)."""
         # decodes first: both backends attend them together
         decodes = [s for s in scheduled if is_decode(s)]
         order = decodes + [s for s in scheduled if not is_decode(s)]
         bucket = self._bucket(len(decodes)) if len(decodes) == len(order) else None
         if bucket is not None and (bucket in self.graphs or self.opts.padded_decode):
-            return plan_padded_decode(order, bucket, self.layout.block_size), [s.seq for s in order], []
-        return plan_step(order, len(decodes), self.layout.block_size)
+            plan = plan_padded_decode(order, bucket, self.layout.block_size, sample_rows)
+            return plan, [s.seq for s in order], []
+        return plan_step(order, len(decodes), self.layout.block_size, sample_rows)
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> torch.Tensor | None:
-        """The forward of a plan (on every tensor-parallel rank); logits on rank 0, None elsewhere."""
+    def execute(self, plan: StepPlan, sampled: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The forward of a plan (on every tensor-parallel rank); logits on rank 0, None elsewhere.
+        `sampled`: the tokens the step before sampled, on the device, for the plan's placeholder rows
+        (a step launched before that one's tokens reached the host)."""
         if plan.bucket is not None:
-            return self._run_padded_decode(plan)
-        logits = self._forward(plan)
+            return self._run_padded_decode(plan, sampled)
+        logits = self._forward(plan, sampled)
         self.steps_eager += 1
         return logits
 
-    def _forward(self, plan: StepPlan) -> torch.Tensor | None:
+    def _fill_placeholders(self, plan: StepPlan, dev: torch.Tensor, sampled: torch.Tensor | None) -> None:
+        """The placeholder rows' token ids from the device-resident sampled tokens (no host round trip)."""
+        if plan.placeholder_rows:
+            assert sampled is not None, "a plan with placeholders needs the step before's sampled tokens"
+            rows = torch.tensor(plan.placeholder_rows, dtype=torch.long).to(dev.device, non_blocking=True)
+            src = torch.tensor(plan.placeholder_from, dtype=torch.long).to(sampled.device, non_blocking=True)
+            dev[IDS].index_copy_(0, rows, sampled.index_select(0, src).to(dev.dtype))
+
+    def _forward(self, plan: StepPlan, sampled: torch.Tensor | None = None) -> torch.Tensor | None:
         self.inputs.write(plan)
         dev = self.inputs.upload(len(plan.ids))
+        self._fill_placeholders(plan, dev, sampled)
         self.attn.prepare(AttentionBatch(plan.query_lens, plan.context_lens, plan.tables, plan.num_decodes,
                                          dev[BLK], dev[OFF]))
         self.staging.end_uploads()
@@ -157,10 +170,11 @@ class ModelRunner:
     def _bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
 
-    def _run_padded_decode(self, plan: StepPlan) -> torch.Tensor | None:
+    def _run_padded_decode(self, plan: StepPlan, sampled: torch.Tensor | None = None) -> torch.Tensor | None:
         n, bucket = len(plan.ids), plan.bucket
         self.inputs.write(plan)
         self._padded_upload(bucket, plan.tables, plan.context_lens)
+        self._fill_placeholders(plan, self.inputs.dev, sampled)
         if bucket in self.graphs:
             logits = self.decode_graphs.replay(bucket)
             self.steps_graphed += 1

@@ -3,7 +3,7 @@ are wanted, and per-sequence attention metadata, decodes first. Pure Python, no 
 crosses to the other tensor-parallel ranks, and each rank's runner stages and runs it."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from nanoserve.sequence import Sequence
@@ -39,6 +39,16 @@ class StepPlan:
     tables: list[list[int]]
     num_decodes: int
     bucket: int | None = None
+    # rows whose token a step still in flight is sampling (ids -1 there): from that step's sampled tokens,
+    # row placeholder_rows[i] <- sampled[placeholder_from[i]]; empty once resolved on the host
+    placeholder_rows: list[int] = field(default_factory=list)
+    placeholder_from: list[int] = field(default_factory=list)
+
+    def resolve(self, sampled: list[int]) -> None:
+        """Put the sampled tokens in their rows (on the host: CPU, or a plan other ranks receive)."""
+        for row, src in zip(self.placeholder_rows, self.placeholder_from):
+            self.ids[row] = sampled[src]
+        self.placeholder_rows, self.placeholder_from = [], []
 
 
 class StepListener(Protocol):
@@ -52,10 +62,12 @@ def is_decode(s: ScheduledTokens) -> bool:
     return s.num_tokens == 1 and s.seq.num_computed_tokens > 0
 
 
-def plan_step(order: list[ScheduledTokens], num_decodes: int,
-              block_size: int) -> tuple[StepPlan, list[Sequence], list[PromptLogitRows]]:
+def plan_step(order: list[ScheduledTokens], num_decodes: int, block_size: int,
+              sample_rows: dict[int, int] | None = None
+              ) -> tuple[StepPlan, list[Sequence], list[PromptLogitRows]]:
     """The plan of a step (`order`: decodes first), the sequences that sample (their logits rows
-    come first, in this order), and the rows after those that score prompt tokens."""
+    come first, in this order), and the rows after those that score prompt tokens. `sample_rows`: seq id
+    -> its row among the sampled tokens of the step in flight, for the tokens still being sampled."""
     bs = block_size
     plan = StepPlan([], [], [], [], [], [], [], [], num_decodes)
     samplers: list[Sequence] = []
@@ -64,6 +76,10 @@ def plan_step(order: list[ScheduledTokens], num_decodes: int,
     for s in order:
         seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_tokens
         plan.ids.extend(seq.token_ids[start:start + n])
+        if start + n > len(seq.token_ids):  # its last token is still being sampled
+            plan.placeholder_rows.append(len(plan.ids))
+            plan.placeholder_from.append((sample_rows or {})[seq.seq_id])
+            plan.ids.append(-1)
         pos = range(start, start + n)
         plan.positions.extend(pos)
         table = seq.block_table
@@ -86,15 +102,17 @@ def plan_step(order: list[ScheduledTokens], num_decodes: int,
     return plan, samplers, prompt_rows
 
 
-def plan_padded_decode(decodes: list[ScheduledTokens], bucket: int, block_size: int) -> StepPlan:
+def plan_padded_decode(decodes: list[ScheduledTokens], bucket: int, block_size: int,
+                       sample_rows: dict[int, int] | None = None) -> StepPlan:
     """A pure-decode step padded to `bucket` rows (the runner's input staging fills the padding)."""
     bs = block_size
     seqs = [s.seq for s in decodes]
     pos = [s.num_computed_tokens for s in seqs]
-    return StepPlan([s.token_ids[p] for s, p in zip(seqs, pos)], pos,
-                    [s.block_table[p // bs] for s, p in zip(seqs, pos)], [p % bs for p in pos],
+    pending = [i for i, (s, p) in enumerate(zip(seqs, pos)) if p >= len(s.token_ids)]
+    ids = [s.token_ids[p] if p < len(s.token_ids) else -1 for s, p in zip(seqs, pos)]
+    return StepPlan(ids, pos, [s.block_table[p // bs] for s, p in zip(seqs, pos)], [p % bs for p in pos],
                     [], [1] * len(seqs), [p + 1 for p in pos], [s.block_table for s in seqs], len(seqs),
-                    bucket)
+                    bucket, pending, [(sample_rows or {})[seqs[i].seq_id] for i in pending])
 
 
 def plan_padding(bucket: int) -> StepPlan:

@@ -122,15 +122,17 @@ void define_attention(py::module_& m) {
     return r;
   });
 #endif
-  m.def("paged_prefill_attention", &paged_prefill_attention);
+  // tensor-only kernels run without the GIL: a step's forward on the compute thread (the LM head, the torch
+  // path's attention) leaves the engine's Python free to schedule the next step meanwhile
+  m.def("paged_prefill_attention", &paged_prefill_attention, py::call_guard<py::gil_scoped_release>());
   m.def("amx", &amx);
   m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("cache"), py::arg("layer"),
-        py::arg("tables"), py::arg("ctx"), py::arg("scale"), py::arg("out") = py::none());
+        py::arg("tables"), py::arg("ctx"), py::arg("scale"), py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.attr("head_dims") = py::make_tuple(64, 128);  // the attention kernels' templates
-  m.def("add_rms_norm", &add_rms_norm);
-  m.def("rope_", &rope_);
-  m.def("write_kv", &write_kv);
-  m.def("linear_rows", &linear_rows);
+  m.def("add_rms_norm", &add_rms_norm, py::call_guard<py::gil_scoped_release>());
+  m.def("rope_", &rope_, py::call_guard<py::gil_scoped_release>());
+  m.def("write_kv", &write_kv, py::call_guard<py::gil_scoped_release>());
+  m.def("linear_rows", &linear_rows, py::call_guard<py::gil_scoped_release>());
 #if defined(__AVX512F__)
   m.attr("vectorized") = true;  // the norm and RoPE kernels run 16 lanes at a time (bf16, fp32)
 #else
@@ -139,11 +141,12 @@ void define_attention(py::module_& m) {
 }
 
 void define_quant(py::module_& m) {
-  m.def("quant_linear", &quant_linear, py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("out"));
-  m.def("quant_linear_glu", &quant_linear_glu, py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("out"));
-  m.def("quant_dequantize", &quant_dequantize, py::arg("w"), py::arg("qtype"), py::arg("out"));
+  m.def("quant_linear", &quant_linear, py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
+  m.def("quant_linear_glu", &quant_linear_glu, py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("out"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("quant_dequantize", &quant_dequantize, py::arg("w"), py::arg("qtype"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
   m.def("quant_rows", &quant_rows, py::arg("w"), py::arg("qtype"), py::arg("rows"), py::arg("ids"),
-        py::arg("out"));
+        py::arg("out"), py::call_guard<py::gil_scoped_release>());
   m.def("quant_pack", &quant_pack, py::arg("w"), py::arg("qtype"));
   // whether quant_linear takes packed matrices (the layer packs its weights at load where it does)
   m.def("packs", &quant_packs);

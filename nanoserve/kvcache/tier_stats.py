@@ -1,10 +1,14 @@
-"""Prefix-cache hit accounting per tier: a sequence's usage numbers and the tier counters, counted once
-per request at its first admission, and only once every block it was promised is on device (a load that
-fails was a miss, not a hit)."""
+"""The tiers' counters and their reports. Prefix-cache hits: a sequence's usage numbers and the tier
+counters, counted once per request at its first admission, and only once every block it was promised is
+on device (a load that fails was a miss, not a hit). Reports: each tier's blocks, hits, evictions and
+copies, as /metrics and the logs show them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from nanoserve.kvcache.block_pool import BlockPool
+from nanoserve.kvcache.host_tier import HostTier
+from nanoserve.kvcache.report import TierReport
 from nanoserve.sequence import Sequence
 
 
@@ -48,3 +52,19 @@ class HitStats:
         if self.host is not None:
             self.host.queries += seq.num_prompt_tokens - (num_cached - host_tokens)
             self.host.hits += host_tokens
+
+
+def tier_reports(pool: BlockPool, hits: HitStats, host: HostTier | None, block_size: int,
+                 save_submit_failures: int, load_submit_failures: int) -> list[TierReport]:
+    st = pool.stats()
+    out = [TierReport("device", st.total, st.in_use, st.cached_free, st.free, block_size,
+                      hits.device.queries, hits.device.hits, pool.num_evictions, st.in_flight,
+                      lossy_evictions=pool.num_lossy_evictions)]
+    if host is not None and hits.host is not None:
+        hs, t = host.pool.stats(), host.transfers
+        out.append(TierReport("host", hs.total, hs.in_use, hs.cached_free, hs.free, block_size,
+                              hits.host.queries, hits.host.hits, host.pool.num_evictions, hs.in_flight,
+                              host.pool.num_lossy_evictions, t.bytes_in, t.bytes_out, t.seconds_in,
+                              t.seconds_out, t.failed_in + save_submit_failures,
+                              t.failed_out + load_submit_failures))
+    return out
