@@ -443,11 +443,11 @@ def decode_rate(llm: LLM, batch: int, shapes: Shapes, device: str, tag: str) -> 
     tokens = eng.stats.generation_tokens - tok0
     graphed = r.steps_graphed - g0
     out = dict(batch=batch, tokens=tokens, tok_s=tokens / el, step_ms=1000 * el / shapes.decode_steps,
-               graphed_share=graphed / max(graphed + r.steps_eager - e0, 1), kernels_per_step=None)
-    if device == "cuda":  # the device's own clock: kernel time and count over a few more steps
-        out["kernels_per_step"], out["busy_ms"] = kernel_profile(eng, PROFILED_STEPS)
-    else:  # the clock around each forward
-        out["busy_ms"] = 1000 * (eng.pipeline.busy_seconds - busy0) / shapes.decode_steps
+               graphed_share=graphed / max(graphed + r.steps_eager - e0, 1),
+               busy_ms=1000 * (eng.pipeline.busy_seconds - busy0) / shapes.decode_steps)
+    out["kernels_per_step"], device_ms = kernel_profile(eng, PROFILED_STEPS, device)
+    if device_ms is not None:  # CUDA: the device's own clock, not the host's time inside the launches
+        out["busy_ms"] = device_ms
     out["gap_ms"] = max(out["step_ms"] - out["busy_ms"], 0.0)
     for rid in ids:
         eng.abort(rid)
@@ -458,18 +458,22 @@ def decode_rate(llm: LLM, batch: int, shapes: Shapes, device: str, tag: str) -> 
 PROFILED_STEPS = 8
 
 
-def kernel_profile(eng, steps: int) -> tuple[float, float]:
-    """(kernels, ms of kernel time) per step over `steps` decode steps, by the CUDA profiler: the device's
-    busy time; what the step's wall time has beyond it is the host's gap."""
+def kernel_profile(eng, steps: int, device: str) -> tuple[float, float | None]:
+    """Per step over `steps` more decode steps, by torch's profiler: CUDA, (kernels, ms of kernel time: the
+    device's busy time, the step's wall time beyond it the host's gap); CPU, (top-level torch ops, None):
+    the C++ layer loop is one op there, so the count is what runs around it."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
-    sync("cuda")
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    cuda = device == "cuda"
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             eng.step()
-        sync("cuda")
-    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    return len(kernels) / steps, sum(e.device_time for e in kernels) / steps / 1e3
+        sync(device)
+    if cuda:
+        kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+        return len(kernels) / steps, sum(e.device_time_total for e in kernels) / steps / 1e3
+    return sum(e.cpu_parent is None for e in prof.events()) / steps, None
 
 
 def prefill_rate(llm: LLM, shapes: Shapes, device: str) -> float:
@@ -1291,7 +1295,7 @@ def print_table(r: dict, criteria: list[Criterion], judged: bool) -> None:
                 print(f"{name:8} {mode:8} {row['batch']:>5} {row['tok_s']:>9.0f} "
                       f"{row['roofline_tok_s']:>9.0f} "
                       f"{row['of_roofline']:>8.0%} {row['graphed_share']:>8.0%} {row['busy_ms']:>8.2f} "
-                      f"{row['gap_ms']:>7.2f} {kern if kern is not None else '-':>9} "
+                      f"{row['gap_ms']:>7.2f} {f'{kern:.0f}' if kern is not None else '-':>9} "
                       f"{f'{serial:.0f}' if serial is not None else '-':>9}")
         if "prefill_tok_s" in v:
             print(f"{name:8} prefill  {v['prefill_tok_s']:.0f} tok/s")

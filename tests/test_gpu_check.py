@@ -47,7 +47,7 @@ def test_gpu_check_cpu_smoke(tmp_path):
         assert all(row["tok_s"] > 0 and row["roofline_tok_s"] > 0 for row in rows.values())
         # the forward's busy time within the step, the rest the host's gap; the serial A/B on the same engine
         assert all(0 < row["busy_ms"] and row["gap_ms"] >= 0 and row["serial_tok_s"] > 0
-                   for row in rows.values())
+                   and row["kernels_per_step"] > 0 for row in rows.values())
     q = r["quant"]  # every quantized kernel within its bound of its own dequantized weight; the twins ran
     assert q["kernels_ok"] and [len(shape) for shape in q["kernels"].values()] == [3, 3]
     assert all({"bf16", "q8_0", "fp8", "fp8_triton"} <= set(row)
