@@ -41,6 +41,16 @@ log = logging.getLogger("nanoserve")
 GiB = 1 << 30
 
 
+def kv_event_publisher(endpoint: str | None, kv: KVCacheManager, host: HostTier | None):
+    """What each tier stores and drops, for routers (--kv-events-endpoint); pyzmq is imported only then."""
+    if not endpoint:
+        return None
+    from nanoserve.engine.kv_events import KVEventPublisher
+    publisher = KVEventPublisher(endpoint, kv.block_size)
+    publisher.log.watch(kv.pool, host.pool if host is not None else None)
+    return publisher
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -73,6 +83,7 @@ class LLMEngine:
         # the cleaner sizes its target from demand; a watermark only overrides it
         self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching, host,
                                  config.host_offload_watermark)
+        self.kv_events = kv_event_publisher(config.kv_events_endpoint, self.kv, host)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.step_tokens,
                                    inline_loads=self.device.type == "cpu")
         self.sampler = Sampler(config.seed, self.device)
@@ -175,6 +186,13 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        try:
+            return self._step()
+        finally:
+            if self.kv_events is not None:  # what the step stored and dropped, for routers
+                self.kv_events.flush()
+
+    def _step(self) -> list[RequestOutput]:
         """One turn: schedule a step, collect the one in flight (one step ahead), launch the new one, complete
         the collected one; serially, launch, collect and complete the new one. Returns the outputs of the step
         completed. Raises StepFailed naming the requests a failure concerns (a failed step's, or, when
@@ -267,4 +285,7 @@ class LLMEngine:
                 self.kv.close()
             finally:
                 self.ranks.close()
+                if self.kv_events is not None:
+                    self.kv_events.flush()
+                    self.kv_events.close()
 

@@ -26,7 +26,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 BlockHash = bytes
 
@@ -42,6 +42,12 @@ def chain_hash(parent: BlockHash | None, tokens: tuple[int, ...], salt: bytes = 
     h.update(parent if parent is not None else b"\0" * 32)
     h.update(array("q", tokens).tobytes())
     return h.digest()
+
+
+class EventSink(Protocol):
+    """Told what a tier stores and drops (kvcache/events.py's log, for routers)."""
+    def stored(self, h: BlockHash, key: BlockKey, medium: str) -> None: ...
+    def removed(self, h: BlockHash, medium: str) -> None: ...
 
 
 @dataclass
@@ -74,6 +80,8 @@ class BlockPool:
         self.num_lossy_evictions = 0  # dirty ones: their KV was dropped
         # called with (hash, evicted) when a block stops being findable: another tier's clean marks
         self.on_unpublish: Callable[[BlockHash, bool], None] | None = None
+        # (the engine's KV event log, this tier's medium): routers told what the tier holds (events.py)
+        self.events: tuple[EventSink, str] | None = None
 
     def num_available(self, lossless: bool = False) -> int:
         """Blocks `allocate` can hand out now (with `lossless`: without dropping KV)."""
@@ -189,6 +197,8 @@ class BlockPool:
         self.block_hash[block] = h
         self.block_key[block] = key
         self.is_clean[block] = clean
+        if self.events is not None:
+            self.events[0].stored(h, key, self.events[1])
         return True
 
     def unpublish(self, block: int) -> None:
@@ -204,6 +214,8 @@ class BlockPool:
         h = self.block_hash[block]
         if h is not None and self.index.get(h) == block:
             del self.index[h]
+            if self.events is not None:
+                self.events[0].removed(h, self.events[1])
             if self.on_unpublish is not None:
                 self.on_unpublish(h, evicted)
         self.block_hash[block] = None
