@@ -181,3 +181,64 @@ def test_async_scheduling_switch(monkeypatch):
     flags = {a: vars(build_parser().parse_args(a.split()))["async_scheduling"] for a in
              ("", "--async-scheduling", "--no-async-scheduling")}
     assert flags == {"": None, "--async-scheduling": True, "--no-async-scheduling": False}
+
+
+def test_a_failure_completing_step_n_leaves_step_n_plus_1_in_flight(case):
+    """Completing N raises for one request (its token refused) after N+1 was launched: that request
+    fails, and a request whose prefill is only in N+1 still gets HF's tokens; nothing is held after."""
+    from nanoserve.engine.protocol import StepFailed
+    path, prompts, expected = case
+    with LLM(str(path), dtype="float32", kv_cache_gb=KV_GB, async_scheduling=True) as llm:
+        eng = llm.engine
+        eng.add_request("a", prompts[0], GREEDY)
+        while len(eng.requests["a"].seqs[0].output_token_ids) < 3:
+            eng.step()
+        eng.add_request("b", prompts[1], GREEDY)  # its prefill goes into the step launched next
+        append = eng.table.append
+
+        def refusing(seq, tok, lp, now):
+            if seq.request_id == "a":
+                raise RuntimeError("refused")
+            return append(seq, tok, lp, now)
+        eng.table.append = refusing
+        with pytest.raises(StepFailed) as failed:
+            eng.step()
+        eng.table.append = append
+        assert failed.value.request_ids == {"a"} and eng.inflight is not None
+        eng.abort("a")  # what the engine core does with the requests a failure names
+        final = None
+        while eng.has_unfinished():
+            for out in eng.step():
+                final = out if out.finished else final
+        eng.drain()
+        assert final.request_id == "b" and final.outputs[0].token_ids == expected[1]
+        check_clean(llm)
+
+
+def test_a_launch_failure_carries_the_final_output_of_a_request_step_n_finished(case):
+    """One step ahead, a request whose stop token step N samples is already in N+1; N+1's launch fails: the
+    error names it (its row was in N+1) and carries its final output from N, which the engine core emits
+    instead of failing it (engine/core.py)."""
+    from nanoserve.engine.protocol import StepFailed
+    path, prompts, expected = case
+    stop_tok = expected[0][4]
+    stop_at = expected[0].index(stop_tok)
+    with LLM(str(path), dtype="float32", kv_cache_gb=KV_GB, async_scheduling=True) as llm:
+        eng = llm.engine
+        eng.add_request("r", prompts[0], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                         stop_token_ids=[stop_tok]))
+        seq, plan = eng.requests["r"].seqs[0], eng.runner.plan
+
+        def failing(scheduled, *args):
+            if seq.num_output_tokens == stop_at and seq.num_pending == 1:  # the stop token is being sampled
+                raise RuntimeError("launch failed")
+            return plan(scheduled, *args)
+        eng.runner.plan = failing
+        with pytest.raises(StepFailed) as failed:
+            while eng.has_unfinished():
+                eng.step()
+        assert failed.value.request_ids == {"r"}
+        (out,) = failed.value.outputs
+        assert out.finished and out.outputs[0].token_ids == expected[0][:stop_at + 1]
+        assert out.outputs[0].finish_reason == "stop" and not eng.has_unfinished()
+        check_clean(llm)

@@ -184,9 +184,10 @@ class EngineCore:
         running ones and the one it was admitting), then verify the KV state is still sound."""
         self.step_errors += 1
         ids = exc.request_ids if isinstance(exc, StepFailed) else self.engine.active_request_ids()
-        for out in exc.outputs if isinstance(exc, StepFailed) else ():
-            if out.request_id not in ids:
-                self._emit(out)
+        for out in exc.outputs if isinstance(exc, StepFailed) else ():  # the step completed beside it
+            self._emit(out)
+            if out.finished:  # finished cleanly there (one step ahead, its row in the failed step was extra)
+                ids = ids - {out.request_id}
         cause = exc.cause if isinstance(exc, StepFailed) else exc
         log.error("engine step failed; failing the %d request(s) in it", len(ids), exc_info=cause)
         message = f"the engine failed while running this request: {type(cause).__name__}: {cause}"

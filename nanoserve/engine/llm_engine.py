@@ -210,14 +210,17 @@ class LLMEngine:
             launched = self._launch(sched.scheduled, collected)
         except StepFailed as e:
             if collected is not None:  # the step before is done all the same: its outputs go with the error
-                e.outputs = self._guarded(prev, self._complete, collected)
+                try:
+                    e.outputs = self._complete(collected)
+                except Exception:
+                    e.request_ids = e.request_ids | prev.request_ids
             raise
+        if self.pipeline.one_ahead:  # in flight before N completes: a failure there leaves N+1 to collect
+            self.inflight = launched
         outputs = self._guarded(prev, self._complete, collected) if collected is not None else []
         if launched is not None and not self.pipeline.one_ahead:
             outputs += self._guarded(launched, self._complete, self._guarded(launched, self.pipeline.collect,
                                                                               launched))
-        else:
-            self.inflight = launched
         if launched is None and prev is None:  # only copies in flight: block, don't spin
             self.ranks.guard(self.scheduler.wait_for_transfers, 0.05)
         return outputs
@@ -252,7 +255,7 @@ class LLMEngine:
         launched = collected.launched
         for s, start in zip(launched.scheduled, launched.starts):
             seq = s.seq
-            seq.num_inflight_tokens = 0
+            seq.num_inflight_tokens = max(0, seq.num_inflight_tokens - s.num_tokens)  # N+1's may be on it
             if seq.block_table and not seq.is_finished:  # not freed since (finished, aborted, preempted)
                 self.kv.publish_computed(seq, start + s.num_tokens)
         touched: dict[str, Request] = {}

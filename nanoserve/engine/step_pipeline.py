@@ -80,7 +80,7 @@ class StepPipeline:
         starts = [s.seq.num_computed_tokens for s in scheduled]
         for s in scheduled:  # what scheduling sees from now on: these computed, their samples pending
             s.seq.num_computed_tokens += s.num_tokens
-            s.seq.num_inflight_tokens = s.num_tokens
+            s.seq.num_inflight_tokens += s.num_tokens
         for seq in samplers:
             seq.num_pending += 1
         if listener := self.runner.listener:

@@ -59,7 +59,9 @@ class StepListener(Protocol):
 
 
 def is_decode(s: ScheduledTokens) -> bool:
-    return s.num_tokens == 1 and s.seq.num_computed_tokens > 0
+    """One token that samples, after others: not a prompt's one-token chunk cut short by the budget (a
+    padded decode step samples every row)."""
+    return s.num_tokens == 1 and 0 < s.seq.num_computed_tokens == s.seq.num_tokens - 1
 
 
 def plan_step(order: list[ScheduledTokens], num_decodes: int, block_size: int,
