@@ -445,7 +445,8 @@ def decode_rate(llm: LLM, batch: int, shapes: Shapes, device: str, tag: str) -> 
     out = dict(batch=batch, tokens=tokens, tok_s=tokens / el, step_ms=1000 * el / shapes.decode_steps,
                graphed_share=graphed / max(graphed + r.steps_eager - e0, 1),
                busy_ms=1000 * (eng.pipeline.busy_seconds - busy0) / shapes.decode_steps)
-    out["kernels_per_step"], device_ms = kernel_profile(eng, PROFILED_STEPS, device)
+    # one step on CPU: the profiler records every op Triton's interpreter runs, seconds a step
+    out["kernels_per_step"], device_ms = kernel_profile(eng, PROFILED_STEPS if device == "cuda" else 1, device)
     if device_ms is not None:  # CUDA: the device's own clock, not the host's time inside the launches
         out["busy_ms"] = device_ms
     out["gap_ms"] = max(out["step_ms"] - out["busy_ms"], 0.0)
