@@ -28,10 +28,16 @@ def tokens(outs) -> list[list[int]]:
 
 
 def summary(outs) -> list[tuple]:
-    """What a client sees of each choice, logprobs rounded to what fp32 row order may move."""
+    """What a client sees of each choice; logprob values apart (`logprob_values`): a batch of another
+    shape may move fp32's last bits."""
     return [(c.token_ids, c.text, c.finish_reason,
-             [(lp.token_id, round(lp.logprob, 4), [t for t, _ in lp.top]) for lp in c.logprobs or []])
+             [(lp.token_id, [t for t, _ in lp.top]) for lp in c.logprobs or []])
             for o in outs for c in o.outputs]
+
+
+def logprob_values(outs) -> list[float]:
+    return [v for o in outs for c in o.outputs for lp in c.logprobs or []
+            for v in (lp.logprob, *(x for _, x in lp.top))]
 
 
 def check_clean(llm: LLM) -> None:
@@ -81,13 +87,14 @@ def test_stops_limits_forks_logprobs_and_grammars_are_the_same_both_ways(case):
               SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=0),
               SamplingParams(temperature=0.8, seed=5, max_tokens=20,
                              structured=StructuredSpec("regex", r"[a-z]{2,6} \d{1,3}"))]
-    seen = {}
+    seen, values = {}, {}
     for mode, ahead in MODES.items():
         with LLM(str(path), dtype="float32", block_size=4, kv_cache_gb=KV_GB, async_scheduling=ahead) as llm:
             outs = llm.generate(prompts, params)
-            seen[mode] = summary(outs)
+            seen[mode], values[mode] = summary(outs), logprob_values(outs)
             check_clean(llm)
     assert seen["ahead"] == seen["serial"]
+    assert values["ahead"] == pytest.approx(values["serial"], abs=1e-4) and len(values["ahead"]) > 0
     first, stopped = seen["ahead"][0], seen["ahead"][1]
     assert first[0] == expected[0][:1] and first[2] == "length"
     assert stopped[0] == expected[1][:expected[1].index(stop_tok) + 1] and stopped[2] == "stop"
