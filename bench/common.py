@@ -296,7 +296,8 @@ def run_in_tree(tree: Path, script: str, args: list[str], env: dict[str, str] | 
     side computes as the engine process of `nanoserve` would."""
     from nanoserve.parallel.placement import compute_process_env
     out = subprocess.run([sys.executable, str(BENCH / script), *args], cwd=tree, capture_output=True,
-                         text=True, env=compute_process_env(dict(os.environ, **(env or {}), PYTHONPATH=str(tree))))
+                         text=True,
+                         env=compute_process_env(dict(os.environ, **(env or {}), PYTHONPATH=str(tree))))
     if out.returncode:
         raise RuntimeError(f"{script} in {tree} failed (rc {out.returncode}):\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -21,9 +21,10 @@ torch; torch: always):
                Prefills are chunked at 64 tokens, so steps of non-final chunks are covered.
   speed        Llama-3-8B-shaped, random bf16 weights made on the GPU: decode output tok/s at batch
                1/32/128, graphed and eager on the same engine, vs the HBM roofline; per row the
-               forward's busy time (CUDA: kernel time by the profiler over 8 more steps; CPU: the compute
-               thread's clock around it), the host gap (step - busy), kernels per step (CUDA), and the first mode's
-               tok/s with scheduling one step ahead turned off on the same engine; prefill tok/s.
+               forward's busy time (CUDA: kernel time by the profiler over 8 more steps; CPU: the clock
+               around it), the host gap (step - busy), kernels per step (CUDA; CPU: top-level torch ops),
+               and the first mode's tok/s with scheduling one step ahead turned off on the same engine;
+               prefill tok/s.
   quant        weight-only quantized layers (layers/triton_quant.py): decode GEMVs (batch 1, 16) and a
                prefill GEMM of 8B-shaped layers (4096x4096, 14336x4096) in bf16 vs Q8_0 kept in its GGUF
                blocks vs fp8 (torch._scaled_mm where it runs, and the weight-only Triton kernel): time,
@@ -446,7 +447,8 @@ def decode_rate(llm: LLM, batch: int, shapes: Shapes, device: str, tag: str) -> 
                graphed_share=graphed / max(graphed + r.steps_eager - e0, 1),
                busy_ms=1000 * (eng.pipeline.busy_seconds - busy0) / shapes.decode_steps)
     # one step on CPU: the profiler records every op Triton's interpreter runs, seconds a step
-    out["kernels_per_step"], device_ms = kernel_profile(eng, PROFILED_STEPS if device == "cuda" else 1, device)
+    profiled = PROFILED_STEPS if device == "cuda" else 1
+    out["kernels_per_step"], device_ms = kernel_profile(eng, profiled, device)
     if device_ms is not None:  # CUDA: the device's own clock, not the host's time inside the launches
         out["busy_ms"] = device_ms
     out["gap_ms"] = max(out["step_ms"] - out["busy_ms"], 0.0)

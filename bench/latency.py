@@ -25,11 +25,11 @@ Runs alternate the sides (A B, B A, ...); every side gets the same prompts in a 
 worker, keeping the first for its scheduler); default: torch's own. vLLM-CPU keeps its own binding
 (bench/peers.py, --vllm-cores). --base: every run of either side is a fresh process of this script
 with that checkout's nanoserve; --one-ahead: a side of this checkout with NANOSERVE_ASYNC_SCHEDULING=1
-(on CPU the default is serial), so that --one-ahead --base gives the three side by side. Decode rows also give tok/s,
-the forwards' busy time per step (the step pipeline's clock around each forward: embedding, the C++ layer
-loop, the LM head; a checkout without one shows none) and the host gap, the step's share outside any forward.
---breakdown: every call of each part of nanoserve's forward pass
-is timed (the linear layers by projection, norms, RoPE, KV write, attention, all-reduce: by the C++
+(on CPU the default is serial), so that --one-ahead --base gives the three side by side. Decode rows
+also give tok/s, the forwards' busy time per step (the step pipeline's clock around each forward:
+embedding, the C++ layer loop, the LM head; a checkout without one shows none) and the host gap, the
+step's share outside any forward. --breakdown: every call of each part of nanoserve's forward pass is
+timed (the linear layers by projection, norms, RoPE, KV write, attention, all-reduce: by the C++
 layer loop itself; the LM head; the rest is the model's Python, batch building, scheduling and sampling).
 --tp-wire: encode + decode of the decode step that rank 0 sends to the other tensor-parallel ranks
 (a batch of rows 16 blocks past --decode-ctx each), with the typed codec and with pickle (the
@@ -465,7 +465,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--peer", choices=["vllm"], default=None, help="alternate with vLLM-CPU's offline LLM")
     ap.add_argument("--base", type=Path, default=None, help="alternate with this checkout's nanoserve")
     ap.add_argument("--one-ahead", action="store_true",
-                    help="alternate with this checkout scheduling one step ahead (NANOSERVE_ASYNC_SCHEDULING=1)")
+                    help="alternate with this checkout one step ahead (NANOSERVE_ASYNC_SCHEDULING=1)")
     ap.add_argument("--breakdown", action="store_true", help="time the parts of nanoserve's forward pass")
     ap.add_argument("--load-stages", action="store_true", help="an engine's memory by load stage, then exit")
     ap.add_argument("--tp-wire", action="store_true", help="time tensor parallelism's step messages, exit")
@@ -503,7 +503,8 @@ def report(args, sides: dict, runs: dict[str, list[dict]], bandwidth: float | No
             for k in med["nanoserve"][what]}
     for k in med["nanoserve"]["busy_ms"]:
         has = [n for n in sides if k in med[n]["busy_ms"]]
-        rows[f"decode step {k}: forward busy"] = {n: med[n]["busy_ms"][k] if n in has else None for n in sides}
+        rows[f"decode step {k}: forward busy"] = {n: med[n]["busy_ms"][k] if n in has else None
+                                                   for n in sides}
         rows[f"decode step {k}: host gap (% of step)"] = {
             n: 100 * (1 - med[n]["busy_ms"][k] / med[n]["decode_step_ms"][k]) if n in has else None
             for n in sides}

@@ -88,10 +88,10 @@ class EngineConfig:
                                       "--no-enable-prefix-caching (or --no-prefix-caching) computes every "
                                       "prompt in full", negatable=True, off_aliases=("--no-prefix-caching",),
                                       group="KV cache")
-    kv_events_endpoint: str | None = opt(None, "publish which KV blocks each tier stores and drops, in vLLM's "
-                                         "KV-events format over a ZMQ PUB socket, for a prefix-aware router: "
-                                         "tcp://*:PORT binds, tcp://HOST:PORT connects to a subscriber that "
-                                         "binds; no authentication (a trusted network only)",
+    kv_events_endpoint: str | None = opt(None, "publish which KV blocks each tier stores and drops, in "
+                                         "vLLM's KV-events format over a ZMQ PUB socket, for a prefix-aware "
+                                         "router: tcp://*:PORT binds, tcp://HOST:PORT connects to a "
+                                         "subscriber that binds; no authentication (a trusted network only)",
                                          metavar="ENDPOINT", group="KV cache")
     async_scheduling: bool | None = opt(None, "schedule step N+1 while step N's kernels run, its sampled "
                                         "tokens fed to N+1 on the device; default: on with CUDA, off on CPU, "
@@ -137,9 +137,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.host_cache_gb < 0:
             raise ValueError("host_cache_gb must be >= 0")
-        if self.kv_events_endpoint and not self.kv_events_endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+        endpoint = self.kv_events_endpoint
+        if endpoint and not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
             raise ValueError(f"--kv-events-endpoint must be tcp://HOST:PORT (or ipc://PATH), got "
-                             f"{self.kv_events_endpoint!r}")
+                             f"{endpoint!r}")
         self.master_addr = self.master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
         self.master_port = self.master_port or int(os.environ.get("MASTER_PORT", "0"))
         tp, nodes = self.tensor_parallel_size, self.nnodes

@@ -143,7 +143,8 @@ def test_a_request_stopping_at_step_n_never_emits_the_token_computed_for_it_at_n
 @pytest.mark.parametrize("mode", MODES)
 def test_abort_mid_stream_leaves_the_others_exact_and_nothing_held(case, mode):
     path, prompts, expected = case
-    with LLM(str(path), dtype="float32", block_size=4, kv_cache_gb=KV_GB, async_scheduling=MODES[mode]) as llm:
+    with LLM(str(path), dtype="float32", block_size=4, kv_cache_gb=KV_GB,
+             async_scheduling=MODES[mode]) as llm:
         eng = llm.engine
         for i, p in enumerate(prompts[:4]):
             eng.add_request(str(i), p, GREEDY)

@@ -7,10 +7,11 @@ loop and the same messages either way.
 An exception inside step() fails only the requests that were in that step (queued ones are
 untouched); the KV invariants are checked after it, and the loop keeps serving. With
 NANOSERVE_CHECK_INVARIANTS=1 (the test suite's servers) they are also checked each time the engine goes
-idle: a served engine does not walk its pools between bursts of traffic. In its own process the core never outlives the API process: the kernel kills it when
-its parent dies (PR_SET_PDEATHSIG), and an idle loop also notices a changed parent pid. SIGINT/SIGTERM
-are ignored there: a terminal's Ctrl-C or a service manager signals the whole group, but the API
-process must be able to drain first; it sends Stop when it is done."""
+idle: a served engine does not walk its pools between bursts of traffic. In its own process the core
+never outlives the API process: the kernel kills it when its parent dies (PR_SET_PDEATHSIG), and an
+idle loop also notices a changed parent pid. SIGINT/SIGTERM are ignored there: a terminal's Ctrl-C or a
+service manager signals the whole group, but the API process must be able to drain first; it sends Stop
+when it is done."""
 from __future__ import annotations
 
 import dataclasses

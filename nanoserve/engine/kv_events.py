@@ -43,7 +43,7 @@ class KVEventPublisher:
         batch: KVEventBatch | None = self.log.take()
         if batch is None:
             return
-        self._pub.getsockopt(zmq.EVENTS)  # take in new subscriptions first: else a fresh one misses this batch
+        self._pub.getsockopt(zmq.EVENTS)  # take in new subscriptions first, else a new one misses this
         try:
             self._pub.send_multipart((b"", self.seq.to_bytes(8, "big"), self._encoder.encode(batch)),
                                      flags=zmq.NOBLOCK)
