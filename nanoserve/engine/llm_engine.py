@@ -120,8 +120,7 @@ class LLMEngine:
         if not blocks:
             return None
         with startup_phase("host tier") as phase:
-            copier = make_copier(self.device)
-            host = HostTier(blocks, self.runner.kv_cache, self.ranks.copier(copier))
+            host = HostTier(blocks, self.runner.kv_cache, self.ranks.copier(make_copier(self.device)))
             how = (f"pinned in {len(host.pinned_ranges)} range(s)" if self.device.type == "cuda"
                    else "allocated")
             phase.what = (f"{blocks} blocks = {blocks * self.layout.block_size} tokens, "

@@ -8,7 +8,7 @@ kernels keep every core busy through OpenMP, and host work beside them does not 
 Measured on a 2-core EPYC (bf16, the embedded model, batch-1 decode): a forward of 5-7 ms took 24 ms with
 a Python thread busy beside it, and 13 ms when run on a second thread at all (two OpenMP teams on two
 cores: libgomp stops spinning and every parallel region waits on a futex). Serially, the host's share
-of a decode step is 4-7% (bench/latency.py --serial; docs/performance.md). One step ahead still runs on
+of a decode step is 4-7% (bench/latency.py --one-ahead; docs/performance.md). One step ahead still runs on
 CPU when asked (`--async-scheduling`): it is how the tests check what CUDA runs.
 
 What a step one ahead cannot know yet is N's sampled tokens. The scheduler counts them (each sampling
@@ -22,9 +22,8 @@ computed and dropped, and nothing of it reaches a client. A sequence whose pendi
 is sampled, after N's token was accepted, so constrained requests run one step ahead like any other."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 import time
-from typing import Any
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,7 +43,7 @@ class Launched:
     starts: list[int]                 # each scheduled sequence's first position in it
     samplers: list[Sequence]          # the sequences it samples, in its logits' row order
     prompt_rows: list[PromptLogitRows]
-    logits: Any                       # the forward's value, or the error it raised (raised at collect)
+    logits: torch.Tensor | None       # None on the other tensor-parallel ranks
     sample_rows: dict[int, int] = field(default_factory=dict)  # seq id -> row in `samplers`
 
     @property
@@ -88,9 +87,8 @@ class StepPipeline:
         t0 = time.perf_counter()
         try:
             logits = self.ranks.guard(self._forward, plan, tokens)
-        except Exception as e:  # raised where a step's failure is handled: when it is collected
-            logits = e
-        self.busy_seconds += time.perf_counter() - t0
+        finally:
+            self.busy_seconds += time.perf_counter() - t0
         return Launched(scheduled, starts, samplers, prompt_rows, logits,
                         {seq.seq_id: i for i, seq in enumerate(samplers)})
 
@@ -101,10 +99,8 @@ class StepPipeline:
         return logits
 
     def collect(self, launched: Launched) -> Collected:
-        """Wait for the forward (raising its error), score prompt tokens, sample."""
-        if isinstance(logits := launched.logits, Exception):
-            raise logits
-        samplers = launched.samplers
+        """Score prompt tokens, sample (on CUDA queued behind the forward's kernels)."""
+        logits, samplers = launched.logits, launched.samplers
         row = len(samplers)
         for pr in launched.prompt_rows:
             targets = pr.seq.token_ids[pr.first_target:pr.first_target + pr.count]

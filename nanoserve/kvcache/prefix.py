@@ -45,7 +45,7 @@ class PrefixChains:
                            tuple(seq.token_ids[i * bs:(i + 1) * bs]))
             hashes.append(chain_hash(key.parent, key.tokens, self.hash_salt))
             keys.append(key)
-        return hashes[:num_blocks]
+        return hashes if len(hashes) == num_blocks else hashes[:num_blocks]  # no copy each step
 
     def _root(self, seq: Sequence) -> BlockHash | None:
         """The parent of a chain's first block: none, or a keyed digest of the request's cache_salt, so

@@ -303,9 +303,7 @@ def fused_layers(model: LlamaModel, x: torch.Tensor, cos: torch.Tensor, sin: tor
         o = attn.forward(q, k, v, i, kv_written=True) if paged else attn.forward(q, k, v, i)
         x = ops.add_rms_norm(residual, m.tp.all_reduce(layer.o_lin(o.view(-1, h * d))), layer.post_norm,
                              m.eps)
-        lin = layer.gate_up_lin  # a layer that fuses SiLU·mul into its GEMM keeps doing so
-        own = isinstance(lin, GateUp) or getattr(lin, "fused_glu", False)
-        mlp = m.tp.all_reduce(layer.down_lin(lin.silu_mul(x) if own else ops.silu_mul(lin(x))))
+        mlp = m.tp.all_reduce(layer.down_lin(silu_mul(layer.gate_up_lin, x, ops.silu_mul)))
         if i + 1 < len(m.layers):
             x = ops.add_rms_norm(residual, mlp, m.layers[i + 1].input_norm, m.eps)
         else:
@@ -313,11 +311,13 @@ def fused_layers(model: LlamaModel, x: torch.Tensor, cos: torch.Tensor, sin: tor
     return residual
 
 
-def silu_mul(lin: object, x: torch.Tensor) -> torch.Tensor:
+def silu_mul(lin: object, x: torch.Tensor, of_output=None) -> torch.Tensor:
     """silu(gate) * up of a [gate; up] projection: the layer's own where it fuses it (GateUp's oneDNN
-    epilogues, QuantLinear's GLU kernel), else from its output's halves."""
+    epilogues, QuantLinear's GLU kernel), else `of_output` of its output (default: from its halves)."""
     if isinstance(lin, (GateUp, QuantLinear)):
         return lin.silu_mul(x)
+    if of_output is not None:
+        return of_output(lin(x))
     gate, up = lin(x).chunk(2, dim=-1)
     return F.silu(gate) * up
 

@@ -112,20 +112,6 @@ class ModelRunner:
     def graphs(self, graphs: dict[int, torch.cuda.CUDAGraph]) -> None:
         self.decode_graphs.graphs = graphs
 
-    @torch.inference_mode()
-    def run(self,
-            scheduled: list[ScheduledTokens]) -> tuple[torch.Tensor, list[Sequence], list[PromptLogitRows]]:
-        """Compute one step. Returns logits whose first S rows belong to the S sequences whose
-        scheduled tokens reach their end (they sample next), in that order, followed by the rows
-        that score prompt tokens for requests that asked for prompt logprobs."""
-        plan, samplers, prompt_rows = self.plan(scheduled)
-        if listener := self.listener:
-            listener.before(plan)
-        logits = self.execute(plan)
-        if listener:
-            listener.after()
-        return logits, samplers, prompt_rows
-
     def plan(self, scheduled: list[ScheduledTokens], sample_rows: dict[int, int] | None = None
              ) -> tuple[StepPlan, list[Sequence], list[PromptLogitRows]]:
         """`sample_rows`: where the tokens still being sampled come from (runner/step_plan.py)."""
