@@ -638,6 +638,7 @@ def quant_twin(path: Path, device: str, kind: str) -> LLM:
     through --quantization fp8 too: `quant` compares both.)"""
     from nanoserve.layers.quant_linear import Q8_0, QuantTensor
     from nanoserve.layers.triton_quant import fp8_maker, q8_0_blocks, triton_quant
+    from nanoserve.models.weight_layers import replace_linears
     from unittest import mock
     # finalized again below from its parameters: the first finalize must keep them (on the CPU it would
     # release those oneDNN packed a copy of)
@@ -651,7 +652,7 @@ def quant_twin(path: Path, device: str, kind: str) -> LLM:
                 model.quantized[name] = QuantTensor(q8_0_blocks(t.dst), Q8_0, tuple(t.dst.shape))
         model.finalize(None, triton_quant(torch.device(device)))
     else:
-        model.replace_linears(fp8_maker(torch.device(device)))
+        replace_linears(model, fp8_maker(torch.device(device)))
     return llm
 
 

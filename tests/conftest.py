@@ -28,7 +28,19 @@ TINY_CONFIGS = {
                             tie_word_embeddings=False,
                             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    # q/k norms, head_dim apart from hidden / heads
+    "qwen3-qk-norm": ("Qwen3ForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                               tie_word_embeddings=True)),
+    # a window shorter than most test prompts on the first layer, a global second layer with another RoPE
+    # base, a query scale apart from head_dim's, Gemma's norms and GELU
+    "gemma3-window": ("Gemma3ForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=8, query_pre_attn_scalar=48,
+        layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=True,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})),
 }
+CONFIG_CLASSES = {"LlamaForCausalLM": "LlamaConfig", "Qwen2ForCausalLM": "Qwen2Config",
+                  "Qwen3ForCausalLM": "Qwen3Config", "Gemma3ForCausalLM": "Gemma3TextConfig"}
 
 
 # The servers and engine processes the tests start check the KV invariants whenever their engine goes
@@ -84,17 +96,20 @@ def make_tiny_model(out: Path, name: str, tokenizer_dir: Path) -> Path:
     import transformers
     from transformers import AutoTokenizer
     cls_name, overrides = TINY_CONFIGS[name]
-    cfg_cls = transformers.Qwen2Config if cls_name.startswith("Qwen2") else transformers.LlamaConfig
+    cfg_cls = getattr(transformers, CONFIG_CLASSES[cls_name])
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    overrides = {"rope_theta": 10000.0, **overrides}
     cfg = cfg_cls(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
-                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **overrides)
+                  max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=tok.bos_token_id,
+                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **overrides)
     torch.manual_seed(zlib.crc32(name.encode()))  # not hash(): salted per process, so not replayable
     model = getattr(transformers, cls_name)(cfg).float()
     with torch.no_grad():  # larger weights than the init default give peaked, tie-free logits
         for pname, p in model.named_parameters():
             if "norm" not in pname:
                 p.normal_(0, 0.08 if p.dim() == 2 else 0.05)
+            elif not name.startswith("llama"):  # norms away from their identity, so each is seen to count
+                p.add_(torch.randn_like(p), alpha=0.1)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out

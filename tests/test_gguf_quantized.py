@@ -141,7 +141,7 @@ def test_mixed_types_fall_back_per_group_and_without_kernels(tmp_path):
              "blk.0.ffn_up.weight": ((inter, hid), T.Q4_1), "blk.0.ffn_down.weight": ((hid, inter), T.Q8_0)}
     f = _write_gguf(tmp_path / "mixed.gguf", types)
 
-    from nanoserve.models.llama import quant_layers
+    from nanoserve.models.weight_layers import quant_layers
 
     # the reference and the fallback unfinalized: finalize() would release the parameters compared below
     # into oneDNN's packed copies

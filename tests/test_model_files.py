@@ -24,7 +24,8 @@ FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
 def _hf_class(model_type: str):
     import transformers
     return {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-            "qwen2": transformers.Qwen2Config}[model_type]
+            "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+            "gemma3_text": transformers.Gemma3TextConfig}[model_type]
 
 
 @pytest.mark.parametrize("model_type", sorted(DEFAULTS))
@@ -33,8 +34,18 @@ def test_missing_keys_take_transformers_defaults(model_type):
     ours = ModelConfig.from_dict({"model_type": model_type})
     assert {f: getattr(ours, f) for f in FIELDS} == {f: getattr(hf, f) for f in FIELDS}
     assert ours.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
-    assert ours.rope_theta == hf.rope_parameters["rope_theta"] and ours.rope_scaling is None
+    rope = hf.rope_parameters.get("full_attention", hf.rope_parameters)  # Gemma 3: a dict per layer type
+    assert ours.rope_theta == rope["rope_theta"] and ours.rope_scaling is None
     assert not ours.attention_bias and not getattr(hf, "attention_bias", False)
+    # the sliding windows transformers masks with, per layer
+    types = getattr(hf, "layer_types", None) or ["full_attention"] * hf.num_hidden_layers
+    # Qwen2 and Qwen3 have theirs off (use_sliding_window false); Llama has none
+    window = 0 if model_type in ("llama", "qwen2", "qwen3") else hf.sliding_window
+    expected = tuple(window if t == "sliding_attention" or model_type == "mistral" else 0 for t in types)
+    assert ours.layer_windows == (expected if any(expected) else ())
+    if model_type == "gemma3_text":
+        assert ours.rope_local_theta == hf.rope_parameters["sliding_attention"]["rope_theta"]
+        assert (ours.hidden_act, ours.query_pre_attn_scalar) == (hf.hidden_activation, hf.query_pre_attn_scalar)
 
 
 def _model_facts(cfg) -> dict:

@@ -27,7 +27,7 @@ from nanoserve.layers.attention import AttentionBatch  # noqa: E402
 from nanoserve.layers.flash_attention import FlashAttention  # noqa: E402
 from nanoserve.layers.rotary import RotaryEmbedding, rotate  # noqa: E402
 from nanoserve.layers.triton_attention import TritonAttention  # noqa: E402
-from nanoserve.models.llama import fused_ops  # noqa: E402
+from nanoserve.models.fused_loop import fused_ops  # noqa: E402
 from tests.conftest import hf_greedy  # noqa: E402
 from tests.flash_ref import FlashReference  # noqa: E402
 from tests.test_cuda_path import host_sync_errors  # noqa: E402

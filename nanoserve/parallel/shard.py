@@ -19,6 +19,7 @@ from nanoserve.kernels import cpu_kernels
 from nanoserve.layers.backend_choice import resolve_attention
 from nanoserve.models.llama import LlamaModel
 from nanoserve.models.loader import ModelSource, iter_weights
+from nanoserve.models.weight_layers import replace_linears
 from nanoserve.runner.memory_profile import profile_memory
 from nanoserve.runner.model_runner import KVLayout, ModelRunner, RunnerOptions
 
@@ -70,7 +71,7 @@ def build_shard(config: EngineConfig, source: ModelSource, hf_config, device: to
         model.finalize(kernels, quant)
         if config.quantization == "fp8":
             from nanoserve.layers.triton_quant import fp8_maker
-            model.replace_linears(fp8_maker(device))
+            replace_linears(model, fp8_maker(device))
         backend, flash, block_size = resolve_attention(config.attention_backend, device, dtype,
                                                        config.block_size, config.flash_attn_module)
         phase.what = _kernels_chosen(config, device, backend.__name__, quant is not None)
