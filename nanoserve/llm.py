@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from itertools import count
+from typing import Any
 
 from tqdm import tqdm
 
@@ -52,9 +53,13 @@ class LLM:
         return self._run(reqs, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
-             add_generation_prompt: bool = True, use_tqdm: bool = False) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, use_tqdm: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """`chat_template_kwargs`: extra variables of the chat template, as the server's request field
+        (e.g. {"enable_thinking": False} for Qwen3)."""
         convs = messages if messages and isinstance(messages[0], list) else [messages]
-        texts = [render_chat(self.engine, conv, add_generation_prompt) for conv in convs]
+        texts = [render_chat(self.engine, conv, add_generation_prompt, template_kwargs=chat_template_kwargs)
+                 for conv in convs]
         return self.generate([{"prompt": t, "chat": True} for t in texts], params, use_tqdm)
 
     def _run(self, reqs: list[Request], use_tqdm: bool) -> list[RequestOutput]:

@@ -12,14 +12,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import nanoserve
-from nanoserve.chat import render_chat
 from nanoserve.client.engine_client import EngineClient
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import InvalidRequest
 from nanoserve.server.gate import RequestGate
 from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.render import ChatRender, CompletionRender, Render, sse, stream_chunks
-from nanoserve.server.tools import ToolMode, render_tools_into_messages, template_renders_tools
+from nanoserve.server.chat_prompt import chat_prompt
+from nanoserve.server.tools import ToolMode
 from nanoserve.server.api_error import APIError
 from nanoserve.server.protocol import (MAX_LOGPROBS, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                        DetokenizeRequest, TokenizeRequest, new_id, now, parse)
@@ -189,7 +189,7 @@ class Server:
         body.check_stream_options()
         tools = body.tool_mode(self.tool_parser)
         prompt = await asyncio.to_thread(self._chat_prompt, body.messages, tools, body.add_generation_prompt,
-                                         body.continue_final_message)
+                                         body.continue_final_message, body.chat_template_kwargs)
         spec = await asyncio.to_thread(body.structured_spec, tools.constraint() if tools else None)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = body.sampling(max_tokens, body.num_logprobs(), self.vocab_size, default_max_tokens=None,
@@ -201,15 +201,13 @@ class Server:
         return await self.respond(request, reqs, render, body)
 
     def _chat_prompt(self, msgs: list[ChatMessage], tools: ToolMode | None, add_generation_prompt: bool,
-                     continue_final_message: bool = False) -> str:
-        """The prompt text: the model's template renders the tools (and tool messages) when it knows
-        them; otherwise they are written into the messages (tools.render_tools_into_messages)."""
+                     continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
+        """The prompt text (server/chat_prompt.py: how tools reach a template that does not render
+        them); `template_kwargs`: the request's chat_template_kwargs."""
         messages = [m.as_template_dict(i) for i, m in enumerate(msgs)]
-        tool_list = tools.tools if tools else None
-        if not template_renders_tools(self.llm):
-            messages, tool_list = render_tools_into_messages(messages, tool_list), None
         try:
-            return render_chat(self.llm, messages, add_generation_prompt, continue_final_message, tool_list)
+            return chat_prompt(self.llm, messages, tools.tools if tools else None, add_generation_prompt,
+                               continue_final_message, template_kwargs)
         except InvalidRequest as e:
             raise APIError.from_invalid(e)
 
@@ -225,7 +223,11 @@ class Server:
         if (body.prompt is None) == (body.messages is None):
             raise APIError("give exactly one of 'prompt' or 'messages'", param="prompt")
         if body.messages is not None:  # the prompt a chat request with these messages gets
-            text = await asyncio.to_thread(self._chat_prompt, body.messages, None, body.add_generation_prompt)
+            # with its tools, the prompt a chat request with tool_choice "auto" gets
+            tools = ToolMode([t.model_dump(exclude_none=True) for t in body.tools], "auto") if body.tools \
+                else None
+            text = await asyncio.to_thread(self._chat_prompt, body.messages, tools,
+                                           body.add_generation_prompt, False, body.chat_template_kwargs)
             add_special = False
         else:
             text, add_special = body.prompt, body.add_special_tokens

@@ -275,6 +275,9 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # extra variables of the chat template (vLLM / SGLang), e.g. {"enable_thinking": false} for Qwen3;
+    # a non-object is a 400 here, a key the server passes itself (chat.RESERVED_TEMPLATE_KWARGS) at render
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def tool_mode(self, auto_parser: str | None) -> ToolMode | None:
         """How the output relates to the tools (None: no tools, or tool_choice "none"). Without `auto_parser`
@@ -314,6 +317,8 @@ class TokenizeRequest(_Base):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    tools: list[ToolDef] | None = None                  # with messages: as a chat request renders them
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Base):
