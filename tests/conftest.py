@@ -77,13 +77,16 @@ HEAVY_FIRST = ["test_gpu_check.py", "test_tensor_parallel.py", "test_flash_atten
 
 def pytest_collection_modifyitems(items) -> None:
     """`server`: the test starts a real server or an engine core (seconds each); `make test-fast`
-    (pytest -m "not server") leaves them out while developing. CI runs everything."""
+    (pytest -m "not server") leaves them out while developing. CI runs everything but `model_file` tests,
+    which read a real model file for minutes: `make test-models` (NANOSERVE_MODEL_FILE_TESTS=1) runs them."""
     rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
     for item in items:
         if ("server" in item.fixturenames
                 or any(hasattr(item.module, n) for n in ("ServerProcess", "EngineClient"))):
             item.add_marker(pytest.mark.server)
+        if "model_file" in item.keywords and os.environ.get("NANOSERVE_MODEL_FILE_TESTS") != "1":
+            item.add_marker(pytest.mark.skip(reason="a real model file's check: `make test-models` runs it"))
 
 
 @pytest.fixture(scope="session")

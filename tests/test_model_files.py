@@ -103,6 +103,13 @@ def test_unsupported_or_missing_config_is_refused(tmp_path):
     with pytest.raises(InvalidRequest, match="MixtralForCausalLM.*not supported") as e:
         read_model_config(tmp_path)
     assert e.value.param == "model"
+    # MoE and multimodal checkpoints of supported families: refused in one line naming what is supported
+    for kind, arch in (("qwen3_moe", "Qwen3MoeForCausalLM"), ("gemma3", "Gemma3ForConditionalGeneration"),
+                       ("qwen3", "Qwen3MoeForCausalLM")):
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": kind, "architectures": [arch]}))
+        with pytest.raises(InvalidRequest) as e:
+            read_model_config(tmp_path)
+        assert arch in str(e.value) and "Gemma3ForCausalLM" in str(e.value) and "\n" not in str(e.value)
 
 
 def _saved(tmp_path: Path, backend, name: str, **special) -> Path:

@@ -112,25 +112,38 @@ def load_config(src: ModelSource) -> ModelConfig:
     return read_model_config(src.path)  # a GGUF source is materialize()d first
 
 
-def _gguf_config(path: Path):
-    """An HF config from GGUF metadata. (transformers can do this too, but it reads the whole
-    file and takes ~10 s for a 100 MB model; the metadata is all we need.)"""
+# GGUF architecture -> (transformers config class, HF architecture)
+GGUF_ARCHS = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+
+
+def _gguf_meta(path: Path) -> tuple[dict, set[str]]:
+    """A GGUF file's metadata (the tokenizer's vocabulary left out) and its tensor names."""
     from gguf import GGUFReader
-    from transformers import LlamaConfig, Qwen2Config
     reader = GGUFReader(str(path))
     meta = {k: f.contents() for k, f in reader.fields.items()
             if not k.startswith("tokenizer.ggml.") or k.endswith("_id")}
+    meta["tokenizer.ggml.tokens.count"] = len(reader.fields["tokenizer.ggml.tokens"].data)
+    return meta, {t.name for t in reader.tensors}
+
+
+def _gguf_config(path: Path):
+    """An HF config from GGUF metadata. (transformers can do this too, but it reads the whole
+    file and takes ~10 s for a 100 MB model; the metadata is all we need.)"""
+    import transformers
+    meta, names = _gguf_meta(path)
     arch = meta["general.architecture"]
-    if arch not in ("llama", "qwen2"):
-        raise InvalidRequest(f"GGUF architecture {arch!r} is not supported (llama, qwen2)", param="model")
-    names = {t.name for t in reader.tensors}
+    if arch not in GGUF_ARCHS:
+        raise InvalidRequest(f"GGUF architecture {arch!r} is not supported ({', '.join(GGUF_ARCHS)})",
+                             param="model")
     if "rope_freqs.weight" in names:
         raise InvalidRequest("GGUF files with rope_freqs (Llama 3.1 rope scaling) are not supported; "
                              "use the HF safetensors folder", param="model")
     a = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
     heads = a("attention.head_count")
     kw = dict(
-        vocab_size=a("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data),
+        vocab_size=a("vocab_size") or meta["tokenizer.ggml.tokens.count"],
         hidden_size=a("embedding_length"), intermediate_size=a("feed_forward_length"),
         num_hidden_layers=a("block_count"), num_attention_heads=heads,
         num_key_value_heads=a("attention.head_count_kv", heads),
@@ -140,10 +153,27 @@ def _gguf_config(path: Path):
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         # GGUF has no tie flag: a missing output.weight means the embedding doubles as lm_head
         tie_word_embeddings="output.weight" not in names)
-    cls = LlamaConfig if arch == "llama" else Qwen2Config
-    cfg = cls(**kw)
-    cfg.architectures = ["LlamaForCausalLM" if arch == "llama" else "Qwen2ForCausalLM"]
+    if arch in ("qwen3", "gemma3"):
+        kw["head_dim"] = a("attention.key_length")
+    if arch == "gemma3":
+        kw.update(_gemma3_config(a, kw))
+    cls, hf_arch = GGUF_ARCHS[arch]
+    cfg = getattr(transformers, cls)(**kw)
+    cfg.architectures = [hf_arch]
     return cfg
+
+
+def _gemma3_config(a, kw: dict) -> dict:
+    """What a Gemma 3 GGUF file leaves to the reader, as llama.cpp fills it in: every 6th layer global, the
+    windowed layers' RoPE base 10000, the query scale 1/sqrt(head_dim) (hidden / heads for the 27B)."""
+    from nanoserve.models.model_config import GEMMA_LOCAL_THETA, GEMMA_WINDOW_PATTERN
+    layers, hidden, heads = kw["num_hidden_layers"], kw["hidden_size"], kw["num_attention_heads"]
+    types = ["full_attention" if (i + 1) % GEMMA_WINDOW_PATTERN == 0 else "sliding_attention"
+             for i in range(layers)]
+    return dict(sliding_window=a("attention.sliding_window"), layer_types=types,
+                query_pre_attn_scalar=hidden // heads if layers == 62 else kw["head_dim"],
+                rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": kw.pop("rope_theta")},
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA_LOCAL_THETA}})
 
 
 GENERIC_TOKENIZERS = ("PreTrainedTokenizerFast", "TokenizersBackend")  # one class (v5 names it the latter)
@@ -191,6 +221,8 @@ def materialize(src: ModelSource, dequantize: bool = True) -> ModelSource:
         from transformers import AutoTokenizer
         cfg = _gguf_config(f)
         tok = AutoTokenizer.from_pretrained(src.path, gguf_file=src.gguf_file)
+        if not getattr(tok, "chat_template", None) and cfg.model_type == "gemma3_text":
+            tok.chat_template = (TEMPLATES / "gemma3.jinja").read_text()  # llama.cpp's fallback too
         tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
         tmp.mkdir(parents=True, exist_ok=True)
         cfg.save_pretrained(tmp)
@@ -215,7 +247,8 @@ def iter_weights(src: ModelSource, progress: bool = True) -> Iterator[tuple[str,
     if not files and (src.path / GGUF_LINK).exists():  # materialized with dequantize=False
         from nanoserve.models.gguf_weights import iter_gguf
         cfg = load_config(src)
-        yield from iter_gguf((src.path / GGUF_LINK).resolve(), cfg, _gguf_names(cfg))
+        for name, w in iter_gguf((src.path / GGUF_LINK).resolve(), cfg, _gguf_names(cfg)):
+            yield name, _hf_norm(cfg, name, w)
         return
     if not files:
         raise InvalidRequest(f"no *.safetensors files in {src.path}", param="model")
@@ -233,8 +266,14 @@ def _gguf_names(cfg) -> dict[str, str]:
     from nanoserve.models.llama import LlamaModel
     model = LlamaModel(cfg, torch.float32, torch.device("meta"))
     names = [f"model.{n}" for n in model.weight_targets()] + ["lm_head.weight"]
-    tmap = get_tensor_name_map(MODEL_ARCH[cfg.model_type.upper()], cfg.num_hidden_layers)
+    arch = {"gemma3_text": "GEMMA3"}.get(cfg.model_type, cfg.model_type.upper())
+    tmap = get_tensor_name_map(MODEL_ARCH[arch], cfg.num_hidden_layers)
     return {tmap.get_name(n, try_suffixes=(".weight", ".bias")): n for n in names}
+
+
+def _hf_norm(cfg, name: str, w):
+    """A GGUF tensor in HF's convention: llama.cpp's converter stores Gemma's norm weights w as 1 + w."""
+    return w - 1.0 if cfg.model_type == "gemma3_text" and name.endswith("norm.weight") else w
 
 
 def _gguf_weights(path: Path, cfg) -> Iterator[tuple[str, torch.Tensor]]:
@@ -255,4 +294,4 @@ def _gguf_weights(path: Path, cfg) -> Iterator[tuple[str, torch.Tensor]]:
         if cfg.model_type == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             n = heads if name.endswith("q_proj.weight") else kv_heads
             w = w.reshape(n, w.shape[0] // n // 2, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
-        yield name, torch.from_numpy(np.array(w, dtype=np.float32))
+        yield name, _hf_norm(cfg, name, torch.from_numpy(np.array(w, dtype=np.float32)))
