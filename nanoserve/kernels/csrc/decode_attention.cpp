@@ -1,6 +1,7 @@
 // Decode attention over the paged cache: one query token per sequence, its KV blocks read in place, two
 // passes (scores, softmax, weighted V) accumulating in fp32 (bf16: both passes' products in VDPBF16PS,
-// the probabilities rounded to bf16 for the second).
+// the probabilities rounded to bf16 for the second). A layer with a sliding window reads only the window's
+// keys: a long context costs what the window does.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
