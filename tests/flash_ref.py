@@ -5,6 +5,9 @@ csrc/flash_attn/flash_api.cpp), so the flash backend's index math runs, and is t
 GPU or flash-attn is present:
 - causal masks align to the bottom-right corner: query i of a sequence with seqlen_q queries and
   seqlen_k keys sees keys j <= i + seqlen_k - seqlen_q; a row with nothing visible outputs 0;
+- window_size (left, right), -1 meaning unbounded: query i sees keys j with
+  i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right; causal=True sets right to 0
+  (as flash_api.cpp does), so causal local attention of w keys is window_size=(w - 1, 0);
 - GQA: query head h reads KV head h // (H / H_kv);
 - softmax_scale=None means 1/sqrt(head_dim);
 - int32 `cu_seqlens_*` / `cache_seqlens` / `block_table`, last dims contiguous, paged page size a
@@ -15,7 +18,7 @@ GPU or flash-attn is present:
 Beyond upstream, with `validate=True` (the default) it also raises where upstream would silently
 read out of bounds (a block id outside the cache, a sequence longer than max_seqlen_*); those
 checks sync, so `validate=False` gives a sync-free `flash_attn_with_kvcache` that CUDA graphs can
-capture. Not implemented (they raise NotImplementedError): dropout, sliding windows, softcap,
+capture. Not implemented (they raise NotImplementedError): dropout, softcap,
 ALiBi, rotary, cache_leftpad, returning attention probabilities. Attention is computed in fp32.
 """
 from __future__ import annotations
@@ -39,8 +42,11 @@ def _unsupported(**kw) -> None:
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-            k_len: torch.Tensor | int) -> torch.Tensor:
+            k_len: torch.Tensor | int, window_size: tuple[int, int] = (-1, -1)) -> torch.Tensor:
     """q [B, Sq, H, D], k/v [B, Sk, Hkv, D] with the first k_len keys valid -> [B, Sq, H, D]."""
+    left, right = window_size
+    if causal:
+        right = 0
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     g = h // hk
@@ -50,9 +56,11 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
     j = torch.arange(sk, device=q.device)
     k_len = torch.as_tensor(k_len, device=q.device).view(-1, 1, 1)         # [B or 1, 1, 1]
     visible = j.view(1, 1, sk) < k_len                                      # [B, 1, Sk]
-    if causal:
-        i = torch.arange(sq, device=q.device).view(1, sq, 1)
-        visible = visible & (j.view(1, 1, sk) <= i + k_len - sq)            # bottom-right aligned
+    diag = torch.arange(sq, device=q.device).view(1, sq, 1) + k_len - sq   # bottom-right aligned
+    if right >= 0:
+        visible = visible & (j.view(1, 1, sk) <= diag + right)
+    if left >= 0:
+        visible = visible & (j.view(1, 1, sk) >= diag - left)
     scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)                   # fully masked row -> 0
     out = torch.matmul(probs, v.float().permute(0, 2, 1, 3).unsqueeze(2))  # [B, Hkv, g, Sq, Dv]
@@ -111,8 +119,7 @@ class FlashReference:
                                dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                                softcap=0.0, alibi_slopes=None, deterministic=False,
                                return_attn_probs=False, block_table=None):
-        _unsupported(dropout_p=(dropout_p, 0.0), window_size=(tuple(window_size), (-1, -1)),
-                     softcap=(softcap, 0.0), alibi_slopes=(alibi_slopes, None),
+        _unsupported(dropout_p=(dropout_p, 0.0), softcap=(softcap, 0.0), alibi_slopes=(alibi_slopes, None),
                      return_attn_probs=(return_attn_probs, False))
         self._check_dtypes(q, k, v)
         _check(cu_seqlens_q.dtype == torch.int32, "cu_seqlens_q must have dtype int32")
@@ -141,7 +148,8 @@ class FlashReference:
                 kb, vb = self._gather(k, block_table[b], sk), self._gather(v, block_table[b], sk)
             else:
                 kb, vb = k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]]
-            out[cq[b]:cq[b + 1]] = _attend(q[None, cq[b]:cq[b + 1]], kb[None], vb[None], scale, causal, sk)[0]
+            out[cq[b]:cq[b + 1]] = _attend(q[None, cq[b]:cq[b + 1]], kb[None], vb[None], scale, causal, sk,
+                                           tuple(window_size))[0]
         return out
 
     def flash_attn_with_kvcache(self, q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
@@ -152,8 +160,8 @@ class FlashReference:
         _check(k_cache.stride(-1) == 1, "k_cache must have contiguous last dimension")
         _check(v_cache.stride(-1) == 1, "v_cache must have contiguous last dimension")
         _unsupported(rotary_cos=(rotary_cos, None), rotary_sin=(rotary_sin, None),
-                     cache_leftpad=(cache_leftpad, None), window_size=(tuple(window_size), (-1, -1)),
-                     softcap=(softcap, 0.0), alibi_slopes=(alibi_slopes, None),
+                     cache_leftpad=(cache_leftpad, None), softcap=(softcap, 0.0),
+                     alibi_slopes=(alibi_slopes, None),
                      return_softmax_lse=(return_softmax_lse, False))
         self._check_dtypes(q, k_cache, v_cache)
         batch, sq, h, d = q.shape
@@ -209,7 +217,7 @@ class FlashReference:
                 v_cache[idx[:, None], pos] = v
             lens = lens + k.shape[1]
         scale = softmax_scale if softmax_scale is not None else d ** -0.5
-        return _attend(q, view(k_cache), view(v_cache), scale, causal, lens)
+        return _attend(q, view(k_cache), view(v_cache), scale, causal, lens, tuple(window_size))
 
 
 _STRICT = FlashReference()
@@ -219,21 +227,23 @@ flash_attn_with_kvcache = _STRICT.flash_attn_with_kvcache
 
 
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-                    causal: bool = True) -> torch.Tensor:
+                    causal: bool = True, window: int = 0) -> torch.Tensor:
     """Dense textbook attention for one sequence, q [Sq, H, D], k/v [Sk, Hkv, D]: the
-    independent oracle the reference itself is tested against (loops, no masking tricks)."""
+    independent oracle the reference itself is tested against (loops, no masking tricks). `window` > 0
+    (causal only): the query on key diagonal p sees keys p - window + 1 .. p."""
     sq, h, d = q.shape
     sk, hk = k.shape[0], k.shape[1]
     scale = scale if scale is not None else 1 / math.sqrt(d)
     out = torch.zeros(sq, h, v.shape[-1], dtype=torch.float64)
     for i in range(sq):
         last = i + sk - sq if causal else sk - 1
+        first = max(0, last - window + 1) if causal and window > 0 else 0
         if last < 0:
             continue
         for head in range(h):
             kv = head // (h // hk)
-            s = (k[:last + 1, kv].double() @ q[i, head].double()) * scale
-            out[i, head] = torch.softmax(s, 0) @ v[:last + 1, kv].double()
+            s = (k[first:last + 1, kv].double() @ q[i, head].double()) * scale
+            out[i, head] = torch.softmax(s, 0) @ v[first:last + 1, kv].double()
     return out
 
 

@@ -85,9 +85,10 @@ def _step(seed: int, kind: str, dtype: torch.dtype, bs: int = 16):
     return cache, batch, ids, positions
 
 
-def _forward(model, stack, cache, batch, ids, positions, kernels) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(model, stack, cache, batch, ids, positions, kernels, windows: tuple[int, ...] = ()
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits of every token, the cache written) of one step through `stack`, or the torch loop (None)."""
-    attn = TorchAttention(cache.clone(), HEADS, D ** -0.5, kernels)
+    attn = TorchAttention(cache.clone(), HEADS, D ** -0.5, kernels, windows=windows)
     attn.prepare(batch)
     model.stack = stack
     return model.forward(ids, positions, attn, torch.arange(len(ids))), attn.kv_cache
@@ -115,6 +116,23 @@ def test_the_cpu_stack_makes_the_torch_loops_calls(tmp_path, monkeypatch, kernel
     kernel_rows = {lin.max_kernel_rows for layer in model.layers for lin in (layer.qkv_lin, layer.down_lin)
                    if isinstance(lin, QuantLinear)}
     assert all(min(rows) <= n <= PACKED_MAX_ROWS < max(rows) for n in kernel_rows)  # steps within and beyond
+
+
+def test_the_cpu_stack_attends_each_layers_window(tmp_path, kernels):
+    """Per-layer sliding windows (KernelStep.windows) reach the stack's attention calls: with torch's norm
+    and RoPE it gives the torch loop's logits and cache bit for bit, and those differ from the windowless
+    ones (so neither ignores the windows)."""
+    model = _model(tmp_path, torch.float32, "dense")
+    exact = kernels.DecoderStack(replace(stack_plan(model, kernels), fused_rows=0))
+    windows = (3, 40)
+    with torch.inference_mode():
+        for seed in range(6):
+            step = _step(seed, ("decode", "prefill", "mixed")[seed % 3], torch.float32)
+            loop = _forward(model, None, *step, kernels, windows)
+            stack = _forward(model, exact, *step, kernels, windows)
+            assert all(torch.equal(a, b) for a, b in zip(stack, loop))
+            hidden = max(step[1].context_lens) > min(windows)  # some token has keys out of its window
+            assert torch.equal(_forward(model, None, *step, kernels)[0], loop[0]) != hidden, seed
 
 
 def test_a_layer_kind_the_cpu_loop_does_not_know_fails_loudly(tmp_path, kernels):

@@ -1,6 +1,6 @@
 """The C++ CPU kernels (nanoserve/kernels/cpu_kernels.py) against the torch path they replace
 (prefill attention: tests/test_prefill_attention.py):
-paged decode attention over random block tables (GQA ratios 1/3/4/10, head_dim 64/128, block sizes
+paged decode attention over random block tables (GQA ratios 1/3/4/10, head_dim 64/128/256, block sizes
 5/16/24/32, contexts on and off block boundaries, fp32 and bf16), the fused residual-add + RMSNorm
 (bit-exact with HF's LlamaRMSNorm in bf16), RoPE in place (bit-exact with rotate) and the KV slot
 write; then the embedded model (head_dim 64, so the kernels run) gives the same greedy tokens in fp32
@@ -50,7 +50,7 @@ def _decode_case(dtype, h, kh, d, contexts, bs=16, layers=3, seed=0):
 # GQA 10 (over 8: heads in two passes) with 24-token blocks (16-key groups that end inside a block), and
 # 3 query heads of 128 dims (their p.V in one pass over all four 32-dim chunks)
 @pytest.mark.parametrize("h,kh,d,bs", [(9, 3, 64, 16), (8, 8, 64, 16), (8, 2, 128, 16), (9, 3, 64, 5),
-                                       (20, 2, 64, 24), (6, 2, 128, 32)])
+                                       (20, 2, 64, 24), (6, 2, 128, 32), (8, 2, 256, 16), (3, 3, 256, 24)])
 def test_paged_decode_attention_matches_the_torch_path(kernels, dtype, h, kh, d, bs):
     contexts = [1, 15, 16, 17, 33, 300, 64]  # block edges: the kernel walks rows across blocks
     out = {}
@@ -71,7 +71,7 @@ def test_paged_decode_attention_matches_the_torch_path(kernels, dtype, h, kh, d,
 
 
 def test_kernel_is_not_used_where_it_does_not_apply(kernels):
-    cache = torch.zeros(4, 1, 2, 2, 16, 16)  # head_dim 16: the kernel is built for 64 and 128
+    cache = torch.zeros(4, 1, 2, 2, 16, 16)  # head_dim 16: the kernel is built for 64, 128 and 256
     assert TorchAttention(cache, 4, 0.25, kernels).kernels is None
 
 

@@ -1,6 +1,6 @@
 """The C++ paged prefill attention (kernels/cpu_kernels.py) against the torch path (SDPA) on
 randomized batches: decodes, fresh prompts, continuations and prefix hits in one step, GQA 1/3/4,
-head_dim 64/128, chunks and contexts on and off block and tile boundaries; fp32 tightly, bf16 with
+head_dim 64/128/256, chunks and contexts on and off block and tile boundaries; fp32 tightly, bf16 with
 and without bf16 tiles (`amx`: AMX where the CPU has it, else VDPBF16PS on AVX512_BF16) within bf16
 tolerance. Also: the torch path's chunk over cached context takes the
 lower-right causal bias (no materialised mask) where SDPA needs it to keep its efficient kernels."""
@@ -55,7 +55,7 @@ def _run(kern, amx, seed, h, kh, d, dtype):
     return [attn.forward(q, k, v, layer) for layer in range(cache.shape[1])]
 
 
-@pytest.mark.parametrize("h,kh,d", [(8, 8, 64), (9, 3, 64), (8, 2, 128), (12, 4, 128)])
+@pytest.mark.parametrize("h,kh,d", [(8, 8, 64), (9, 3, 64), (8, 2, 128), (12, 4, 128), (8, 2, 256)])
 @pytest.mark.parametrize("dtype,amx", [(torch.float32, False), (torch.bfloat16, False),
                                        (torch.bfloat16, True)])
 def test_prefill_kernel_matches_the_torch_path(kernels, h, kh, d, dtype, amx):

@@ -3,7 +3,8 @@ torch backend on the flash tests' randomized batches (mixed decode / fresh prefi
 continuation / prefix hit, shuffled and poisoned tables, GQA, head_dim 64/128) at 16-token
 blocks, the padded (CUDA-graph) decode shape, and the whole engine against HF greedy; the key
 chunks (decode by context length, prefill when its tiles are few) at a small chunk size against
-an fp32 reference attention. Skipped where triton does not install."""
+an fp32 reference attention; per-layer sliding windows (head_dim up to 256) against a dense window
+reference. Skipped where triton does not install."""
 from __future__ import annotations
 
 import os
@@ -26,6 +27,8 @@ from nanoserve.layers.triton_attention import TritonAttention  # noqa: E402
 from tests.conftest import hf_greedy, make_tiny_model  # noqa: E402
 from tests.test_cuda_path import host_sync_errors  # noqa: E402
 from tests.test_flash_attention import _run_both, steps  # noqa: E402
+from tests.test_sliding_window import (HEADS, STEPS, WINDOWS, Maker, check, dense_reference,  # noqa: E402
+                                       make_step, run_backend)
 
 BS = 16
 TOL = {torch.float32: dict(atol=5e-5, rtol=5e-5), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
@@ -137,6 +140,27 @@ def test_prefill_key_chunks(seqs, group):
     chunks, per = attn._prefill_chunks(attn.num_heads, [new for _, new in seqs])
     longest = max(done + new for done, new in seqs)
     assert chunks > 1 and chunks * per >= longest and per % attn.block_n == 0
+
+
+def _windowed(h: int) -> Maker:
+    """The Triton backend at 64-key decode chunks (rows split by their window's keys)."""
+    def build(cache, windows, scratch, width):
+        return TritonAttention(cache, h, cache.shape[-1] ** -0.5, max_seqs=8, max_blocks_per_seq=width,
+                               scratch_block=scratch, decode_chunk=64, windows=windows)
+    return Maker(TritonAttention, build)
+
+
+@pytest.mark.parametrize("h,kh,d", HEADS)
+@pytest.mark.parametrize("steps", list(STEPS))
+def test_sliding_windows(h, kh, d, steps):
+    """tests/test_sliding_window.py's steps and per-layer windows (0, 1, 16, 97, 1000) against the dense
+    window reference; keys before each program's first query's window are NaN (never read). bf16 at
+    head_dim 128, fp32 at the others (the interpreter is slow)."""
+    dtype = torch.bfloat16 if d == 128 else torch.float32
+    step = make_step(STEPS[steps], h, kh, d, len(WINDOWS), dtype)
+    outs, attn = run_backend(_windowed(h), step, WINDOWS, bs=BS, poison=True)
+    assert attn.decode_only == (steps == "decode")
+    check(outs, dense_reference(step, WINDOWS), dtype)
 
 
 def test_triton_choice(monkeypatch):

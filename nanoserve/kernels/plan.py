@@ -107,3 +107,4 @@ class KernelStep:
     prefill_context: torch.Tensor | None
     scale: float
     amx: bool
+    windows: tuple[int, ...] = ()  # each layer's sliding window (0: plain causal); empty: none anywhere

@@ -9,6 +9,11 @@ copy); flash-attn needs [block_size, kv_heads, head_dim].
 `prepare(batch)` builds the step's metadata once; `forward(q, k, v, layer)` writes the new K/V into
 the cache and attends. The runner orders each batch decodes first (one query token each), then
 prefill chunks, so decodes are attended together.
+
+Sliding windows (Gemma 3, Mistral): `windows[layer]` > 0 makes that layer's query at absolute position p
+see only keys p - window < j <= p (HF transformers' sliding mask: `window` keys, itself included); 0 is
+plain causal, and an empty tuple means no layer has a window. The cache still holds every position; only
+the attention math changes (the kernels skip blocks wholly out of the window).
 """
 from __future__ import annotations
 
@@ -33,10 +38,21 @@ class AttentionBatch:
 
 
 class AttentionBackend(ABC):
-    def __init__(self, kv_cache: torch.Tensor, num_heads: int, scale: float) -> None:
+    def __init__(self, kv_cache: torch.Tensor, num_heads: int, scale: float,
+                 windows: tuple[int, ...] = ()) -> None:
         self.kv_cache = kv_cache
         self.num_heads = num_heads
         self.scale = scale
+        windows = tuple(int(w or 0) for w in windows)  # None (HF's "no window") reads as 0
+        if windows and len(windows) != kv_cache.shape[1]:
+            raise ValueError(f"{len(windows)} sliding windows for a cache of {kv_cache.shape[1]} layers")
+        if any(w < 0 for w in windows):
+            raise ValueError(f"sliding windows must be >= 0 (0: none), got {windows}")
+        self.windows = windows if any(windows) else ()
+
+    def window(self, layer: int) -> int:
+        """That layer's sliding window in keys, 0 for plain causal attention."""
+        return self.windows[layer] if self.windows else 0
 
     @staticmethod
     @abstractmethod
@@ -72,11 +88,12 @@ class TorchAttention(AttentionBackend):
     of every decoding sequence, then two bmm calls (for a single query, CPU SDPA is no faster);
     prefill chunks by SDPA per sequence, on the chunk itself or on its gathered context."""
 
-    def __init__(self, kv_cache: torch.Tensor, num_heads: int, scale: float, kernels=None) -> None:
+    def __init__(self, kv_cache: torch.Tensor, num_heads: int, scale: float, kernels=None,
+                 windows: tuple[int, ...] = ()) -> None:
         """`kernels`: kernels/cpu_kernels.py's module (CPU caches only), or None for the torch path."""
-        super().__init__(kv_cache, num_heads, scale)
-        # the kernels serve the head dims they are built for (64 and 128: the Llama family's); a model of
-        # any other runs this backend's torch path, and with it the model's torch loop
+        super().__init__(kv_cache, num_heads, scale, windows)
+        # the kernels serve the head dims they are built for (64 and 128: the Llama family's, 256: Gemma 3's);
+        # a model of any other runs this backend's torch path, and with it the model's torch loop
         self.kernels = kernels if kernels is not None and kv_cache.shape[-1] in kernels.head_dims else None
         self.amx = True  # prefill GEMMs on AMX tiles where the CPU has them (tests turn it off)
         # chunks over cached context: CPU SDPA takes the bool mask with GQA; CUDA needs the bias
@@ -122,7 +139,7 @@ class TorchAttention(AttentionBackend):
         b, nd = self.batch, self.batch.num_decodes
         decodes = (self.dec_table, self.dec_ctx) if nd else (None, None)
         return KernelStep(self.kv_cache, b.slot_blocks, b.slot_offsets, nd, *decodes,
-                          *(self.pre_args or (None,) * 4), self.scale, self.amx)
+                          *(self.pre_args or (None,) * 4), self.scale, self.amx, self.windows)
 
     def _prepare_gather(self, table: torch.Tensor, context_lens: list[int]) -> None:
         # Rows of the whole cache viewed as [N * layers * 2 * kh, bs * D] (a free view: the
@@ -134,23 +151,27 @@ class TorchAttention(AttentionBackend):
         rows = table.unsqueeze(1) * (n_layers * 2 * kh) + torch.arange(kh).view(1, kh, 1)
         rows = torch.stack((rows, rows + kh)).view(1, -1)
         self.dec_rows = (rows + (torch.arange(n_layers) * 2 * kh).view(-1, 1)).to(dev)
-        ctx = torch.tensor(context_lens, device=dev)
-        pos = torch.arange(max_blocks * bs, device=dev)
-        bias = torch.zeros(nd, max_blocks * bs, dtype=self.kv_cache.dtype, device=dev)
-        self.dec_bias = bias.masked_fill_(pos[None, :] >= ctx[:, None], float("-inf")).view(nd, 1, 1, -1)
+        ctx = torch.tensor(context_lens, device=dev)[:, None]
+        pos = torch.arange(max_blocks * bs, device=dev)[None, :]
+        self.dec_bias: dict[int, torch.Tensor] = {}  # by window: a key past the context or before the window
+        for w in set(self.windows or (0,)):
+            hidden = (pos >= ctx) | (pos < ctx - w) if w else pos >= ctx
+            bias = torch.zeros(nd, max_blocks * bs, dtype=self.kv_cache.dtype, device=dev)
+            self.dec_bias[w] = bias.masked_fill_(hidden, float("-inf")).view(nd, 1, 1, -1)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         b = self.batch
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous; q may be a strided view
         nd = b.num_decodes
+        window = self.window(layer)
         if self.kernels is not None:  # they read q's strided rows in place and write straight into out
             self.kernels.write_kv(k, v, self.kv_cache, layer, b.slot_blocks, b.slot_offsets)
             if nd:
                 self.kernels.paged_decode_attention(q[:nd], self.kv_cache, layer, self.dec_table,
-                                                    self.dec_ctx, self.scale, out[:nd])
+                                                    self.dec_ctx, self.scale, out[:nd], window)
             if self.pre_args is not None:
                 self.kernels.paged_prefill_attention(q[nd:], out[nd:], self.kv_cache, layer, *self.pre_args,
-                                                     self.scale, self.amx)
+                                                     self.scale, self.amx, window)
             return out
         k_cache, v_cache = self.kv_cache[:, layer, 0], self.kv_cache[:, layer, 1]  # [N, kh, bs, D]
         # indexed assignment writes in place (index_put_); `cache[idx].copy_()` would not
@@ -163,18 +184,23 @@ class TorchAttention(AttentionBackend):
             if p.blocks is None:
                 kp = k[p.start:p.end].transpose(0, 1).unsqueeze(0)
                 vp = v[p.start:p.end].transpose(0, 1).unsqueeze(0)
+            else:
+                kp, vp = self._gather_context(k_cache, p), self._gather_context(v_cache, p)
+            if p.blocks is None and not 0 < window < p.end - p.start:
                 o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale,
                                                    enable_gqa=True)
             else:
-                kp, vp = self._gather_context(k_cache, p), self._gather_context(v_cache, p)
-                o = self._attend_context(qp, kp, vp)
+                o = self._attend_context(qp, kp, vp, window)
             out[p.start:p.end] = o.squeeze(0).transpose(0, 1)
         return out
 
-    def _attend_context(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _attend_context(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        window: int = 0) -> torch.Tensor:
         """A chunk q [1, H, n, D] over its whole context k/v [1, kh, ctx, D]: query i (absolute
-        position ctx-n+i) sees keys 0..ctx-n+i."""
+        position ctx-n+i) sees keys 0..ctx-n+i, or with a window only the last `window` of them."""
         n, ctx = q.shape[2], k.shape[2]
+        if 0 < window < ctx:
+            return self._attend_window(q, k, v, window)
         if self.causal_bias:
             # a bool mask, or GQA, makes SDPA on CUDA fall back to its math kernel (at 32k, tens of
             # GB of temporaries); the lower-right causal bias over expanded heads keeps the
@@ -187,6 +213,20 @@ class TorchAttention(AttentionBackend):
                                                   attn_mask=causal_lower_right(n, ctx), scale=self.scale)
         mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
+
+    def _attend_window(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
+        """_attend_context's sliding-window case: query i sees keys ctx-n+i-window < j <= ctx-n+i. The
+        band as an explicit mask (a float bias over expanded heads on CUDA, where a bool mask with GQA
+        falls back to SDPA's math kernel anyway; this path is CUDA's fallback only)."""
+        n, ctx = q.shape[2], k.shape[2]
+        ones = torch.ones(n, ctx, dtype=torch.bool, device=q.device)
+        mask = ones.tril(ctx - n) & ones.triu(ctx - n - window + 1)
+        if not self.causal_bias:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
+        g = q.shape[1] // k.shape[1]
+        bias = torch.zeros(n, ctx, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1),
+                                              attn_mask=bias, scale=self.scale)
 
     @staticmethod
     def _gather_context(cache: torch.Tensor, p: _Prefill) -> torch.Tensor:
@@ -202,6 +242,6 @@ class TorchAttention(AttentionBackend):
         tiles = self.kv_cache.view(-1, self.kv_cache.shape[4] * d)
         kv = tiles.index_select(0, self.dec_rows[layer]).view(2, nd * kh, -1, d)
         qg = (q * self.scale).view(nd * kh, g, d)
-        scores = torch.bmm(qg, kv[0].transpose(1, 2)).view(nd, kh, g, -1) + self.dec_bias
+        scores = torch.bmm(qg, kv[0].transpose(1, 2)).view(nd, kh, g, -1) + self.dec_bias[self.window(layer)]
         probs = scores.float().softmax(dim=-1).to(q.dtype).view(nd * kh, g, -1)
         return torch.bmm(probs, kv[1]).view(nd, h, d)

@@ -7,6 +7,8 @@ Per layer: one indexed store of the step's new K/V (skipped when the caller stor
 RoPE + KV write, `kv_destination` and `forward(..., kv_written=True)`), then
 - any step with a prefill chunk: one `flash_attn_varlen_func(..., block_table=...)`;
 - pure-decode steps: one `flash_attn_with_kvcache(q[:, None], ..., cache_seqlens, block_table)`.
+A layer with a sliding window of w keys passes `window_size=(w - 1, 0)`: flash-attn's query i (bottom-right
+aligned) then sees keys [i + seqlen_k - seqlen_q - (w - 1), i + seqlen_k - seqlen_q], w keys with itself.
 
 The flash functions come from an injected module-like object (`flash_attn` itself, or
 `tests/flash_ref.py` in tests and wherever flash-attn is absent), so the
@@ -62,8 +64,8 @@ class FlashAttention(AttentionBackend):
     PAGE_MULTIPLE = FLASH_PAGE_MULTIPLE
     def __init__(self, kv_cache: torch.Tensor, num_heads: int, scale: float, *, flash,
                  max_seqs: int, max_blocks_per_seq: int, scratch_block: int,
-                 staging: Staging | None = None) -> None:
-        super().__init__(kv_cache, num_heads, scale)
+                 staging: Staging | None = None, windows: tuple[int, ...] = ()) -> None:
+        super().__init__(kv_cache, num_heads, scale, windows)
         self.flash = flash
         self.block_size = kv_cache.shape[3]
         if self.block_size % self.PAGE_MULTIPLE:
@@ -150,17 +152,21 @@ class FlashAttention(AttentionBackend):
         if not kv_written:
             k_cache[b.slot_blocks, b.slot_offsets] = k
             v_cache[b.slot_blocks, b.slot_offsets] = v
+        window = self.window(layer)
+        window_size = (window - 1, 0) if window else (-1, -1)  # (-1, -1): no window
         if self.decode_only:
             out = self.flash.flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache,
                                                      cache_seqlens=self.cache_seqlens,
                                                      block_table=self.block_table,
-                                                     softmax_scale=self.scale, causal=True)
+                                                     softmax_scale=self.scale, causal=True,
+                                                     window_size=window_size)
             return out.squeeze(1)
         if self.fresh:
             return self.flash.flash_attn_varlen_func(q, k, v, self.cu_seqlens_q, self.cu_seqlens_q,
                                                      self.max_seqlen_q, self.max_seqlen_q,
-                                                     softmax_scale=self.scale, causal=True)
+                                                     softmax_scale=self.scale, causal=True,
+                                                     window_size=window_size)
         return self.flash.flash_attn_varlen_func(q, k_cache, v_cache, self.cu_seqlens_q, self.cu_seqlens_k,
                                                  self.max_seqlen_q, self.max_seqlen_k,
                                                  softmax_scale=self.scale, causal=True,
-                                                 block_table=self.block_table)
+                                                 window_size=window_size, block_table=self.block_table)

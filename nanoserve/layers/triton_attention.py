@@ -14,6 +14,9 @@ int32 block tables, cu_seqlens, cache_seqlens in persistent staged buffers), thr
   a partial softmax per chunk, then a log-sum-exp merge; so one long row becomes many programs
   instead of a long tail. No host reads, a grid fixed by the batch size and the table's width,
   hence CUDA-graph capturable.
+Sliding windows (AttentionBackend): a layer's WINDOW masks keys at or before qpos - WINDOW, and each
+program starts at its first query's window, so keys wholly out of it are never read (decode splits the
+window's keys, not the whole row's). Without a window WINDOW is 2^30, past any context.
 Any block size: each key's address is computed per token (block = table[pos // bs]), so 16-token
 blocks give fine prefix-cache granularity. Only the table columns a sequence needs are read.
 On CPU it runs under TRITON_INTERPRET=1 (how CI tests it); fp32 dots use IEEE precision.
@@ -73,7 +76,7 @@ def _tile(qv, m_i, l_i, acc, k_cache, v_cache, table_row, pos, valid, visible, d
 
 @triton.jit
 def _prefill(q, k_cache, v_cache, out, part_acc, part_ml, tables, cu_q, cu_k, scale, sq_t, sq_h, so_t, so_h,
-             sc_b, sc_t, sc_h, st_b, H, G, D, BS, CHUNKS, KCHUNK, BLOCK_M: tl.constexpr,
+             sc_b, sc_t, sc_h, st_b, H, G, D, BS, CHUNKS, KCHUNK, WINDOW, BLOCK_M: tl.constexpr,
              BLOCK_N: tl.constexpr, D_P: tl.constexpr, IEEE: tl.constexpr):
     """CHUNKS == 1: the tile's output. Else this program takes keys [sp * KCHUNK, +KCHUNK) and
     writes partials for `_combine` (a query that sees none of them: max -inf)."""
@@ -96,17 +99,20 @@ def _prefill(q, k_cache, v_cache, out, part_acc, part_ml, tables, cu_q, cu_k, sc
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_P], tl.float32)
-    lo = sp * KCHUNK
+    # before the first query's window: unseen
+    lo = tl.maximum(sp * KCHUNK, ctx - qlen + mt * BLOCK_M - WINDOW + 1)
     # past the last query: unseen
     hi = tl.minimum(tl.minimum(ctx, ctx - qlen + (mt + 1) * BLOCK_M), lo + KCHUNK)
     for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < hi
         m_i, l_i, acc = _tile(qv, m_i, l_i, acc, k_cache, v_cache, tables + b * st_b, pos, valid,
-                              valid[None, :] & (pos[None, :] <= qpos[:, None]), d, D, BS, sc_b, sc_t,
+                              valid[None, :] & (pos[None, :] <= qpos[:, None]) &
+                              (pos[None, :] > qpos[:, None] - WINDOW), d, D, BS, sc_b, sc_t,
                               kvh * sc_h, scale, IEEE)
     if CHUNKS == 1:
-        o = acc / l_i[:, None]
+        # rows past the chunk (not stored) may see no key under a window: no 0 / 0 there
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out + rows[:, None] * so_t + h * so_h + d[None, :], o.to(out.dtype.element_ty), mask=qmask)
     else:
         at = (rows * H + h) * CHUNKS + sp
@@ -125,16 +131,18 @@ def _chunk_len(ctx, FILL, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _decode(q, k_cache, v_cache, part_acc, part_ml, tables, lens, scale, sq_t, sq_h, sc_b, sc_t, sc_h, st_b,
-            H, G, D, BS, FILL, CHUNKS, CHUNK: tl.constexpr, G_P: tl.constexpr, D_P: tl.constexpr,
+            H, G, D, BS, FILL, CHUNKS, WINDOW, CHUNK: tl.constexpr, G_P: tl.constexpr, D_P: tl.constexpr,
             BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """The row's visible keys (its last WINDOW, or all) split into chunks."""
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
     ctx = tl.load(lens + row)
-    per = _chunk_len(ctx, FILL, CHUNK, BLOCK_N)
-    start = sp * per
-    if start >= ctx:  # past this row's last chunk (the grid covers the longest row the table holds)
+    keys = tl.minimum(ctx, WINDOW)
+    per = _chunk_len(keys, FILL, CHUNK, BLOCK_N)
+    if sp * per >= keys:  # past this row's last chunk (the grid covers the longest row the table holds)
         return
+    start = ctx - keys + sp * per
     end = tl.minimum(ctx, start + per)
     g = tl.arange(0, G_P)
     d = tl.arange(0, D_P)
@@ -158,7 +166,7 @@ def _decode(q, k_cache, v_cache, part_acc, part_ml, tables, lens, scale, sq_t, s
 
 
 @triton.jit
-def _combine(part_acc, part_ml, out, lens, so_t, so_h, H, D, FILL, CHUNKS, CHUNK: tl.constexpr,
+def _combine(part_acc, part_ml, out, lens, so_t, so_h, H, D, FILL, CHUNKS, WINDOW, CHUNK: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, D_P: tl.constexpr, DECODE: tl.constexpr):
     """Log-sum-exp merge of one (row, head)'s chunk partials, BLOCK_C chunks at a time. DECODE:
     only the chunks `_decode` wrote for this row; prefill: all (a chunk the query saw nothing of
@@ -166,8 +174,8 @@ def _combine(part_acc, part_ml, out, lens, so_t, so_h, H, D, FILL, CHUNKS, CHUNK
     row = tl.program_id(0)
     h = tl.program_id(1)
     if DECODE:
-        ctx = tl.load(lens + row)
-        used = tl.cdiv(ctx, _chunk_len(ctx, FILL, CHUNK, BLOCK_N))
+        keys = tl.minimum(tl.load(lens + row), WINDOW)
+        used = tl.cdiv(keys, _chunk_len(keys, FILL, CHUNK, BLOCK_N))
     else:
         used = CHUNKS
     d = tl.arange(0, D_P)
@@ -198,6 +206,7 @@ def _combine(part_acc, part_ml, out, lens, so_t, so_h, H, D, FILL, CHUNKS, CHUNK
 # GPU (>= 28 us a layer at 4.8 TB/s, whatever the split). The old split count from rows * kv_heads
 # alone (2 at 17 or 32 rows) gave 16 programs of 16384 keys (8 MiB each): 16 SMs carried the row.
 DECODE_CHUNK = 1024
+NO_WINDOW = 1 << 30  # the kernels' WINDOW for a layer without one: more keys than any context
 
 
 def _p2(n: int, floor: int = 1) -> int:
@@ -210,9 +219,11 @@ class TritonAttention(FlashAttention):
 
     def __init__(self, kv_cache: torch.Tensor, num_heads: int, scale: float, *, flash=None,
                  max_seqs: int, max_blocks_per_seq: int, scratch_block: int,
-                 staging: Staging | None = None, decode_chunk: int = DECODE_CHUNK) -> None:
+                 staging: Staging | None = None, decode_chunk: int = DECODE_CHUNK,
+                 windows: tuple[int, ...] = ()) -> None:
         super().__init__(kv_cache, num_heads, scale, flash=None, max_seqs=max_seqs,
-                         max_blocks_per_seq=max_blocks_per_seq, scratch_block=scratch_block, staging=staging)
+                         max_blocks_per_seq=max_blocks_per_seq, scratch_block=scratch_block, staging=staging,
+                         windows=windows)
         dev = kv_cache.device
         self.ieee = kv_cache.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
@@ -239,14 +250,18 @@ class TritonAttention(FlashAttention):
         fill = min(32, -(-2 * self.sms // (rows * kv_heads)))
         return fill, max(fill, -(-max_keys // self.decode_chunk))
 
-    def _prefill_chunks(self, heads: int, query_lens: list[int]) -> tuple[int, int]:
+    def _prefill_chunks(self, heads: int, query_lens: list[int], window: int = 0) -> tuple[int, int]:
         """-> (chunks, keys per chunk) for a step with prefill: key chunks only when the query tiles
         (times heads) are too few for about two waves on the GPU, e.g. a short suffix over a long
         cached prefix, and no more chunks than the longest context has decode_chunk-key pieces; so
         the partials stay small (chunks * programs stays near two waves). From host lists: prefill
         steps are not graph-captured. H200 arithmetic (not measured): one 16-token suffix over a
         32768-token prefix, 32 heads: 9 chunks of 3648 keys, 288 programs instead of 32.
-        Not done: a long-context row among many tiles still walks all its keys in its programs."""
+        Not done: a long-context row among many tiles still walks all its keys in its programs.
+        A window shorter than the longest context: one chunk (each program walks at most the window plus
+        its tile's rows; chunks of the whole context would mostly be out of it)."""
+        if 0 < window < self.max_seqlen_k:
+            return 1, -(-self.max_seqlen_k // self.block_n) * self.block_n
         programs = heads * sum(-(-n // self.block_m) for n in query_lens)
         chunks = max(1, min(-(-2 * self.sms // programs), -(-self.max_seqlen_k // self.decode_chunk)))
         per = -(-self.max_seqlen_k // chunks)
@@ -266,33 +281,34 @@ class TritonAttention(FlashAttention):
                             v.stride(0), v.stride(1), sc[0], sc[1], sc[2], kh, d, KH_P=_p2(kh), D_P=_p2(d))
         out = torch.empty_like(q)
         table = self.block_table
+        window = self.window(layer) or NO_WINDOW
         if self.decode_only:
             rows = t
-            fill, chunks = self._decode_chunks(rows, kh, table.shape[1] * self.block_size)
+            fill, chunks = self._decode_chunks(rows, kh, min(window, table.shape[1] * self.block_size))
             d_p = _p2(d, 16)
             part_acc = torch.empty(rows, h, chunks, d_p, dtype=torch.float32, device=q.device)
             part_ml = torch.empty(rows, h, chunks, 2, dtype=torch.float32, device=q.device)
             _decode[(rows, kh, chunks)](q, k_cache, v_cache, part_acc, part_ml, table, self.cache_seqlens,
                                         self.scale, q.stride(0), q.stride(1), sc[0], sc[1], sc[2],
-                                        table.stride(0), h, g, d, self.block_size, fill, chunks,
+                                        table.stride(0), h, g, d, self.block_size, fill, chunks, window,
                                         CHUNK=self.decode_chunk, G_P=_p2(g, 16), D_P=d_p,
                                         BLOCK_N=self.block_n, IEEE=self.ieee)
             _combine[(rows, h)](part_acc, part_ml, out, self.cache_seqlens, out.stride(0), out.stride(1),
-                                h, d, fill, chunks, CHUNK=self.decode_chunk, BLOCK_N=self.block_n, BLOCK_C=16,
-                                D_P=d_p, DECODE=True)
+                                h, d, fill, chunks, window, CHUNK=self.decode_chunk, BLOCK_N=self.block_n,
+                                BLOCK_C=16, D_P=d_p, DECODE=True)
             return out
         n, d_p = len(b.query_lens), _p2(d, 16)
-        chunks, kchunk = self._prefill_chunks(h, b.query_lens)
+        chunks, kchunk = self._prefill_chunks(h, b.query_lens, self.window(layer))
         # one chunk: the kernel writes `out` itself, the partials' pointers go unused
         part_acc = torch.empty(t, h, chunks, d_p, dtype=torch.float32, device=q.device) if chunks > 1 else out
         part_ml = torch.empty(t, h, chunks, 2, dtype=torch.float32, device=q.device) if chunks > 1 else out
         grid = (n, h, triton.cdiv(self.max_seqlen_q, self.block_m) * chunks)
         _prefill[grid](q, k_cache, v_cache, out, part_acc, part_ml, table, self.cu_seqlens_q,
                        self.cu_seqlens_k, self.scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                       sc[0], sc[1], sc[2], table.stride(0), h, g, d, self.block_size, chunks, kchunk,
+                       sc[0], sc[1], sc[2], table.stride(0), h, g, d, self.block_size, chunks, kchunk, window,
                        BLOCK_M=self.block_m, BLOCK_N=self.block_n, D_P=d_p, IEEE=self.ieee)
         if chunks > 1:
             _combine[(t, h)](part_acc, part_ml, out, self.cu_seqlens_k, out.stride(0), out.stride(1), h, d, 1,
-                             chunks, CHUNK=self.decode_chunk, BLOCK_N=self.block_n, BLOCK_C=16, D_P=d_p,
-                             DECODE=False)
+                             chunks, window, CHUNK=self.decode_chunk, BLOCK_N=self.block_n, BLOCK_C=16,
+                             D_P=d_p, DECODE=False)
         return out

@@ -85,6 +85,7 @@ class ModelRunner:
         self.max_tokens = max(opts.max_num_batched_tokens, opts.max_num_seqs)
         self.staging = Staging(device)
         self.inputs = StepInputs(self.staging, self.max_tokens, scratch_block=self.kv_cache.shape[0] - 1)
+        windows = getattr(model, "windows", ())  # each layer's sliding window (Gemma 3); older models: none
         if paged:
             # graphs bake the table width (and flash-attn its split count) in: size it from the
             # longest sequence this engine admits, not the model's own maximum
@@ -92,10 +93,10 @@ class ModelRunner:
             self.attn: AttentionBackend = layout.backend(
                 self.kv_cache, model.num_heads, model.scale, flash=opts.flash_module,
                 max_seqs=opts.max_num_seqs, max_blocks_per_seq=width, scratch_block=num_blocks,
-                staging=self.staging)
+                staging=self.staging, windows=windows)
         else:
             self.attn = TorchAttention(self.kv_cache, model.num_heads, model.scale,
-                                       model.kernels)
+                                       model.kernels, windows=windows)
         self.buckets = sorted(opts.graph_buckets or decode_buckets(opts.max_num_seqs)) if paged else []
         self.decode_graphs = DecodeGraphs(device, self.attn, self._prepare_bucket, self._decode_forward)
         self.steps_graphed = self.steps_eager = self.steps_padded = 0

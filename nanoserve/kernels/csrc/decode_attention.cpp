@@ -1,6 +1,7 @@
 // Decode attention over the paged cache: one query token per sequence, its KV blocks read in place, two
 // passes (scores, softmax, weighted V) accumulating in fp32 (bf16: both passes' products in VDPBF16PS,
-// the probabilities rounded to bf16 for the second).
+// the probabilities rounded to bf16 for the second). A layer with a sliding window reads only the window's
+// keys: a long context costs what the window does.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -61,17 +62,19 @@ static inline void softmax_inplace(float* x, int64_t n) {
 
 // The decode kernels below are noinline: inlined into decode's lambdas, pv_pairs' accumulators went
 // back to the stack (batch 1: 0.27 -> 0.33 ms a step), qk_lanes' fp32 Q.K lost ~8%.
-// f(rows, next, t0, count) for each block of a sequence's context, in order: the block's first row, the
-// next block's (the block itself for the last, so that prefetches stay in the sequence's own blocks),
-// the block's first key and its key count. A plain loop a block: a row walker's per-key branches kept
-// the kernels' accumulators on the stack
+// f(rows, next, t0, count) for each block holding keys [lo, n) of a sequence's context (rows of `row`
+// elements), in order: the first of those keys' rows in the block, the next block's first row (the block
+// itself for the last, so that prefetches stay in the sequence's own blocks), the first key's index from
+// lo and the key count. Blocks wholly before lo (out of a sliding window) are never touched. A plain loop
+// a block: a row walker's per-key branches kept the kernels' accumulators on the stack
 template <typename T, typename F>
-static inline void for_blocks(const T* base, const int64_t* table, int64_t stride, int64_t bs, int64_t n,
-                              F&& f) {
+static inline void for_blocks(const T* base, const int64_t* table, int64_t stride, int64_t bs, int64_t row,
+                              int64_t lo, int64_t n, F&& f) {
   const int64_t blocks = (n + bs - 1) / bs;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const T* rows = base + table[b] * stride;
-    f(rows, b + 1 < blocks ? base + table[b + 1] * stride : rows, b * bs, std::min(bs, n - b * bs));
+  for (int64_t b = lo / bs; b < blocks; ++b) {
+    const int64_t t0 = std::max(lo, b * bs);
+    const T* rows = base + table[b] * stride + (t0 - b * bs) * row;
+    f(rows, b + 1 < blocks ? base + table[b + 1] * stride : rows, t0 - lo, std::min((b + 1) * bs, n) - t0);
   }
 }
 
@@ -99,11 +102,12 @@ static inline void by_head_chunks(int64_t g, F&& f) {
 // VDPBF16PS, their V rows interleaved word by word and the probabilities bf16 (pb[j * np + t]: the
 // inputs of a bf16 P.V matmul, as flash attention feeds it). G and WC are compile-time so the 2 G WC
 // accumulators live in registers: indexed by a runtime head count they sat on the stack, a store and a
-// reload around every VDPBF16PS (1.6x slower in L3). acc [G][D] gets the fp32 sums.
+// reload around every VDPBF16PS (1.6x slower in L3). acc [G][D] gets the fp32 sums of keys [first, n), whose
+// probabilities start at pb.
 template <int G, int64_t D>
 __attribute__((noinline)) static void pv_pairs(const c10::BFloat16* vbase, const int64_t* table,
-                                               int64_t stride, int64_t bs, int64_t n, const uint16_t* pb,
-                                               int64_t np, float* acc) {
+                                               int64_t stride, int64_t bs, int64_t first, int64_t n,
+                                               const uint16_t* pb, int64_t np, float* acc) {
   constexpr int W = D / 32, WC = G <= 3 && W % 4 == 0 ? 4 : G <= 6 && W % 2 == 0 ? 2 : 1;
   for (int c0 = 0; c0 < W; c0 += WC) {
     __m512 lo[G][WC], hi[G][WC];
@@ -130,7 +134,7 @@ __attribute__((noinline)) static void pv_pairs(const c10::BFloat16* vbase, const
     };
     // pairs within a block, the next block's rows asked for a pair at a time (the hardware prefetcher
     // cannot guess where it is)
-    for_blocks(vbase + 32 * c0, table, stride, bs, n,
+    for_blocks(vbase + 32 * c0, table, stride, bs, D, first, n,
                [&](const c10::BFloat16* rows, const c10::BFloat16* next, int64_t t0, int64_t cnt) {
                  int64_t u = 0;
                  for (; u + 2 <= cnt; u += 2) {
@@ -159,16 +163,16 @@ __attribute__((noinline)) static void pv_pairs(const c10::BFloat16* vbase, const
 // head (the 16 rows x D/32 vectors held in registers for all heads at once took all 32 and then some)
 template <int64_t D>
 __attribute__((noinline)) static void qk_heads(const c10::BFloat16* q, int64_t g, const c10::BFloat16* kbase,
-                                               const int64_t* table, int64_t stride, int64_t bs, int64_t n,
-                                               float scale, float* sc, int64_t width) {
+                                               const int64_t* table, int64_t stride, int64_t bs, int64_t lo,
+                                               int64_t n, float scale, float* sc, int64_t width) {
   constexpr int W = D / 32;
   const __m512 sv = _mm512_set1_ps(scale);
-  for_blocks(kbase, table, stride, bs, n,
+  for_blocks(kbase, table, stride, bs, D, lo, n,
              [&](const c10::BFloat16* rows, const c10::BFloat16* next, int64_t t0, int64_t in_block) {
                for (int64_t u0 = 0; u0 < in_block; u0 += 16) {
                  const int64_t cnt = std::min<int64_t>(16, in_block - u0);
                  const c10::BFloat16* ahead =
-                     u0 + 32 <= bs ? rows + (u0 + 16) * D : next;  // the next 16 keys, or near
+                     u0 + 32 <= in_block ? rows + (u0 + 16) * D : next;  // the next 16 keys, or near
                  const c10::BFloat16* k[16];
                  for (int u = 0; u < 16; ++u) {
                    k[u] = rows + (u0 + std::min<int64_t>(u, cnt - 1)) *
@@ -200,14 +204,15 @@ __attribute__((noinline)) static void qk_heads(const c10::BFloat16* q, int64_t g
 // Lanes::N keys at a time, one horizontal-sum tree for all of them, blocks walked as qk_heads does
 template <typename T, int64_t D>
 __attribute__((noinline)) static void qk_lanes(const float* q, int64_t g, const T* kbase,
-                                               const int64_t* table, int64_t stride, int64_t bs, int64_t n,
-                                               float* sc, int64_t width) {
+                                               const int64_t* table, int64_t stride, int64_t bs, int64_t lo,
+                                               int64_t n, float* sc, int64_t width) {
   using L = Lanes;
   constexpr int N = L::N, C = D / N;
-  for_blocks(kbase, table, stride, bs, n, [&](const T* rows, const T* next, int64_t t0, int64_t in_block) {
+  for_blocks(kbase, table, stride, bs, D, lo, n,
+             [&](const T* rows, const T* next, int64_t t0, int64_t in_block) {
     for (int64_t u0 = 0; u0 < in_block; u0 += N) {
       const int64_t cnt = std::min<int64_t>(N, in_block - u0);
-      const T* ahead = u0 + 2 * N <= bs ? rows + (u0 + N) * D : next;
+      const T* ahead = u0 + 2 * N <= in_block ? rows + (u0 + N) * D : next;
       const T* k[N];
       // past the end: the last key again, dropped below
       for (int u = 0; u < N; ++u) k[u] = rows + (u0 + std::min<int64_t>(u, cnt - 1)) * D;
@@ -233,8 +238,8 @@ __attribute__((noinline)) static void qk_lanes(const float* q, int64_t g, const 
 // each pass reading its own part of every V row
 template <typename T, int64_t D, int G>
 __attribute__((noinline)) static void pv_lanes(const T* vbase, const int64_t* table, int64_t stride,
-                                               int64_t bs, int64_t n, const float* p, int64_t pstride,
-                                               float* acc) {
+                                               int64_t bs, int64_t lo, int64_t n, const float* p,
+                                               int64_t pstride, float* acc) {
   using L = Lanes;
   constexpr int N = L::N, C = D / N;
   constexpr int WC = (G + 1) * 8 + 1 <= L::REGS && C % 8 == 0   ? 8
@@ -245,7 +250,7 @@ __attribute__((noinline)) static void pv_lanes(const T* vbase, const int64_t* ta
     typename L::V av[G][WC];
     for (int j = 0; j < G; ++j)
       for (int c = 0; c < WC; ++c) av[j][c] = L::zero();
-    for_blocks(vbase + c0 * N, table, stride, bs, n,
+    for_blocks(vbase + c0 * N, table, stride, bs, D, lo, n,
                [&](const T* rows, const T* next, int64_t t0, int64_t in_block) {
                  for (int64_t u = 0; u < in_block; ++u) {
                    prefetch_row(next + u * D, WC * N * sizeof(T));
@@ -273,9 +278,14 @@ struct DecodeJob {
   const int64_t* tables;  // [seqs, max_blocks]
   const int64_t* lens;    // [seqs] context lengths
   float scale;
-  float* sc;      // [seqs * kh, g, width]: each row's first lens entries are scores, then probabilities
-  int64_t width;  // max_blocks * bs
+  int64_t window;  // keys a query sees, itself included (0: all of its context)
+  // [seqs * kh, g, width]: a row's entry t is key first(s) + t's score, then probability (its first
+  // lens[s] - first(s) entries are written by pass 1 and read by pass 2; the rest never)
+  float* sc;
+  int64_t width;  // max_blocks * bs, or the window where that is smaller
   T* out;         // [seqs, kh * g, d]
+  // sequence s's first visible key: the decode token at lens[s] - 1 sees the window's last keys
+  int64_t first(int64_t s) const { return window > 0 ? std::max<int64_t>(0, lens[s] - window) : 0; }
 };
 
 #if !defined(NS_LANES)
@@ -284,45 +294,44 @@ template <typename T>
 static void scores_scalar(const DecodeJob<T>& job, int64_t s, int64_t hk, const float* qf, float* blk,
                           float* sc) {
   const PagedLayer<T>& kv = job.kv;
-  const int64_t bs = kv.bs, d = kv.d, n = job.lens[s];
-  for (int64_t b = 0; b * bs < n; ++b) {
-    const int64_t cnt = std::min(bs, n - b * bs);
-    to_float(kv.k + job.tables[s * job.max_blocks + b] * kv.block_stride + hk * bs * d, blk, cnt * d);
-    for (int64_t j = 0; j < job.g; ++j) {
-      const float* qj = qf + j * d;
-      float* out = sc + j * job.width + b * bs;
-      for (int64_t t = 0; t < cnt; ++t) {
-        const float* k = blk + t * d;
-        float dot = 0.f;
+  const int64_t bs = kv.bs, d = kv.d;
+  for_blocks(kv.k + hk * bs * d, job.tables + s * job.max_blocks, kv.block_stride, bs, d, job.first(s),
+             job.lens[s], [&](const T* rows, const T*, int64_t t0, int64_t cnt) {
+               to_float(rows, blk, cnt * d);
+               for (int64_t j = 0; j < job.g; ++j) {
+                 const float* qj = qf + j * d;
+                 float* out = sc + j * job.width + t0;
+                 for (int64_t t = 0; t < cnt; ++t) {
+                   const float* k = blk + t * d;
+                   float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t x = 0; x < d; ++x) dot += qj[x] * k[x];
-        out[t] = dot;
-      }
-    }
-  }
+                   for (int64_t x = 0; x < d; ++x) dot += qj[x] * k[x];
+                   out[t] = dot;
+                 }
+               }
+             });
 }
 
 // the scalar build's pass 2 for one row
 template <typename T>
 static void values_scalar(const DecodeJob<T>& job, int64_t s, int64_t hk, float* blk, float* acc) {
   const PagedLayer<T>& kv = job.kv;
-  const int64_t bs = kv.bs, d = kv.d, n = job.lens[s], i = s * kv.kh + hk;
+  const int64_t bs = kv.bs, d = kv.d, i = s * kv.kh + hk;
   std::fill(acc, acc + job.g * d, 0.f);
-  for (int64_t b = 0; b * bs < n; ++b) {
-    const int64_t cnt = std::min(bs, n - b * bs);
-    to_float(kv.k + job.tables[s * job.max_blocks + b] * kv.block_stride + kv.v_off + hk * bs * d, blk,
-             cnt * d);
-    for (int64_t j = 0; j < job.g; ++j) {
-      const float* p = job.sc + (i * job.g + j) * job.width + b * bs;
-      float* aj = acc + j * d;
-      for (int64_t t = 0; t < cnt; ++t) {
-        const float pt = p[t];
-        const float* v = blk + t * d;
+  for_blocks(kv.k + kv.v_off + hk * bs * d, job.tables + s * job.max_blocks, kv.block_stride, bs, d,
+             job.first(s), job.lens[s], [&](const T* rows, const T*, int64_t t0, int64_t cnt) {
+               to_float(rows, blk, cnt * d);
+               for (int64_t j = 0; j < job.g; ++j) {
+                 const float* p = job.sc + (i * job.g + j) * job.width + t0;
+                 float* aj = acc + j * d;
+                 for (int64_t t = 0; t < cnt; ++t) {
+                   const float pt = p[t];
+                   const float* v = blk + t * d;
 #pragma omp simd
-        for (int64_t x = 0; x < d; ++x) aj[x] += pt * v[x];
-      }
-    }
-  }
+                   for (int64_t x = 0; x < d; ++x) aj[x] += pt * v[x];
+                 }
+               }
+             });
 }
 #endif
 
@@ -337,20 +346,20 @@ static void scores_pass(const DecodeJob<T>& job) {
     std::vector<float> blk(bs * D);  // the scalar fallback's rows in fp32
 #endif
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t s = i / kh, hk = i % kh, n = job.lens[s];
+      const int64_t s = i / kh, hk = i % kh, n = job.lens[s], lo = job.first(s);
       const T* q = job.q + s * job.q_row + hk * g * D;
       const int64_t* table = job.tables + s * job.max_blocks;
       float* sc = job.sc + i * g * job.width;
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        qk_heads<D>(q, g, kv.k + hk * bs * D, table, kv.block_stride, bs, n, job.scale, sc, job.width);
+        qk_heads<D>(q, g, kv.k + hk * bs * D, table, kv.block_stride, bs, lo, n, job.scale, sc, job.width);
         continue;
       }
 #endif
       to_float(q, qf.data(), g * D);
       for (int64_t x = 0; x < g * D; ++x) qf[x] *= job.scale;
 #if defined(NS_LANES)
-      qk_lanes<T, D>(qf.data(), g, kv.k + hk * bs * D, table, kv.block_stride, bs, n, sc, job.width);
+      qk_lanes<T, D>(qf.data(), g, kv.k + hk * bs * D, table, kv.block_stride, bs, lo, n, sc, job.width);
 #else
       scores_scalar(job, s, hk, qf.data(), blk.data(), sc);
 #endif
@@ -365,20 +374,20 @@ template <int64_t D>
 static void values_pairs(const DecodeJob<c10::BFloat16>& job, int64_t i, std::vector<uint16_t>& pb,
                          float* acc) {
   const PagedLayer<c10::BFloat16>& kv = job.kv;
-  const int64_t g = job.g, s = i / kv.kh, hk = i % kv.kh, n = job.lens[s];
-  const int64_t np = n;  // pv_pairs pairs keys within a block, so nothing past n is read
+  const int64_t g = job.g, s = i / kv.kh, hk = i % kv.kh, n = job.lens[s], lo = job.first(s);
+  const int64_t np = n - lo;  // pv_pairs pairs keys within a block, so nothing past n is read
   pb.resize(g * np);
   for (int64_t j = 0; j < g; ++j) {
     const float* pr = job.sc + (i * g + j) * job.width;
     int64_t t = 0;
-    for (; t + 16 <= n; t += 16)
+    for (; t + 16 <= np; t += 16)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb.data() + j * np + t),
                           bf16_packed(_mm512_loadu_ps(pr + t)));
-    for (; t < n; ++t) pb[j * np + t] = c10::BFloat16(pr[t]).x;
+    for (; t < np; ++t) pb[j * np + t] = c10::BFloat16(pr[t]).x;
   }
   by_head_chunks(g, [&](int64_t j0, auto G) {
     pv_pairs<decltype(G)::value, D>(kv.k + kv.v_off + hk * kv.bs * D, job.tables + s * job.max_blocks,
-                                    kv.block_stride, kv.bs, n, pb.data() + j0 * np, np, acc + j0 * D);
+                                    kv.block_stride, kv.bs, lo, n, pb.data() + j0 * np, np, acc + j0 * D);
   });
 }
 #endif
@@ -406,7 +415,7 @@ static void values_pass(const DecodeJob<T>& job) {
         by_head_chunks(g, [&](int64_t j0, auto G) {
           pv_lanes<T, D, decltype(G)::value>(
               kv.k + kv.v_off + hk * kv.bs * D, job.tables + s * job.max_blocks, kv.block_stride, kv.bs,
-              job.lens[s], job.sc + (i * g + j0) * job.width, job.width, acc.data() + j0 * D);
+              job.first(s), job.lens[s], job.sc + (i * g + j0) * job.width, job.width, acc.data() + j0 * D);
         });
 #else
         values_scalar(job, s, hk, blk.data(), acc.data());
@@ -426,7 +435,10 @@ static void decode(const DecodeJob<T>& job) {
   const int64_t g = job.g, kh = job.kv.kh;
   // one row per (sequence, query head)
   at::parallel_for(0, job.seqs * kh * g, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) softmax_inplace(job.sc + r * job.width, job.lens[r / (kh * g)]);
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t s = r / (kh * g);
+      softmax_inplace(job.sc + r * job.width, job.lens[s] - job.first(s));
+    }
   });
   NS_LAP(clock, kDecSoftmax);
   values_pass<T, D>(job);
@@ -436,8 +448,8 @@ static void decode(const DecodeJob<T>& job) {
 // the job of q [nd, h, d] over cache [N, layers, 2, kh, bs, d]'s layer, scores into sc
 template <typename T>
 static DecodeJob<T> decode_job(const at::Tensor& q, const at::Tensor& cache, int64_t layer,
-                               const at::Tensor& tables, const at::Tensor& ctx, float scale, float* sc,
-                               const at::Tensor& out) {
+                               const at::Tensor& tables, const at::Tensor& ctx, float scale, int64_t window,
+                               float* sc, int64_t width, const at::Tensor& out) {
   const int64_t kh = cache.size(3), bs = cache.size(4), d = cache.size(5), max_blocks = tables.size(1);
   const int64_t block_stride = cache.size(1) * 2 * kh * bs * d;
   const T* k = cache.data_ptr<T>() + layer * 2 * kh * bs * d;
@@ -450,31 +462,36 @@ static DecodeJob<T> decode_job(const at::Tensor& q, const at::Tensor& cache, int
           tables.data_ptr<int64_t>(),
           ctx.data_ptr<int64_t>(),
           scale,
+          window,
           sc,
-          max_blocks * bs,
+          width,
           out.data_ptr<T>()};
 }
 
 template <typename T>
 static void decode_typed(const at::Tensor& q, const at::Tensor& cache, int64_t layer,
-                         const at::Tensor& tables, const at::Tensor& ctx, float scale,
+                         const at::Tensor& tables, const at::Tensor& ctx, float scale, int64_t window,
                          const at::Tensor& out) {
-  const int64_t kh = cache.size(3), g = q.size(1) / kh, width = tables.size(1) * cache.size(4);
-  // each row's first ctx entries are written by pass 1 and read by pass 2; the rest never
+  const int64_t kh = cache.size(3), g = q.size(1) / kh, all = tables.size(1) * cache.size(4);
+  const int64_t width = window > 0 ? std::min(all, window) : all;  // a row holds its visible keys only
   const at::Tensor scores = at::empty({q.size(0) * kh, g, width}, at::dtype(at::kFloat));
-  const DecodeJob<T> job = decode_job<T>(q, cache, layer, tables, ctx, scale, scores.data_ptr<float>(), out);
-  if (q.size(2) == 64)
-    decode<T, 64>(job);
-  else
-    decode<T, 128>(job);
+  const DecodeJob<T> job =
+      decode_job<T>(q, cache, layer, tables, ctx, scale, window, scores.data_ptr<float>(), width, out);
+  switch (q.size(2)) {
+    case 64: decode<T, 64>(job); break;
+    case 128: decode<T, 128>(job); break;
+    default: decode<T, 256>(job); break;
+  }
 }
 
 }  // namespace
 
 // q's rows may be strided (a view of the fused QKV output: no copy); the result goes to `out` when
-// given (contiguous, q's shape; a view of the backend's output), else to a new tensor.
+// given (contiguous, q's shape; a view of the backend's output), else to a new tensor. window > 0: each
+// query sees only its last `window` keys (itself included), and only their blocks are read.
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor cache, int64_t layer, at::Tensor tables,
-                                  at::Tensor ctx, double scale, c10::optional<at::Tensor> out_) {
+                                  at::Tensor ctx, double scale, c10::optional<at::Tensor> out_,
+                                  int64_t window) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2) &&
               q.stride(0) >= q.size(1) * q.size(2));
   TORCH_CHECK(cache.is_contiguous() && tables.is_contiguous() && ctx.is_contiguous());
@@ -482,14 +499,16 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor cache, int64_t layer,
               ctx.scalar_type() == at::kLong);
   TORCH_CHECK(cache.dim() == 6 && cache.size(5) == q.size(2) && q.size(1) % cache.size(3) == 0 &&
               layer >= 0 && layer < cache.size(1) && tables.size(0) == q.size(0) && ctx.size(0) == q.size(0));
-  TORCH_CHECK(q.size(2) == 64 || q.size(2) == 128, "paged_decode_attention: head_dim 64 or 128 only");
+  TORCH_CHECK(q.size(2) == 64 || q.size(2) == 128 || q.size(2) == 256,
+              "paged_decode_attention: head_dim 64, 128 or 256 only");
+  TORCH_CHECK(window >= 0, "paged_decode_attention: window must be >= 0 (0: no window)");
   const at::Tensor out = out_.has_value() ? *out_ : at::empty(q.sizes(), q.options());
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type());
   const float s = static_cast<float>(scale);
   switch (q.scalar_type()) {
-    case at::kBFloat16: decode_typed<c10::BFloat16>(q, cache, layer, tables, ctx, s, out); break;
-    case at::kHalf: decode_typed<c10::Half>(q, cache, layer, tables, ctx, s, out); break;
-    case at::kFloat: decode_typed<float>(q, cache, layer, tables, ctx, s, out); break;
+    case at::kBFloat16: decode_typed<c10::BFloat16>(q, cache, layer, tables, ctx, s, window, out); break;
+    case at::kHalf: decode_typed<c10::Half>(q, cache, layer, tables, ctx, s, window, out); break;
+    case at::kFloat: decode_typed<float>(q, cache, layer, tables, ctx, s, window, out); break;
     default: TORCH_CHECK(false, "paged_decode_attention: unsupported dtype");
   }
   return out;

@@ -93,7 +93,8 @@ at::Tensor DecoderStack::forward(at::Tensor residual, const at::Tensor& cos, con
   TORCH_CHECK(step.cache.size(1) == static_cast<int64_t>(plan_.layers.size()) &&
                   (nd == 0 || (step.decode_tables && step.decode_context)) &&
                   (nd == T ||
-                   (step.prefill_tables && step.prefill_starts && step.prefill_lens && step.prefill_context)),
+                   (step.prefill_tables && step.prefill_starts && step.prefill_lens && step.prefill_context)) &&
+                  (step.windows.empty() || step.windows.size() == plan_.layers.size()),
               "decoder stack: step arguments do not match");
   const bool fused = T <= plan_.fused_rows;
   c10::optional<at::Tensor> delta;  // residual += delta happens in the next norm
@@ -145,16 +146,17 @@ void DecoderStack::attend(const std::array<at::Tensor, 3>& qkv, const at::Tensor
                           const StepArgs& s) const {
   const at::Tensor& q = qkv[0];
   const int64_t T = q.size(0), nd = s.num_decodes;
+  const int64_t window = s.windows.empty() ? 0 : s.windows[layer];
   times.time(PartTimes::kKvWrite,
              [&] { write_kv(qkv[1], qkv[2], s.cache, layer, s.slot_blocks, s.slot_offsets); });
   times.time(PartTimes::kAttention, [&] {
     if (nd)
       paged_decode_attention(q.narrow(0, 0, nd), s.cache, layer, *s.decode_tables, *s.decode_context, s.scale,
-                             out.narrow(0, 0, nd));
+                             out.narrow(0, 0, nd), window);
     if (nd < T)
       paged_prefill_attention(q.narrow(0, nd, T - nd), out.narrow(0, nd, T - nd), s.cache, layer,
                               *s.prefill_tables, *s.prefill_starts, *s.prefill_lens, *s.prefill_context,
-                              s.scale, s.amx);
+                              s.scale, s.amx, window);
   });
 }
 

@@ -95,6 +95,7 @@ struct StepArgs {
   c10::optional<at::Tensor> prefill_tables, prefill_starts, prefill_lens, prefill_context;
   double scale = 0;
   bool amx = false;
+  std::vector<int64_t> windows;  // each layer's sliding window (0: none); empty: no layer has one
 };
 
 // Time of each part of the stack's steps, summed while on (bench/latency.py --breakdown): a clock read

@@ -6,12 +6,15 @@
 #include <cstdint>
 #include <string>
 
-// decode_attention.cpp: one query token per sequence over its KV blocks (head_dim 64 or 128)
+// The attention kernels serve head_dim 64, 128 and 256; window > 0 is a sliding window (a query at position p
+// sees keys p - window + 1 .. p), 0 plain causal.
+// decode_attention.cpp: one query token per sequence over its KV blocks
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor cache, int64_t layer, at::Tensor tables,
-                                  at::Tensor ctx, double scale, c10::optional<at::Tensor> out);
+                                  at::Tensor ctx, double scale, c10::optional<at::Tensor> out, int64_t window);
 // prefill_attention.cpp: every prefill chunk of a step, over its cached context
 void paged_prefill_attention(at::Tensor q, at::Tensor out, at::Tensor cache, int64_t layer, at::Tensor tables,
-                             at::Tensor start, at::Tensor len, at::Tensor ctx, double scale, bool allow_amx);
+                             at::Tensor start, at::Tensor len, at::Tensor ctx, double scale, bool allow_amx,
+                             int64_t window);
 bool amx();  // whether bf16 GEMM tiles can be packed for AMX here
 
 // elementwise.cpp

@@ -109,7 +109,8 @@ StepArgs read_step(const py::handle& step) {
           optional_tensor(step, "prefill_lens"),
           optional_tensor(step, "prefill_context"),
           field<double>(step, "scale"),
-          field<bool>(step, "amx")};
+          field<bool>(step, "amx"),
+          field<std::vector<int64_t>>(step, "windows")};
 }
 
 void define_attention(py::module_& m) {
@@ -124,11 +125,14 @@ void define_attention(py::module_& m) {
 #endif
   // tensor-only kernels run without the GIL: a step's forward on the compute thread (the LM head, the torch
   // path's attention) leaves the engine's Python free to schedule the next step meanwhile
-  m.def("paged_prefill_attention", &paged_prefill_attention, py::call_guard<py::gil_scoped_release>());
+  m.def("paged_prefill_attention", &paged_prefill_attention, py::arg("q"), py::arg("out"), py::arg("cache"),
+        py::arg("layer"), py::arg("tables"), py::arg("start"), py::arg("len"), py::arg("ctx"), py::arg("scale"),
+        py::arg("allow_amx"), py::arg("window") = 0, py::call_guard<py::gil_scoped_release>());
   m.def("amx", &amx);
   m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("cache"), py::arg("layer"),
-        py::arg("tables"), py::arg("ctx"), py::arg("scale"), py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
-  m.attr("head_dims") = py::make_tuple(64, 128);  // the attention kernels' templates
+        py::arg("tables"), py::arg("ctx"), py::arg("scale"), py::arg("out") = py::none(), py::arg("window") = 0,
+        py::call_guard<py::gil_scoped_release>());
+  m.attr("head_dims") = py::make_tuple(64, 128, 256);  // the attention kernels' templates
   m.def("add_rms_norm", &add_rms_norm, py::call_guard<py::gil_scoped_release>());
   m.def("rope_", &rope_, py::call_guard<py::gil_scoped_release>());
   m.def("write_kv", &write_kv, py::call_guard<py::gil_scoped_release>());

@@ -36,26 +36,33 @@ inline float as<float, float>(float x) {
 }
 
 // One row of scores s[n] (unscaled; n a multiple of 16) -> probabilities p[n] in C, for keys
-// [0, valid) (the rest 0); updates the row's running max and sum, returns the factor its accumulator
-// must be scaled by.
+// [from, valid) (the rest 0: before `from` out of a sliding window, from `valid` on past the causal edge);
+// updates the row's running max and sum, returns the factor its accumulator must be scaled by. A row that
+// sees none of these keys keeps its max and sum (its max may stay -inf: every lane then is masked).
 template <typename C>
-static inline float softmax_row(const float* s, C* p, int64_t n, int64_t valid, float scale, float& mx,
-                                float& sum) {
+static inline float softmax_row(const float* s, C* p, int64_t n, int64_t from, int64_t valid, float scale,
+                                float& mx, float& sum) {
   float rmax = mx;
   float rsum = 0.f;
   int64_t t = 0;
+  from = std::max<int64_t>(from, 0);
 #if defined(__AVX512F__)
   if constexpr (kVec16<C>) {
     // the max as 16 lanes: a scalar max chain costs its latency per key (~4x the whole exp)
-    auto live = [valid](int64_t t) -> __mmask16 {
-      return t >= valid ? 0 : t + 16 <= valid ? 0xFFFF : (1u << (valid - t)) - 1;
+    auto live = [from, valid](int64_t t) -> __mmask16 {
+      const int64_t a = std::clamp<int64_t>(from - t, 0, 16), b = std::clamp<int64_t>(valid - t, 0, 16);
+      return a >= b ? 0 : static_cast<__mmask16>((0xFFFFu >> (16 - b)) & (0xFFFFu << a));
     };
-    // whole vectors of visible keys unmasked; the causal edge's vector and the rest masked
+    // whole vectors of visible keys [first, full) unmasked; the window's and the causal edge's vectors
+    // (the same one where both fall in it: max is idempotent) and the rest masked
     const int64_t full = std::clamp<int64_t>(valid, 0, n) / 16 * 16;
+    const int64_t first = std::min<int64_t>((from + 15) / 16 * 16, n), edge = from / 16 * 16;
     __m512 vmax[2] = {_mm512_set1_ps(-std::numeric_limits<float>::infinity()),
                       _mm512_set1_ps(-std::numeric_limits<float>::infinity())};
-    for (int64_t u = 0; u < full; u += 16)
+    for (int64_t u = first; u < full; u += 16)
       vmax[u / 16 % 2] = _mm512_max_ps(vmax[u / 16 % 2], _mm512_loadu_ps(s + u));
+    if (edge < first && edge < n)
+      vmax[1] = _mm512_mask_max_ps(vmax[1], live(edge), vmax[1], _mm512_loadu_ps(s + edge));
     if (full < valid) vmax[0] = _mm512_mask_max_ps(vmax[0], live(full), vmax[0], _mm512_loadu_ps(s + full));
     rmax = std::max(rmax, _mm512_reduce_max_ps(_mm512_max_ps(vmax[0], vmax[1])) * scale);  // scale > 0
     // e^(s * scale - max) as 2^x: one FMA to x, then 2^x by exp2_16; two vectors per step (two
@@ -65,7 +72,7 @@ static inline float softmax_row(const float* s, C* p, int64_t n, int64_t valid, 
     __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     auto exp16 = [&](int64_t t) {
       const __m512 e = exp2_16<C>(_mm512_fmadd_ps(_mm512_loadu_ps(s + t), sc, mneg));
-      return t >= full ? _mm512_maskz_mov_ps(live(t), e) : e;
+      return t >= full || t < first ? _mm512_maskz_mov_ps(live(t), e) : e;
     };
     for (; t + 32 <= n; t += 32) {
       const __m512 e0 = exp16(t), e1 = exp16(t + 16);
@@ -91,9 +98,9 @@ static inline float softmax_row(const float* s, C* p, int64_t n, int64_t valid, 
   }
 #endif
   if (t < n)
-    for (int64_t u = 0; u < valid; ++u) rmax = std::max(rmax, s[u] * scale);
+    for (int64_t u = from; u < valid; ++u) rmax = std::max(rmax, s[u] * scale);
   for (; t < n; ++t) {
-    const float e = t < valid ? exp_neg(s[t] * scale - rmax) : 0.f;
+    const float e = t >= from && t < valid ? exp_neg(s[t] * scale - rmax) : 0.f;
     rsum += e;
     p[t] = as<C>(e);
   }
@@ -153,12 +160,15 @@ static void qk_bf16(int64_t m, int64_t kk, int64_t d, const c10::BFloat16* qb, c
     pair_rows<6, 4>(m, d / 2, qb, d, kt + t0 * d, 32, 16 * d, sc + t0, ldc, false);
 }
 
-// acc[r, :] += p[r, :kk] V[:kk, :] for rows [0, m), kk even, D = d (64 or 128)
+// acc[r, :] += p[r, :kk] V[:kk, :] for rows [0, m), kk even, D = d (64, 128 or 256): in passes of at most
+// 128 columns (256 at once would need 32 accumulators and 16 V vectors)
 template <int64_t D>
 static void pv_bf16(int64_t m, int64_t kk, const c10::BFloat16* pb, int64_t ldp, const c10::BFloat16* vt,
                     float* acc) {
-  constexpr int NV = D / 16, MR = NV == 4 ? 6 : 2;  // MR x NV accumulators within the 32 registers
-  pair_rows<MR, NV>(m, kk / 2, pb, ldp, vt, 2 * D, 32, acc, D, true);
+  constexpr int64_t CW = std::min<int64_t>(D, 128);
+  constexpr int NV = CW / 16, MR = NV == 4 ? 6 : 2;  // MR x NV accumulators within the 32 registers
+  for (int64_t c0 = 0; c0 < D; c0 += CW)  // V is [kk / 2][D][2]: column c0's pair words at 2 * c0
+    pair_rows<MR, NV>(m, kk / 2, pb, ldp, vt + 2 * c0, 2 * D, 32, acc + c0, D, true);
 }
 #endif
 
@@ -180,15 +190,22 @@ struct PrefillJob {
   const int64_t* len;
   const int64_t* ctx;
   float scale;
+  int64_t window;  // keys a query sees, itself included (0: all of its context)
+  // the first key the query at position p sees
+  int64_t first_key(int64_t p) const { return window > 0 ? std::max<int64_t>(0, p - window + 1) : 0; }
+  // sequence s's first tile that any of its queries sees, and its tile count from there: tiles wholly
+  // out of every query's window are neither packed nor attended
+  int64_t tile_lo(int64_t s) const { return first_key(ctx[s] - len[s]) / KS; }
+  int64_t tiles(int64_t s) const { return (ctx[s] + KS - 1) / KS - tile_lo(s); }
   // where key `tok` of sequence s, KV head hk sits
   const T* key(int64_t s, int64_t hk, int64_t tok) const {
     return kv.k + tables[s * max_blocks + tok / kv.bs] * kv.block_stride + (hk * kv.bs + tok % kv.bs) * kv.d;
   }
 };
 
-// Phase 1's buffers: tile0[s] is the index of sequence s's first tile; its head hk's tiles follow at
-// hk * ntiles. A tile: K^T as KS / KT blocks [d, KT] (each VNNI-packed with AMX), then V [KS, d] (packed
-// per 64 columns)
+// Phase 1's buffers: tile0[s] is the index of sequence s's first tile (the one of key tile_lo(s) * KS);
+// its head hk's tiles follow at hk * tiles(s). A tile: K^T as KS / KT blocks [d, KT] (each VNNI-packed
+// with AMX), then V [KS, d] (packed per 64 columns)
 template <typename C>
 struct PackedTiles {
   std::vector<int64_t> tile0;
@@ -250,7 +267,7 @@ static PackedTiles<C> pack_tiles(const PrefillJob<T>& job) {
   const int64_t kh = job.kv.kh, tile = KS * job.kv.d;
   PackedTiles<C> tiles{std::vector<int64_t>(job.seqs + 1, 0), {}, {}};
   std::vector<int64_t>& tile0 = tiles.tile0;
-  for (int64_t s = 0; s < job.seqs; ++s) tile0[s + 1] = tile0[s] + kh * ((job.ctx[s] + KS - 1) / KS);
+  for (int64_t s = 0; s < job.seqs; ++s) tile0[s + 1] = tile0[s] + kh * job.tiles(s);
   tiles.kbuf = at::empty({tile0[job.seqs], tile}, at::dtype(c10::CppTypeToScalarType<C>::value));
   tiles.vbuf = at::empty({tile0[job.seqs], tile}, at::dtype(c10::CppTypeToScalarType<C>::value));
   C* kp = tiles.k();
@@ -261,7 +278,8 @@ static PackedTiles<C> pack_tiles(const PrefillJob<T>& job) {
     int64_t s = 0;
     for (int64_t i = begin; i < end; ++i) {
       while (tile0[s + 1] <= i) ++s;
-      const int64_t nt = (job.ctx[s] + KS - 1) / KS, hk = (i - tile0[s]) / nt, k0 = (i - tile0[s]) % nt * KS;
+      const int64_t nt = job.tiles(s), hk = (i - tile0[s]) / nt;
+      const int64_t k0 = (job.tile_lo(s) + (i - tile0[s]) % nt) * KS;
       const int64_t cnt = std::min(KS, job.ctx[s] - k0);
       if constexpr (mode == Tiles::Vnni)
         pack_pairs(job, s, hk, k0, cnt, kp + i * tile, vp + i * tile);
@@ -286,7 +304,8 @@ static std::vector<Task> attention_tasks(const PrefillJob<T>& job, int64_t qt) {
   std::vector<Task> tasks;
   for (int64_t s = 0; s < job.seqs; ++s)
     for (int64_t r0 = 0; r0 < job.len[s]; r0 += qt) {
-      const int64_t r1 = std::min(job.len[s], r0 + qt), keys = job.ctx[s] - job.len[s] + r1;
+      const int64_t off = job.ctx[s] - job.len[s], r1 = std::min(job.len[s], r0 + qt);
+      const int64_t keys = off + r1 - job.first_key(off + r0);
       for (int64_t hk = 0; hk < job.kv.kh; ++hk) tasks.push_back({s, hk, r0, r1, keys * (r1 - r0)});
     }
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.work > b.work; });
@@ -327,8 +346,8 @@ static void load_queries(const PrefillJob<T>& job, const Task& w, int64_t rows, 
 
 // the m rows against one tile of kk keys from k0 (cnt of them real): scores, online softmax, P.V
 template <Tiles mode, typename C>
-static void attend_tile(int64_t m, int64_t d, int64_t k0, int64_t cnt, int64_t kk, float scale, const C* kt,
-                        const C* vt, TaskBuffers<C>& b, PhaseClock& clock) {
+static void attend_tile(int64_t m, int64_t d, int64_t k0, int64_t cnt, int64_t kk, float scale,
+                        int64_t window, const C* kt, const C* vt, TaskBuffers<C>& b, PhaseClock& clock) {
   constexpr bool amx = mode == Tiles::Amx;
   if constexpr (mode == Tiles::Vnni) {
     qk_bf16(m, kk, d, b.qb.data(), kt, b.sc.data(), KS);
@@ -337,8 +356,9 @@ static void attend_tile(int64_t m, int64_t d, int64_t k0, int64_t cnt, int64_t k
       at::native::cpublas::brgemm(m, KT, d, d, KT, KS, false, b.qb.data(), kt + j * d, b.sc.data() + j, amx);
   }
   NS_LAP(clock, kQK);
-  for (int64_t r = 0; r < m; ++r) {  // keys k0 .. pos[r] are visible to row r (causal)
-    const float alpha = softmax_row(b.sc.data() + r * KS, b.pb.data() + r * KS, kk,
+  for (int64_t r = 0; r < m; ++r) {  // keys pos[r] - window + 1 .. pos[r] are visible to row r
+    const int64_t from = window > 0 ? b.pos[r] - window + 1 - k0 : 0;
+    const float alpha = softmax_row(b.sc.data() + r * KS, b.pb.data() + r * KS, kk, from,
                                     std::min(cnt, b.pos[r] - k0 + 1), scale, b.mx[r], b.sum[r]);
     if (alpha != 1.f) {
       float* a = b.acc.data() + r * d;
@@ -350,8 +370,10 @@ static void attend_tile(int64_t m, int64_t d, int64_t k0, int64_t cnt, int64_t k
   if constexpr (mode == Tiles::Vnni) {
     if (d == 64)
       pv_bf16<64>(m, kk, b.pb.data(), KS, vt, b.acc.data());
-    else
+    else if (d == 128)
       pv_bf16<128>(m, kk, b.pb.data(), KS, vt, b.acc.data());
+    else
+      pv_bf16<256>(m, kk, b.pb.data(), KS, vt, b.acc.data());
   } else if constexpr (amx) {  // the first kk rows of each packed column block
     for (int64_t c0 = 0; c0 < d; c0 += 64)
       at::native::cpublas::brgemm(m, 64, kk, KS, 64, d, true, b.pb.data(), vt + c0 * KS, b.acc.data() + c0,
@@ -362,18 +384,19 @@ static void attend_tile(int64_t m, int64_t d, int64_t k0, int64_t cnt, int64_t k
   NS_LAP(clock, kPV);
 }
 
-// one task: its rows against the packed tiles up to the causal edge, normalized into out
+// one task: its rows against the packed tiles from its first row's window to the causal edge, normalized
+// into out
 template <typename T, typename C, Tiles mode>
 static void attend_task(const PrefillJob<T>& job, const PackedTiles<C>& tiles, const Task& w,
                         TaskBuffers<C>& b, PhaseClock& clock) {
   const int64_t d = job.kv.d, g = job.h / job.kv.kh, tile = KS * d;
   const int64_t off = job.ctx[w.s] - job.len[w.s], rows = (w.r1 - w.r0) * g, m = (rows + 15) / 16 * 16;
   load_queries(job, w, rows, m, b);
-  const int64_t nt = (job.ctx[w.s] + KS - 1) / KS, first = tiles.tile0[w.s] + w.hk * nt;
+  const int64_t lo = job.tile_lo(w.s), first = tiles.tile0[w.s] + w.hk * job.tiles(w.s);
   NS_LAP(clock, kQload);
-  for (int64_t j = 0, k0 = 0; k0 < off + w.r1; ++j, k0 += KS) {
+  for (int64_t j = job.first_key(off + w.r0) / KS - lo, k0 = (lo + j) * KS; k0 < off + w.r1; ++j, k0 += KS) {
     const int64_t cnt = std::min(KS, off + w.r1 - k0), kk = (cnt + KT - 1) / KT * KT;  // keys any row sees
-    attend_tile<mode>(m, d, k0, cnt, kk, job.scale, tiles.k() + (first + j) * tile,
+    attend_tile<mode>(m, d, k0, cnt, kk, job.scale, job.window, tiles.k() + (first + j) * tile,
                       tiles.v() + (first + j) * tile, b, clock);
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -404,7 +427,7 @@ static void prefill(const PrefillJob<T>& job) {
 template <typename T>
 static PrefillJob<T> prefill_job(const at::Tensor& q, const at::Tensor& out, const at::Tensor& cache,
                                  int64_t layer, const at::Tensor& tables, const at::Tensor& start,
-                                 const at::Tensor& len, const at::Tensor& ctx, double scale) {
+                                 const at::Tensor& len, const at::Tensor& ctx, double scale, int64_t window) {
   const int64_t kh = cache.size(3), bs = cache.size(4), d = q.size(2);
   const T* k = cache.data_ptr<T>() + layer * 2 * kh * bs * d;
   return {q.data_ptr<T>(),
@@ -418,7 +441,8 @@ static PrefillJob<T> prefill_job(const at::Tensor& q, const at::Tensor& out, con
           start.data_ptr<int64_t>(),
           len.data_ptr<int64_t>(),
           ctx.data_ptr<int64_t>(),
-          static_cast<float>(scale)};
+          static_cast<float>(scale),
+          window};
 }
 
 // every row and block the kernel will touch is in range
@@ -455,13 +479,19 @@ static void check_prefill(const at::Tensor& q, const at::Tensor& out, const at::
 bool amx() { return at::native::cpublas::could_pack(at::kBFloat16); }
 
 // q [T, h, d]: the step's prefill rows (see PrefillJob). q's rows may be strided (a view of the fused
-// QKV output: no copy); the result goes to `out` (contiguous, q's shape).
+// QKV output: no copy); the result goes to `out` (contiguous, q's shape). window > 0: each query sees only
+// its last `window` keys (itself included).
 void paged_prefill_attention(at::Tensor q, at::Tensor out, at::Tensor cache, int64_t layer, at::Tensor tables,
-                             at::Tensor start, at::Tensor len, at::Tensor ctx, double scale, bool allow_amx) {
+                             at::Tensor start, at::Tensor len, at::Tensor ctx, double scale, bool allow_amx,
+                             int64_t window) {
   check_prefill(q, out, cache, layer, tables, start, len, ctx);
+  TORCH_CHECK(window >= 0, "paged_prefill_attention: window must be >= 0 (0: no window)");
+  TORCH_CHECK(q.size(2) == 64 || q.size(2) == 128 || q.size(2) == 256,
+              "paged_prefill_attention: head_dim 64, 128 or 256 only");
   switch (q.scalar_type()) {
     case at::kBFloat16: {
-      const auto job = prefill_job<c10::BFloat16>(q, out, cache, layer, tables, start, len, ctx, scale);
+      const auto job =
+          prefill_job<c10::BFloat16>(q, out, cache, layer, tables, start, len, ctx, scale, window);
       if (allow_amx && amx()) prefill<c10::BFloat16, c10::BFloat16>(job);
 #if defined(__AVX512BF16__)
       else if (allow_amx)
@@ -472,10 +502,11 @@ void paged_prefill_attention(at::Tensor q, at::Tensor out, at::Tensor cache, int
       break;
     }
     case at::kHalf:
-      prefill<c10::Half, float>(prefill_job<c10::Half>(q, out, cache, layer, tables, start, len, ctx, scale));
+      prefill<c10::Half, float>(
+          prefill_job<c10::Half>(q, out, cache, layer, tables, start, len, ctx, scale, window));
       break;
     case at::kFloat:
-      prefill<float, float>(prefill_job<float>(q, out, cache, layer, tables, start, len, ctx, scale));
+      prefill<float, float>(prefill_job<float>(q, out, cache, layer, tables, start, len, ctx, scale, window));
       break;
     default: TORCH_CHECK(false, "paged_prefill_attention: unsupported dtype");
   }
