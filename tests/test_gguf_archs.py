@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -148,7 +149,7 @@ class Case:
 
 
 @pytest.fixture(scope="module")
-def own_cache(tmp_path_factory, embedded_dir):
+def own_cache(tmp_path_factory, embedded_dir) -> Iterator[None]:
     """materialize()'s folders of these throw-away files in a temporary cache (after the embedded model's
     own conversion, which stays in the shared one)."""
     with pytest.MonkeyPatch.context() as mp:
