@@ -27,8 +27,8 @@ from nanoserve.layers.triton_attention import TritonAttention  # noqa: E402
 from tests.conftest import hf_greedy, make_tiny_model  # noqa: E402
 from tests.test_cuda_path import host_sync_errors  # noqa: E402
 from tests.test_flash_attention import _run_both, steps  # noqa: E402
-from tests.test_sliding_window import (HEADS, STEPS, WINDOWS, Maker, check, dense_reference,  # noqa: E402
-                                       make_step, run_backend)
+from tests.test_sliding_window import (WINDOWS, Maker, check, dense_reference, make_step,  # noqa: E402
+                                       run_backend)
 
 BS = 16
 TOL = {torch.float32: dict(atol=5e-5, rtol=5e-5), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
@@ -150,14 +150,21 @@ def _windowed(h: int) -> Maker:
     return Maker(TritonAttention, build)
 
 
-@pytest.mark.parametrize("h,kh,d", HEADS)
-@pytest.mark.parametrize("steps", list(STEPS))
-def test_sliding_windows(h, kh, d, steps):
-    """tests/test_sliding_window.py's steps and per-layer windows (0, 1, 16, 97, 1000) against the dense
-    window reference; keys before each program's first query's window are NaN (never read). bf16 at
-    head_dim 128, fp32 at the others (the interpreter is slow)."""
+# tests/test_sliding_window.py's step kinds at about a third of their lengths (still past the windows 16 and
+# 97, short of 1000), each with one head shape: the interpreter runs a 700-key step for a minute
+TRITON_STEPS = {"mixed": ([(150, 1), (5, 1), (0, 37), (100, 30), (200, 3)], (4, 4, 64)),
+                "decode": ([(1, 1), (16, 1), (199, 1), (40, 1)], (6, 2, 128)),
+                "long": ([(250, 20), (0, 130)], (4, 1, 256)),
+                "suffix": ([(300, 5)], (6, 2, 128))}
+
+
+@pytest.mark.parametrize("steps", list(TRITON_STEPS))
+def test_sliding_windows(steps):
+    """The per-layer windows (0, 1, 16, 97, 1000) against the dense window reference; keys before each
+    program's first query's window are NaN (never read). bf16 at head_dim 128, fp32 at the others."""
+    seqs, (h, kh, d) = TRITON_STEPS[steps]
     dtype = torch.bfloat16 if d == 128 else torch.float32
-    step = make_step(STEPS[steps], h, kh, d, len(WINDOWS), dtype)
+    step = make_step(seqs, h, kh, d, len(WINDOWS), dtype)
     outs, attn = run_backend(_windowed(h), step, WINDOWS, bs=BS, poison=True)
     assert attn.decode_only == (steps == "decode")
     check(outs, dense_reference(step, WINDOWS), dtype)
