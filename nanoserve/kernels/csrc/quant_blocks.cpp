@@ -108,8 +108,9 @@ void decode(const uint8_t* b, V* w) {
     for (int i = 0; i < 16; ++i) {
       const int lo = qs[i] & 15, hi = qs[i] >> 4;
       if constexpr (QT == Q5_0) {
-        w[i] = d * static_cast<float>((lo | ((qh >> i) & 1) << 4) - 16);
-        w[i + 16] = d * static_cast<float>((hi | ((qh >> (i + 16)) & 1) << 4) - 16);
+        const int f_lo = static_cast<int>((qh >> i) & 1), f_hi = static_cast<int>((qh >> (i + 16)) & 1);
+        w[i] = d * static_cast<float>((lo | f_lo << 4) - 16);  // int: unsigned would wrap below 16
+        w[i + 16] = d * static_cast<float>((hi | f_hi << 4) - 16);
       } else {
         w[i] = QT == Q4_0 ? d * static_cast<float>(lo - 8) : d * static_cast<float>(lo) + m;
         w[i + 16] = QT == Q4_0 ? d * static_cast<float>(hi - 8) : d * static_cast<float>(hi) + m;
