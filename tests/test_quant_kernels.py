@@ -1,7 +1,8 @@
-"""GGUF weights kept quantized (csrc/quant_kernels.cpp, layers/quant_linear.py) against the gguf
-package's own dequantization followed by an fp32 matmul: per kept type (Q4_0, Q4_1, Q8_0), ragged
-shapes (one block, odd row counts, row counts around the kernel's 8-row tiles and the GEMV/GEMM
-switch), fp32 and bf16 activations; fused parts of different types; embedding rows.
+"""GGUF weights kept quantized (csrc/quant_blocks.cpp, quant_packed.cpp, layers/quant_linear.py) against
+the gguf package's own dequantization followed by an fp32 matmul: per kept type (Q4_0, Q4_1, Q5_0, Q8_0),
+ragged shapes (one block, odd row counts, row counts around the kernel's 8-row tiles and the GEMV/GEMM
+switch), fp32 and bf16 activations; fused parts of different types (Q5_0 beside Q8_0, as Gemma 3's Q4_K_M
+files have them); embedding rows.
 
 The kernel dequantizes each block with the reference's own arithmetic, so the only difference is
 summation order: fp32 results agree to ~1e-6 relative; with bf16 activations the weights are rounded to
@@ -15,10 +16,10 @@ import pytest
 import torch
 
 from nanoserve.kernels import cpu_kernels
-from nanoserve.layers.quant_linear import (GEMV_MAX_ROWS, PACKED_MAX_ROWS, Q4_0, Q4_1, Q4_K, Q6_K, Q8_0,
-                                           QuantEmbedding, QuantLinear, QuantTensor, Scratch)
+from nanoserve.layers.quant_linear import (GEMV_MAX_ROWS, PACKED_MAX_ROWS, Q4_0, Q4_1, Q4_K, Q5_0, Q6_K,
+                                           Q8_0, QuantEmbedding, QuantLinear, QuantTensor, Scratch)
 
-TYPES = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0}
+TYPES = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q5_0": Q5_0, "Q8_0": Q8_0}
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +147,52 @@ def test_fused_parts_of_different_types_write_their_own_columns(kernels):
             lin.max_kernel_rows = min(lin.max_kernel_rows, PACKED_MAX_ROWS)
             got = lin(xx)
             assert (got.double() - ref).abs().max().item() < 1e-4
+
+
+def q5_levels(w: QuantTensor) -> set[int]:
+    """The 5-bit values (0..31) a Q5_0 matrix's blocks hold: qs's nibble | qh's bit j << 4."""
+    b = w.data.numpy().reshape(-1, 22)
+    qh = b[:, 2:6].copy().view(np.uint32)
+    nibbles = np.concatenate([b[:, 6:] & 15, b[:, 6:] >> 4], axis=1)
+    return set((nibbles | ((qh >> np.arange(32, dtype=np.uint32)) & 1) << 4).ravel().tolist())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemma_groups_of_q5_0_beside_q8_0(kernels, dtype):
+    """Gemma 3's Q4_K_M layers: a QKV of Q5_0, Q5_0, Q8_0 (three parts, each writing its columns) and a
+    gate/up of Q5_0, Q5_0 (one stacked matrix; the fused GLU where packed), at decode and prefill sizes."""
+    import torch.nn.functional as F
+    q, k, v = quantized(64, 320, Q5_0, 1), quantized(32, 320, Q5_0, 2), quantized(32, 320, Q8_0, 3)
+    gate, up = quantized(96, 320, Q5_0, 4), quantized(96, 320, Q5_0, 5)
+    assert q5_levels(q) == set(range(32))  # every fifth bit, set and clear, is exercised
+    for packed in layouts(kernels):
+        lay = [w.packed_for(kernels) if packed else w for w in (q, k, v, gate, up)]
+        qkv, gate_up = QuantLinear(lay[:3], kernels, Scratch()), QuantLinear(lay[3:], kernels, Scratch())
+        assert [p.qtype for p in qkv.parts] == [Q5_0, Q5_0, Q8_0] and len(gate_up.parts) == 1
+        assert gate_up.fused_glu == (packed and kernels.glu(gate_up.parts[0].kernel_type))
+        for tokens in (1, 9, 261):
+            x = torch.randn(tokens, 320, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+            kernel = tokens <= qkv.max_kernel_rows
+            for lin, parts in ((qkv, (q, k, v)), (gate_up, (gate, up))):
+                got = lin(x)
+                assert got.dtype == dtype and got.shape == (tokens, lin.out_features)
+                # the packed kernel computes on the exact weights, the block kernel and the GEMM on their
+                # bf16 rounding (quant.h)
+                exact = dtype == torch.float32 or (packed and kernel)
+                ws = [w.dequantize() if exact else w.dequantize().bfloat16() for w in parts]
+                want = torch.cat([x.double() @ w.double().T for w in ws], dim=1)
+                scale = want.abs().max().item()
+                if dtype == torch.float32:
+                    assert (got.double() - want).abs().max().item() <= 2e-6 * scale * 320 ** 0.5
+                elif packed and kernel and kernels.int8_activations():
+                    bound = torch.cat([int8_rounding_bound(x, w) for w in parts], 1) + 2 ** -8 * want.abs()
+                    assert ((got.double() - want).abs() <= bound + 1e-6).all()
+                else:
+                    assert (got.double() - want).abs().max().item() <= 2 ** -7 * scale
+            if dtype == torch.float32:
+                g = gate_up(x).double()
+                want = F.silu(g[:, :96]) * g[:, 96:]
+                assert ((gate_up.silu_mul(x).double() - want).abs() <= 1e-5 * want.abs() + 1e-6).all()
 
 
 def test_parts_of_one_type_are_stacked_into_one_matrix(kernels):

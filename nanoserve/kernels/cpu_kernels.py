@@ -14,8 +14,8 @@ measures the whole step. `paged_prefill_attention` attends every prefill chunk o
 over cached context) flash-style on GEMM tiles (bf16 on AMX, `gemm_amx()`, or on AVX512_BF16 through
 VDPBF16PS; fp32 elsewhere).
 
-`quant()` serves GGUF weights kept in their blocks: csrc/quant_blocks.cpp (Q4_0/Q4_1/Q8_0) and
-csrc/kquants.cpp (Q4_K/Q6_K), behind one router (`QuantKernels`).
+`quant()` serves GGUF weights kept in their blocks: csrc/quant_blocks.cpp and quant_packed.cpp
+(Q4_0/Q4_1/Q5_0/Q8_0) and csrc/kquants.cpp (Q4_K/Q6_K), behind one router (`QuantKernels`).
 
 Without a compiler or a prebuilt build, or with NANOSERVE_CPU_KERNELS=0, `load()` returns None and the
 torch path runs; tests compare the two."""
@@ -115,7 +115,7 @@ def kquant():
 
 
 def keeps(qtype: int) -> bool:
-    """Whether a GGUF loader keeps tensors of this GGML type in blocks. Q4_0/Q4_1/Q8_0 are kept even
+    """Whether a GGUF loader keeps tensors of this GGML type in blocks. Q4_0/Q4_1/Q5_0/Q8_0 are kept even
     without kernels (the model dequantizes them after loading, on any device); the K-quants only when
     their own module built, since nothing else computes on them. Asking about a K-quant builds (or
     finds) that module."""

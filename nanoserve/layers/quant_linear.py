@@ -1,10 +1,10 @@
-"""Linear layers and embedding tables whose weights stay in GGUF blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K).
+"""Linear layers and embedding tables whose weights stay in GGUF blocks (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K).
 
 Decode is weight-streaming bound: a Q4_1 weight is 0.625 bytes, a bf16 one 2, an fp32 one 4. The
 kernels (csrc/quant.h) read the blocks and dequantize them in registers with exact products, so
 results equal "dequantize, then matmul in fp32" up to rounding and summation order. Where the kernels
-have an AVX-512 build (`packs()`), Q4_0/Q4_1/Q8_0 matrices are rearranged once at load into groups of
-16 interleaved rows (the same bytes; csrc/quant_blocks.cpp): one vector then holds one weight of 16
+have an AVX-512 build (`packs()`), Q4_0/Q4_1/Q5_0/Q8_0 matrices are rearranged once at load into groups
+of 16 interleaved rows (the same bytes; csrc/quant_blocks.h): one vector then holds one weight of 16
 rows, and the GEMV runs at about the memory's speed. Q4_K/Q6_K likewise (csrc/kquant.h; Q4_K's scales
 unpacked: 148 bytes a 256 weights, not 144).
 
@@ -22,11 +22,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGML type ids of the types kept quantized
+Q4_0, Q4_1, Q5_0, Q8_0 = 2, 3, 6, 8  # GGML type ids of the types kept quantized
 Q4_K, Q6_K = 12, 14
 # (weights, bytes) of one block, by type
-BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34), Q4_K: (256, 144), Q6_K: (256, 210)}
-TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q6_K: "Q6_K"}
+BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q8_0: (32, 34), Q4_K: (256, 144), Q6_K: (256, 210)}
+TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q8_0: "Q8_0", Q4_K: "Q4_K", Q6_K: "Q6_K"}
 # Above this many rows a block-layout matrix (AVX2, scalar builds) is dequantized for the GEMM
 GEMV_MAX_ROWS = 12
 # Packed matrices take every step on the kernel: without AMX it is faster than dequantize + oneDNN
@@ -37,7 +37,7 @@ PACKED_MAX_ROWS = 64
 # A prefill GEMM dequantizes at most this many weights (elements) at a time: larger weights (a 1B
 # model's gate/up, 33M) go through in row chunks, so the scratch stays a few MB
 DEQUANT_CHUNK = 4 << 20
-PACKABLE = (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)  # types with a packed layout (where their module `packs`)
+PACKABLE = (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K)  # types with a packed layout (where their module `packs`)
 # bytes of one block's share of a packed group, where not the block's own (Q4_K's scales and mins
 # unpacked to a byte each: csrc/kquant.h)
 PACKED_BYTES = {Q4_K: 148}

@@ -134,7 +134,9 @@ class TritonQuant:
     plus fp8; `fill`: programs that fill the device (K is split below that); `ieee`: fp32 dots."""
     fill: int
     ieee: bool
-    qtypes: tuple[int, ...] = (Q8_0, Q4_0, Q4_1)  # the GGUF types these kernels read
+    # the GGUF types these kernels read; models/llama.quant_layers dequantizes a group holding any other
+    # kept type (Q5_0, the K-quants) into its parameter at load
+    qtypes: tuple[int, ...] = (Q8_0, Q4_0, Q4_1)
 
     @property
     def linear_layer(self) -> type:  # what models/llama.quant_layers builds with these kernels

@@ -1,4 +1,4 @@
-"""GGUF tensors as the model loads them when they stay quantized: Q4_0, Q4_1, Q8_0, Q4_K and Q6_K
+"""GGUF tensors as the model loads them when they stay quantized: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K
 matrices as their raw blocks (memory-mapped by the gguf package's reader: nothing is converted, nothing
 copied; the K-quants only where their kernels built: kernels/cpu_kernels.keeps), 1-D and float tensors
 as fp32, every other quantized type dequantized here (logged once, by name).

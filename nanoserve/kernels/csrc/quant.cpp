@@ -70,7 +70,7 @@ bool k_family(int64_t qtype) {
   const int64_t base = qtype & ~PACKED;
   TORCH_CHECK(blocks::has(base) || kquants::has(base), "quantized type ", qtype,
               " has no kernel: no block kernel "
-              "(Q4_0=2, Q4_1=3, Q8_0=8) and no K-quant kernel (Q4_K=12, Q6_K=14), each + 256 packed");
+              "(Q4_0=2, Q4_1=3, Q5_0=6, Q8_0=8) and no K-quant kernel (Q4_K=12, Q6_K=14), each + 256 packed");
   return kquants::has(base);
 }
 

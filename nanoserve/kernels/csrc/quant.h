@@ -1,6 +1,7 @@
-// What the quantized-weight kernels share: the GGUF block families' entry points (quant_blocks.cpp: Q4_0,
-// Q4_1, Q8_0; kquants.cpp and kquant_layout.cpp: Q4_K, Q6_K), fp16 scales, the fp32 vector operations of
-// each instruction set, and on AVX-512 the packed layout's activations (PackedX) and output tiles.
+// What the quantized-weight kernels share: the GGUF block families' entry points (quant_blocks.cpp and
+// quant_packed.cpp: Q4_0, Q4_1, Q5_0, Q8_0; kquants.cpp and kquant_layout.cpp: Q4_K, Q6_K), fp16 scales,
+// the fp32 vector operations of each instruction set, and on AVX-512 the packed layout's activations
+// (PackedX) and output tiles.
 //
 // Both families keep a matrix in one of two layouts. The GGUF blocks as they are (AVX2 and scalar builds):
 // each block is dequantized in registers with exactly the gguf package's arithmetic, then FMA-ed against
@@ -184,7 +185,8 @@ inline void by_rows(int64_t nt, F&& f) {
 // linear: out = x W^T, or with glu (W = [gate; up]) silu(x gate^T) * (x up^T); dequantize: out[i, :] = row
 // ids[i] of an [N, K] matrix (every row when ids is null); pack: the packed form of a block matrix
 namespace blocks {
-constexpr bool has(int64_t base) { return base == 2 || base == 3 || base == 8; }  // Q4_0, Q4_1, Q8_0
+// Q4_0, Q4_1, Q5_0, Q8_0
+constexpr bool has(int64_t base) { return base == 2 || base == 3 || base == 6 || base == 8; }
 void linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, const at::Tensor& out, bool glu);
 void dequantize(const at::Tensor& w, int64_t qtype, int64_t N, const int64_t* ids, int64_t n,
                 const at::Tensor& out);
@@ -231,8 +233,8 @@ inline float quantize_block32(const uint16_t* x, int8_t* q, int32_t sums[2]) {
 
 // Activations as the packed kernels read them, per x row and 32-block: fp32 values and the block's sum (the
 // offset terms: Q4_1's m, Q4_K's min), or (int8) the block rounded to int8, its scale, and its int8 values'
-// sums (for Q4_0's -8, Q4_1's and Q4_K's offsets, Q8_0's unsigned shift, Q6_K's -32); a row's values depend
-// on that row alone (batch invariance)
+// sums (for Q4_0's -8, Q5_0's -16, Q4_1's and Q4_K's offsets, Q8_0's unsigned shift, Q6_K's -32); a row's
+// values depend on that row alone (batch invariance)
 struct PackedX {
   at::Tensor src;            // the activations, fp32 or bf16, contiguous (kept alive for f)
   const float* f = nullptr;  // fp32 x: src's rows themselves, or fbuf (bf16 x without VNNI)

@@ -1,36 +1,32 @@
-// GGUF block-quantized weights of 32 (Q4_0, Q4_1, Q8_0) computed on directly (layouts and arithmetic:
-// quant.h). A block is dequantized with exactly the arithmetic of the gguf package's dequantize (Q4_0/Q8_0:
-// d*q; Q4_1: d*q then + m, two roundings, no FMA); with bf16 outputs the block layout's weights are
-// rounded to bf16 first, as the prefill GEMM's bf16 copy holds them.
+// GGUF block-quantized weights of 32 (Q4_0, Q4_1, Q5_0, Q8_0; layouts: quant_blocks.h) computed on
+// directly in the block layout, dequantized, and packed (the packed layout's kernels: quant_packed.cpp). A
+// block is dequantized with exactly the arithmetic of the gguf package's dequantize (Q4_0/Q5_0/Q8_0: d*q;
+// Q4_1: d*q then + m, two roundings, no FMA); with bf16 outputs the block layout's weights are rounded to
+// bf16 first, as the prefill GEMM's bf16 copy holds them.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <algorithm>
 #include "quant.h"
+#include "quant_blocks.h"
 
 namespace blocks {
 namespace {
 
-constexpr int QK = 32;                                  // weights per block, all three types
-enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // GGML's type ids
-constexpr int N = QK / QSimd::W;                        // vectors per block
-
-template <int QT>
-constexpr int64_t block_bytes() {
-  return QT == Q4_0 ? 18 : QT == Q4_1 ? 20 : 34;
-}
+constexpr int N = QK / QSimd::W;  // vectors per block
 
 // ---- one block of 32 weights -> N fp32 vectors, per instruction set ----------------------------------
 // RB: each weight rounded to bf16 (QSimd::bf16)
 #if defined(__AVX512F__)
-// the 16 values a 4-bit weight can take, by nibble (the reference's own arithmetic, so the same floats)
+inline V iota16() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+// the 16 values a 4-bit weight can take, by nibble, or (Q5_0) the 16 negative ones of a 5-bit weight's 32
+// (the reference's own arithmetic, so the same floats)
 template <int QT>
 V table(const uint8_t* b) {
   const V d = _mm512_set1_ps(h2f(b));
-  if constexpr (QT == Q4_0)
-    return _mm512_mul_ps(d, _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7));
-  return _mm512_add_ps(_mm512_mul_ps(d, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
-                       _mm512_set1_ps(h2f(b + 2)));
+  if constexpr (QT == Q4_0 || QT == Q5_0)
+    return _mm512_mul_ps(d, _mm512_sub_ps(iota16(), _mm512_set1_ps(QT == Q4_0 ? 8 : 16)));
+  return _mm512_add_ps(_mm512_mul_ps(d, iota16()), _mm512_set1_ps(h2f(b + 2)));
 }
 template <int QT, bool RB = false>
 void decode(const uint8_t* b, V* w) {
@@ -45,23 +41,57 @@ void decode(const uint8_t* b, V* w) {
     // A 4-bit weight is one of 16 values: compute those once per block and look each weight up
     // by its nibble (vpermps reads the low 4 bits of each lane: the low nibble as is, the high one
     // after a shift)
-    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(b + (QT == Q4_1 ? 4 : 2))));
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(b + qs_in_block<QT>())));
     V t = table<QT>(b);
     if constexpr (RB) t = QSimd::bf16(t);
-    w[0] = _mm512_permutexvar_ps(q, t);
-    w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), t);
+    if constexpr (QT == Q5_0) {
+      // 32 values in two tables: vpermt2ps reads 5 bits of each lane, the fifth (qh's) picking the table
+      V t1 = _mm512_mul_ps(_mm512_set1_ps(h2f(b)), iota16());
+      if constexpr (RB) t1 = QSimd::bf16(t1);
+      uint32_t qh;
+      std::memcpy(&qh, b + 2, 4);
+      const __m512i lo = _mm512_and_si512(q, _mm512_set1_epi32(15)), hi = _mm512_srli_epi32(q, 4),
+                    b4 = _mm512_set1_epi32(16);
+      const __mmask16 k_lo = static_cast<__mmask16>(qh), k_hi = static_cast<__mmask16>(qh >> 16);
+      w[0] = _mm512_permutex2var_ps(t, _mm512_mask_or_epi32(lo, k_lo, lo, b4), t1);
+      w[1] = _mm512_permutex2var_ps(t, _mm512_mask_or_epi32(hi, k_hi, hi, b4), t1);
+    } else {
+      w[0] = _mm512_permutexvar_ps(q, t);
+      w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), t);
+    }
   }
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// always inlined: GCC otherwise calls Q5_0's (and the bf16-rounding ones) from the GEMV's inner loop,
+// its 4 accumulators spilled around each call (a 2048 x 640 Q5_0 GEMV: 2x the time)
 template <int QT, bool RB = false>
-void decode(const uint8_t* b, V* w) {
+__attribute__((always_inline)) inline void decode(const uint8_t* b, V* w) {
   const V d = _mm256_set1_ps(h2f(b));
   if constexpr (QT == Q8_0) {
     for (int i = 0; i < N; ++i)
       w[i] = _mm256_mul_ps(
           d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(b + 2 + 8 * i)))));
+  } else if constexpr (QT == Q5_0) {
+    // the 32 weights as signed bytes q - 16, then as Q8_0's: byte j's fifth bit is qh's byte j / 8 (spread
+    // by the shuffle) tested against bit j % 8
+    uint32_t qh;
+    std::memcpy(&qh, b + 2, 4);
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(static_cast<int>(qh)),
+        _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+    const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201));
+    const __m256i fifth = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit),
+                                           _mm256_set1_epi8(16));
+    const __m128i q = _mm_loadu_si128((const __m128i*)(b + 6)), m4 = _mm_set1_epi8(0x0F);
+    const __m256i nib = _mm256_setr_m128i(_mm_and_si128(q, m4), _mm_and_si128(_mm_srli_epi16(q, 4), m4));
+    const __m256i v = _mm256_sub_epi8(_mm256_or_si256(nib, fifth), _mm256_set1_epi8(16));
+    const __m128i halves[2] = {_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)};
+    for (int i = 0; i < N; ++i) {
+      const __m128i part = i % 2 ? _mm_srli_si128(halves[i / 2], 8) : halves[i / 2];
+      w[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part)));
+    }
   } else {
-    const __m128i q = _mm_loadu_si128((const __m128i*)(b + (QT == Q4_1 ? 4 : 2))), m4 = _mm_set1_epi8(0x0F);
+    const __m128i q = _mm_loadu_si128((const __m128i*)(b + qs_in_block<QT>())), m4 = _mm_set1_epi8(0x0F);
     const __m128i lo = _mm_and_si128(q, m4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), m4);
     const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
     for (int i = 0; i < N; ++i) {
@@ -83,12 +113,20 @@ void decode(const uint8_t* b, V* w) {
   if constexpr (QT == Q8_0) {
     for (int i = 0; i < QK; ++i) w[i] = d * static_cast<float>(static_cast<int8_t>(b[2 + i]));
   } else {
-    const uint8_t* qs = b + (QT == Q4_1 ? 4 : 2);
+    const uint8_t* qs = b + qs_in_block<QT>();
     const float m = QT == Q4_1 ? h2f(b + 2) : 0.f;
+    uint32_t qh = 0;
+    if constexpr (QT == Q5_0) std::memcpy(&qh, b + 2, 4);
     for (int i = 0; i < 16; ++i) {
       const int lo = qs[i] & 15, hi = qs[i] >> 4;
-      w[i] = QT == Q4_0 ? d * static_cast<float>(lo - 8) : d * static_cast<float>(lo) + m;
-      w[i + 16] = QT == Q4_0 ? d * static_cast<float>(hi - 8) : d * static_cast<float>(hi) + m;
+      if constexpr (QT == Q5_0) {
+        const int f_lo = static_cast<int>((qh >> i) & 1), f_hi = static_cast<int>((qh >> (i + 16)) & 1);
+        w[i] = d * static_cast<float>((lo | f_lo << 4) - 16);  // int: unsigned would wrap below 16
+        w[i + 16] = d * static_cast<float>((hi | f_hi << 4) - 16);
+      } else {
+        w[i] = QT == Q4_0 ? d * static_cast<float>(lo - 8) : d * static_cast<float>(lo) + m;
+        w[i + 16] = QT == Q4_0 ? d * static_cast<float>(hi - 8) : d * static_cast<float>(hi) + m;
+      }
     }
   }
   if constexpr (RB)
@@ -135,27 +173,30 @@ void linear_impl(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t
       });
 }
 
-// ---- the packed layout: 16 rows interleaved ------------------------------------------------------
+// ---- the packed layout: 16 rows interleaved (quant_blocks.h) -------------------------------------
 // quant_pack rearranges a block matrix (same bytes, same count, rows padded to a multiple of 16 with
 // zero blocks) so that one vector holds 16 rows: the block-layout GEMV is held at about 13 G weights/s,
 // compute bound, below what memory delivers, by its horizontal sums and per-row scalar scale conversions.
-// Per group of 16 rows and block b:
-//   Q4_0: d[16] (fp16) | qs[4][16][4]       qs[c][r][i] = byte 4c+i of row r's block (weights 4c+i
-//   Q4_1: d[16] | m[16] | qs[4][16][4]                    in its low nibble, 4c+i+16 in its high one)
-//   Q8_0: d[16] | qs[8][16][4]              qs[c][r][i] = weight 4c+i of row r
-template <int QT>
-constexpr int qs_offset() {
-  return QT == Q4_1 ? 64 : 32;
-}
+
+// Q5_0's qh bit j of row r <-> its place in the packed block's hb masks (bit 4r+i of hb[c][h],
+// j = 4c+i+16h): byte and bit within the 64 bytes after d
+constexpr int hb_byte(int j, int r) { return 32 + 16 * ((j % 16) / 4) + 8 * (j / 16) + (4 * r + j % 4) / 8; }
+constexpr int hb_bit(int j, int r) { return (4 * r + j % 4) % 8; }
 
 // row `lane` of a packed group's block b back in GGUF block form (for dequantization)
 template <int QT>
 inline void unpack_block(const uint8_t* group, int64_t b, int lane, uint8_t* blk) {
-  constexpr int bb = block_bytes<QT>(), qo = qs_offset<QT>(), nq = QT == Q8_0 ? 32 : 16;
+  constexpr int bb = block_bytes<QT>(), qo = qs_offset<QT>(), nq = qs_bytes<QT>();
   const uint8_t* src = group + b * G * bb;
   std::memcpy(blk, src + 2 * lane, 2);
   if constexpr (QT == Q4_1) std::memcpy(blk + 2, src + 32 + 2 * lane, 2);
-  uint8_t* q = blk + (QT == Q4_1 ? 4 : 2);
+  if constexpr (QT == Q5_0) {
+    uint32_t qh = 0;
+    for (int j = 0; j < QK; ++j)
+      qh |= static_cast<uint32_t>((src[hb_byte(j, lane)] >> hb_bit(j, lane)) & 1) << j;
+    std::memcpy(blk + 2, &qh, 4);
+  }
+  uint8_t* q = blk + qs_in_block<QT>();
   for (int c = 0; c < nq / 4; ++c) std::memcpy(q + 4 * c, src + qo + qs_index(4 * c, lane), 4);
 }
 
@@ -167,7 +208,7 @@ inline void store_block(O* o, const V* v) {
 
 template <int QT>
 void pack_impl(const uint8_t* w, int64_t N_out, int64_t row_bytes, uint8_t* out) {
-  constexpr int bb = block_bytes<QT>(), qo = qs_offset<QT>(), nq = QT == Q8_0 ? 32 : 16;
+  constexpr int bb = block_bytes<QT>(), qo = qs_offset<QT>(), nq = qs_bytes<QT>();
   const int64_t nb = row_bytes / bb, groups = (N_out + G - 1) / G;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g)
@@ -178,7 +219,12 @@ void pack_impl(const uint8_t* w, int64_t N_out, int64_t row_bytes, uint8_t* out)
           const uint8_t* src = w + (g * G + r) * row_bytes + b * bb;
           std::memcpy(dst + 2 * r, src, 2);
           if constexpr (QT == Q4_1) std::memcpy(dst + 32 + 2 * r, src + 2, 2);
-          const uint8_t* q = src + (QT == Q4_1 ? 4 : 2);
+          if constexpr (QT == Q5_0) {
+            uint32_t qh;
+            std::memcpy(&qh, src + 2, 4);
+            for (int j = 0; j < QK; ++j) dst[hb_byte(j, r)] |= ((qh >> j) & 1) << hb_bit(j, r);
+          }
+          const uint8_t* q = src + qs_in_block<QT>();
           for (int c = 0; c < nq / 4; ++c) std::memcpy(dst + qo + qs_index(4 * c, r), q + 4 * c, 4);
         }
       }
@@ -233,183 +279,11 @@ void dequant_impl(const uint8_t* w, bool packed, int64_t row_bytes, const int64_
   });
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#if defined(__AVX512VNNI__)
-// the integer dot products of one block of a group of 16 rows against NT int8 x rows (exact, so their
-// order is free): one chain per x row when there are enough rows to hide vpdpbusd's latency, two
-// otherwise; each starts at the type's offset correction (Q4_0: the weights' -8, Q8_0: the +128 of
-// their unsigned reading, each times sum(x))
-template <int QT, int NT, int CH>
-__attribute__((always_inline)) inline void int8_block_dots(const uint8_t* blk, const PackedX& x, int64_t t0,
-                                                           int64_t b, __m512i (*acc)[CH]) {
-  constexpr int qo = qs_offset<QT>();
-  const int64_t K = x.nb * QK;
-  auto xdword = [&](int t, int j) {  // four int8 activations j..j+3, broadcast
-    int32_t v;
-    std::memcpy(&v, x.q.get() + (t0 + t) * K + b * QK + j, 4);
-    return _mm512_set1_epi32(v);
-  };
-  for (int t = 0; t < NT; ++t) {
-    const int64_t xi = (t0 + t) * x.nb + b;
-    const int32_t qs = x.qsum[2 * xi] + x.qsum[2 * xi + 1];
-    acc[t][0] = _mm512_set1_epi32(QT == Q4_0 ? -8 * qs : QT == Q8_0 ? -128 * qs : 0);
-    if constexpr (CH == 2) acc[t][CH - 1] = _mm512_setzero_si512();
-  }
-  if constexpr (QT == Q8_0) {
-    // vpdpbusd multiplies unsigned by signed bytes: the weights + 128 (their top bit flipped) times x
-    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-    for (int c = 0; c < 8; c += 2) {
-      const __m512i w0 = _mm512_xor_si512(_mm512_loadu_si512(blk + qo + c * 64), flip);
-      const __m512i w1 = _mm512_xor_si512(_mm512_loadu_si512(blk + qo + c * 64 + 64), flip);
-      for (int t = 0; t < NT; ++t) {
-        acc[t][0] = _mm512_dpbusd_epi32(acc[t][0], w0, xdword(t, 4 * c));
-        acc[t][CH - 1] = _mm512_dpbusd_epi32(acc[t][CH - 1], w1, xdword(t, 4 * c + 4));
-      }
-    }
-  } else {
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
-    for (int c = 0; c < 4; ++c) {
-      const __m512i v = _mm512_loadu_si512(blk + qo + c * 64);
-      const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-      for (int t = 0; t < NT; ++t) {
-        acc[t][0] = _mm512_dpbusd_epi32(acc[t][0], lo, xdword(t, 4 * c));
-        acc[t][CH - 1] = _mm512_dpbusd_epi32(acc[t][CH - 1], hi, xdword(t, 4 * c + 16));
-      }
-    }
-  }
-}
-
-// one group of 16 rows against NT int8 x rows: the integer dot products a block, then per row one fp32
-// step a block in a fixed order: tot += (d_w d_x) * dot (+ m_w * d_x * sum)
-template <int QT, int NT>
-inline void packed_group_int8(const uint8_t* group, const PackedX& x, int64_t t0, __m512* res) {
-  constexpr int bb = block_bytes<QT>(), CH = NT >= 4 ? 1 : 2;
-  __m512 tot[NT];
-  for (int t = 0; t < NT; ++t) tot[t] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < x.nb; ++b) {
-    const uint8_t* blk = group + b * G * bb;
-    __m512i acc[NT][CH];
-    int8_block_dots<QT, NT, CH>(blk, x, t0, b, acc);
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));
-    const __m512 m = QT == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32))) : d;
-    for (int t = 0; t < NT; ++t) {
-      const int64_t xi = (t0 + t) * x.nb + b;
-      const __m512i dot = CH == 2 ? _mm512_add_epi32(acc[t][0], acc[t][CH - 1]) : acc[t][0];
-      tot[t] =
-          _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x.scale[xi])), _mm512_cvtepi32_ps(dot), tot[t]);
-      if constexpr (QT == Q4_1) tot[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.sum[xi]), tot[t]);
-    }
-  }
-  for (int t = 0; t < NT; ++t) res[t] = tot[t];
-}
-#endif
-
-// one group of 16 rows against NT fp32 x rows: res[t] = the 16 rows' results for x row t. Two
-// accumulator chains per x row whatever NT is (a row's summation order is its own)
-template <int QT, int NT>
-inline void packed_group_f32(const uint8_t* group, const PackedX& x, int64_t t0, __m512* res) {
-  constexpr int bb = block_bytes<QT>(), qo = qs_offset<QT>();
-  const int64_t nb = x.nb, K = nb * QK;
-  const __m512 tbl = QT == Q4_0 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
-                                : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __m512 tot[NT];
-  for (int t = 0; t < NT; ++t) tot[t] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = group + b * G * bb;
-    __m512 acc[NT][2];
-    for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
-    for (int c = 0; c < (QT == Q8_0 ? 8 : 4); ++c) {
-      const __m512i v = _mm512_loadu_si512(blk + qo + c * 64);
-#pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i) {
-        const int j = 4 * c + i;
-        __m512 w0, w1;  // weight j and (Q4) j + 16, or (Q8_0) weight j twice split over both chains
-        if constexpr (QT == Q8_0) {
-          w0 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * i), 24));
-        } else {
-          // vpermps reads the low 4 bits of each lane: the byte's low nibble, then its high one
-          w0 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8 * i), tbl);
-          w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8 * i + 4), tbl);
-        }
-        for (int t = 0; t < NT; ++t) {
-          const float* xb = x.f + (t0 + t) * K + b * QK;
-          if constexpr (QT == Q8_0) {
-            acc[t][i & 1] = _mm512_fmadd_ps(w0, _mm512_set1_ps(xb[j]), acc[t][i & 1]);
-          } else {
-            acc[t][0] = _mm512_fmadd_ps(w0, _mm512_set1_ps(xb[j]), acc[t][0]);
-            acc[t][1] = _mm512_fmadd_ps(w1, _mm512_set1_ps(xb[j + 16]), acc[t][1]);
-          }
-        }
-      }
-    }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));
-    for (int t = 0; t < NT; ++t) tot[t] = _mm512_fmadd_ps(d, _mm512_add_ps(acc[t][0], acc[t][1]), tot[t]);
-    if constexpr (QT == Q4_1) {
-      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32)));
-      for (int t = 0; t < NT; ++t)
-        tot[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.sum[(t0 + t) * nb + b]), tot[t]);
-    }
-  }
-  for (int t = 0; t < NT; ++t) res[t] = tot[t];
-}
-
-template <int QT, int NT>
-inline void packed_group(const uint8_t* group, const PackedX& x, int64_t t0, __m512* res) {
-#if defined(__AVX512VNNI__)
-  if (x.int8) return packed_group_int8<QT, NT>(group, x, t0, res);
-#endif
-  packed_group_f32<QT, NT>(group, x, t0, res);
-}
-
-constexpr int PTILE = 8;  // x rows per pass over a group: 3 vectors each, within the 32 registers
-
-// out = x W^T, or with GLU (W = [gate; up], N/2 rows each, a multiple of 16) out = silu(x G^T) * (x U^T):
-// the gate and up groups of the same output columns are computed back to back (store_tile combines them)
-template <int QT, typename O, bool GLU>
-void packed_linear_impl(const PackedX& x, int64_t T, const uint8_t* w, int64_t N_out, int64_t group_bytes,
-                        O* out, int64_t ldo) {
-  const int64_t cols = GLU ? N_out / 2 : N_out, groups = (cols + G - 1) / G,
-                up = GLU ? groups * group_bytes : 0;
-  // prefill: the weights are swept once per XBLOCK x rows, whose activations then stay in L2 across
-  // the groups (all of a 2048 x 8192 prompt's int8 activations are 16 MB)
-  constexpr int64_t XBLOCK = 256;
-  for (int64_t x0 = 0; x0 < T; x0 += XBLOCK) {
-    const int64_t x1 = std::min<int64_t>(T, x0 + XBLOCK);
-    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-      __m512 res[PTILE], res_up[GLU ? PTILE : 1];
-      for (int64_t g = begin; g < end; ++g) {
-        const uint8_t* group = w + g * group_bytes;
-        const int rows = static_cast<int>(std::min<int64_t>(G, cols - g * G));
-        for (int64_t t0 = x0; t0 < x1; t0 += PTILE) {
-          const int64_t nt = std::min<int64_t>(PTILE, x1 - t0);
-          by_rows(nt, [&](auto NT) {
-            packed_group<QT, decltype(NT)::value>(group, x, t0, res);
-            if constexpr (GLU) packed_group<QT, decltype(NT)::value>(group + up, x, t0, res_up);
-          });
-          store_tile<GLU>(res, res_up, nt, rows, out + t0 * ldo + g * G, ldo);
-        }
-      }
-    });
-  }
-}
-#endif
-
-// f(std::integral_constant<int, QT>()) for a block type
-template <typename F>
-void by_type(int64_t base, F&& f) {
-  switch (base) {
-    case Q4_0: f(std::integral_constant<int, Q4_0>()); break;
-    case Q4_1: f(std::integral_constant<int, Q4_1>()); break;
-    case Q8_0: f(std::integral_constant<int, Q8_0>()); break;
-    default: TORCH_CHECK(false, "quantized type ", base, " has no kernel (Q4_0=2, Q4_1=3, Q8_0=8)");
-  }
-}
-
 int64_t row_bytes_of(int64_t qtype, int64_t K) {
   const int64_t base = qtype & ~PACKED;
-  const int64_t bb = base == Q4_0 ? 18 : base == Q4_1 ? 20 : base == Q8_0 ? 34 : 0;
+  const int64_t bb = base == Q4_0 ? 18 : base == Q4_1 ? 20 : base == Q5_0 ? 22 : base == Q8_0 ? 34 : 0;
   TORCH_CHECK(bb && (qtype == base || qtype == (base | PACKED)), "quantized type ", qtype,
-              " has no kernel (Q4_0=2, Q4_1=3, Q8_0=8, each + 256 packed)");
+              " has no kernel (Q4_0=2, Q4_1=3, Q5_0=6, Q8_0=8, each + 256 packed)");
   return K / QK * bb * (qtype & PACKED ? G : 1);
 }
 
@@ -438,17 +312,7 @@ void linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, const at::T
               "each half a multiple of 16 rows");
   if (qtype & PACKED) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    const PackedX px = prepare_x(x);
-    const uint8_t* wp = w.data_ptr<uint8_t>();
-    by_type(qtype & ~PACKED, [&](auto qt) {
-      by_out_dtype(out, [&](auto* o) {
-        using O = std::remove_pointer_t<decltype(o)>;
-        if (glu)
-          packed_linear_impl<decltype(qt)::value, O, true>(px, T, wp, N_out, w.size(1), o, out.stride(0));
-        else
-          packed_linear_impl<decltype(qt)::value, O, false>(px, T, wp, N_out, w.size(1), o, out.stride(0));
-      });
-    });
+    packed_linear(prepare_x(x), qtype & ~PACKED, w.data_ptr<uint8_t>(), N_out, w.size(1), out, glu);
     return;
 #else
     TORCH_CHECK(false, "packed matrices need an AVX-512 build (see packs())");
