@@ -8,7 +8,7 @@
   gemv         one quantized GEMV (or a few-row GEMM) as the layer runs it: G weight-rows/s per core
                (N*K*rows / seconds / threads), median of --repeats timings, each the mean of enough
                calls to take ~0.2 s. Weights are random valid blocks (K-quants: random super-blocks;
-               Q4_0/Q4_1/Q8_0: gguf's quantizer), laid out as the layer lays them out
+               Q4_0/Q4_1/Q5_0/Q8_0: gguf's quantizer), laid out as the layer lays them out
                (`QuantTensor.packed_for`: packed where the build packs the type). --layer times
                QuantLinear instead of the kernel call (its own path choice: beyond a few rows the
                block layout dequantizes for the GEMM).
@@ -43,7 +43,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: no thread s
 
 from common import ROOT, OtherTree, alternate, child_argv, cpu_name, random_kquant, write_json  # noqa: E402
 
-GEMV_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
+GEMV_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K")
 # (N, K): small (K-quants need K % 256 == 0, so not the embedded model's 576); a 1B model's gate/up
 GEMV_SHAPES = ("1536x768", "8192x2048")
 PROMPTS = ["The capital of France is", "def fibonacci(n):",

@@ -63,8 +63,8 @@ class EngineConfig:
                            "(benchmarks, as vLLM's --load-format dummy)", choices=("auto", "dummy"),
                            group="model")
     gguf_dequantize: bool = opt(False, "GGUF: dequantize every tensor at load (to an fp32 HF folder in the "
-                                "cache, then --dtype) instead of keeping Q4_0/Q4_1/Q8_0/Q4_K/Q6_K tensors in "
-                                "their blocks", group="model")
+                                "cache, then --dtype) instead of keeping Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K "
+                                "tensors in their blocks", group="model")
     quantization: str | None = opt(None, "fp8 = CUDA: cast bf16/fp16 projection weights to fp8 e4m3 at load, "
                                    "per-channel scales (fp8 GEMMs with per-token activation scales on "
                                    "compute capability >= 8.9, else a weight-only Triton kernel); GGUF "

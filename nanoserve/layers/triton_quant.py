@@ -297,6 +297,7 @@ class Fp8Linear:
 
 
 def fp8_maker(device: torch.device):
-    """What models/weight_layers.replace_linears calls for `--quantization fp8`: (weight, bias) -> Fp8Linear."""
+    """What models/weight_layers.replace_linears calls for `--quantization fp8`: (weight, bias) ->
+    Fp8Linear."""
     kernels, fast = triton_quant(device), scaled_mm_works(device)
     return lambda weight, bias: Fp8Linear(weight, bias, kernels, fast)

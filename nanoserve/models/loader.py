@@ -114,7 +114,8 @@ def load_config(src: ModelSource) -> ModelConfig:
 
 # GGUF architecture -> (transformers config class, HF architecture)
 GGUF_ARCHS = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
+              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+              "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 
 
@@ -128,9 +129,11 @@ def _gguf_meta(path: Path) -> tuple[dict, set[str]]:
 
 def _gguf_tokenizer(path: Path, meta: dict):
     """The file's tokenizer, built as transformers' GGUF loading builds it but without reading the file's
-    weights (AutoTokenizer's gguf_file path does, ~9x slower on the embedded model), with its chat template."""
+    weights (AutoTokenizer's gguf_file path does, ~9x slower on the embedded model), with its chat
+    template."""
     from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (convert_gguf_tokenizer,
+                                                                         get_gguf_tokenizer)
     arch, vocab, special = get_gguf_tokenizer(str(path))
     backend, _ = convert_gguf_tokenizer(arch, vocab)
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, **special)
@@ -184,8 +187,9 @@ def _gemma3_config(a, kw: dict) -> dict:
              for i in range(layers)]
     return dict(sliding_window=a("attention.sliding_window"), layer_types=types,
                 query_pre_attn_scalar=hidden // heads if layers == 62 else kw["head_dim"],
-                rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": kw.pop("rope_theta")},
-                                 "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA_LOCAL_THETA}})
+                rope_parameters={
+                    "full_attention": {"rope_type": "default", "rope_theta": kw.pop("rope_theta")},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA_LOCAL_THETA}})
 
 
 GENERIC_TOKENIZERS = ("PreTrainedTokenizerFast", "TokenizersBackend")  # one class (v5 names it the latter)
@@ -218,7 +222,7 @@ def cache_dir() -> Path:
 
 def materialize(src: ModelSource, dequantize: bool = True) -> ModelSource:
     """GGUF -> an HF folder in the cache, made once: config, tokenizer and either fp32 safetensors
-    (`dequantize`) or a link to the GGUF file, whose Q4_0/Q4_1/Q8_0/Q4_K/Q6_K tensors then stay quantized
+    (`dequantize`) or a link to the GGUF file, whose Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K tensors then stay quantized
     (models/gguf_weights.py). Parsing and dequantizing GGUF takes ~15 s even for a 135M model;
     reading the converted folder takes well under a second, which matters for a server that restarts."""
     if not src.gguf_file:
