@@ -261,3 +261,22 @@ def test_engine_flash_chunked_and_padded_decode_match_hf(flash_case):
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert runner.steps_padded > 0 and runner.steps_graphed == 0  # no CUDA here: padded steps ran eager
 
+
+
+def test_engine_flash_windowed_model_matches_hf(tiny_path):
+    """Gemma 3's windowed layer (an 8-token window, shorter than the prompts) through flash-attn's
+    window_size, chunked prefills beside decodes and padded decode steps, and from the prefix cache."""
+    from nanoserve import LLM, SamplingParams
+    from tests.conftest import hf_greedy, random_prompts
+    path = tiny_path("gemma3-window")
+    prompts = random_prompts(4, 20, 70, seed=3)
+    expected = hf_greedy(path, prompts, 6)
+    llm = LLM(str(path), dtype="float32", attention_backend="flash", flash_attn_module="tests.flash_ref:FP32",
+              num_kv_blocks=12, max_num_batched_tokens=48, max_num_seqs=4)
+    runner = llm.engine.runner
+    assert runner.attn.window(0) == 8 and runner.attn.window(1) == 0
+    runner.opts.padded_decode, runner.buckets = True, [2, 4]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    assert runner.steps_padded > 0
+    llm.engine.check_invariants()
