@@ -48,6 +48,11 @@ class TierPolicy:
         self._allocs += 1
         return self.pool.allocate(lossy_ok)
 
+    def allocate_extents(self, n: int, lossy_ok: bool) -> list[int]:
+        """A load's destinations: `n` blocks, ascending, as few runs as the free blocks allow."""
+        self._allocs += n
+        return self.pool.allocate_extents(n, lossy_ok)
+
     def host_room(self) -> int:
         return self.copies.host.room() if self.copies is not None else 0
 
