@@ -17,8 +17,8 @@ Sequences hold references; copies hold pins. A block can be both referenced and 
 
 `allocate` takes a free block, else the least recently used clean one, and a dirty one (dropping
 KV that exists nowhere else: a lossy eviction, counted) only when the caller allows it. Both are
-O(1): pinned blocks are never in the two LRUs. `allocate_extents` (a load's destinations) takes its
-free blocks as the fewest runs instead (extents.py), and evicts what `allocate` would.
+O(1): pinned blocks are never in the two LRUs. A load's destinations come from extents.py instead:
+the free blocks as the fewest runs, and the evictions `allocate` would make.
 """
 from __future__ import annotations
 
@@ -30,8 +30,6 @@ from collections.abc import Callable
 from itertools import compress, repeat
 from operator import not_
 from typing import NamedTuple, Protocol
-
-from nanoserve.kvcache.extents import choose_extents, extent_blocks, free_runs
 
 BlockHash = bytes
 
@@ -138,22 +136,6 @@ class BlockPool:
             self._unpublish(block, evicted=True)
         self.ref_count[block] = 1
         return block
-
-    def allocate_extents(self, n: int, lossy_ok: bool = True) -> list[int]:
-        """`n` blocks with ref count 1, ascending: the free ones as the fewest runs of consecutive
-        blocks (a load copies a run at once), then the cached ones `allocate` would evict, as many as
-        it would. All or nothing."""
-        if n > self.num_available(lossless=not lossy_ok):
-            raise RuntimeError("BlockPool exhausted: the caller must check num_available() first")
-        extents = choose_extents(*free_runs(self.free_map), min(n, len(self.free)))
-        blocks = extent_blocks(extents)
-        deque(map(self.free.pop, blocks), maxlen=0)
-        for s, k in extents:
-            self.free_map[s:s + k] = bytes(k)
-            self.ref_count[s:s + k] = [1] * k
-        if len(blocks) < n:  # every free block is taken: the rest are LRU evictions, as ever
-            blocks = sorted(blocks + [self.allocate(lossy_ok) for _ in range(n - len(blocks))])
-        return blocks
 
     def release(self, block: int) -> None:
         assert self.ref_count[block] > 0, f"double free of block {block}"

@@ -13,9 +13,12 @@ loses nothing to contiguity; when free space is scattered, the load is as many c
 """
 from __future__ import annotations
 
+from collections import deque
 from itertools import chain
 
 import numpy as np
+
+from nanoserve.kvcache.block_pool import BlockPool
 
 Extent = tuple[int, int]  # (first block, number of blocks)
 
@@ -59,3 +62,19 @@ def extents_of(blocks: list[int]) -> list[Extent]:
     cuts = np.flatnonzero(np.diff(a) != 1) + 1
     bounds = np.concatenate(([0], cuts, [len(a)]))
     return [(int(a[lo]), int(hi - lo)) for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+
+def allocate_extents(pool: BlockPool, n: int, lossy_ok: bool = True) -> list[int]:
+    """`n` blocks of `pool` with ref count 1, ascending: its free ones as the fewest runs, then the
+    cached ones `pool.allocate` would evict, as many as it would. All or nothing."""
+    if n > pool.num_available(lossless=not lossy_ok):
+        raise RuntimeError("BlockPool exhausted: the caller must check num_available() first")
+    extents = choose_extents(*free_runs(pool.free_map), min(n, len(pool.free)))
+    blocks = extent_blocks(extents)
+    deque(map(pool.free.pop, blocks), maxlen=0)
+    for s, k in extents:
+        pool.free_map[s:s + k] = bytes(k)
+        pool.ref_count[s:s + k] = [1] * k
+    if len(blocks) < n:  # every free block is taken: the rest are LRU evictions, as ever
+        blocks = sorted(blocks + [pool.allocate(lossy_ok) for _ in range(n - len(blocks))])
+    return blocks

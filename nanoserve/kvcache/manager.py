@@ -88,8 +88,7 @@ class KVCacheManager:
         NO_ROOM if the blocks cannot be had now; WAIT_FOR_SAVES if only by dropping uncopied KV while
         saves can avoid that: those saves are started and the answer may change. `reserve`: blocks
         to leave reusable without loss (the running sequences' next tokens). If anything raises,
-        every block and pin taken is released; a load that cannot start is a host miss. Works on runs
-        of links (prefix.PrefixMatch), so a long host prefix costs a few passes, not a loop per block."""
+        every block and pin taken is released; a load that cannot start is a host miss."""
         assert not seq.block_table and seq.num_computed_tokens == 0
         self.poll_transfers()  # the only copy ends in here: before the match, never after it
         match = self.chains.match_runs(seq, use_host)
@@ -101,8 +100,7 @@ class KVCacheManager:
         supply = self.policy.supply(need, reserve, match.of(Tier.DEVICE), host_hits)
         if supply is Supply.SHORT or supply is Supply.DEFER:
             return Admission.NO_ROOM if supply is Supply.SHORT else Admission.WAIT_FOR_SAVES
-        # host room for saves, not counting this request's own host hits (they stay); only a lossy
-        # allocation reads it, and it is measured before allocating (evictions move host blocks to dirty)
+        # host room for saves, not counting this request's own host hits; read only if lossy, taken before
         room = (self.policy.host_room() - sum(map(self.host.pool.dirty.__contains__, host_hits))
                 if supply is Supply.LOSSY and self.host is not None else 0)
         lossy_before = self.pool.num_lossy_evictions
