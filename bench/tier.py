@@ -22,6 +22,7 @@ multiround (`longdoc` here is docqa).
     python bench/tier.py --workload multiround --concurrency 4,8,16 --json /tmp/tier_c{c}.json
                                                      # one JSON per concurrency
     python bench/tier.py --table bench/results/tier_multiround_c*.json   # the docs' table
+    python bench/tier.py --admission --base /tmp/base    # admitting a host prefix: cost per stage, copies
 
 Per config and concurrency (rounds after the first): share of prompt tokens from each tier, the
 share of *reusable* prompt tokens (full blocks some earlier request had computed) served from
@@ -41,6 +42,7 @@ import statistics
 import time
 from pathlib import Path
 
+import tier_admission
 from common import RequestResult, Workload, auto_dtype, cpu_name, distribution_ms, write_json
 from peers import ServerSpec, add_peer_args, peer_config, start
 
@@ -274,9 +276,12 @@ def main() -> None:
                     help="print the markdown table of these results and exit")
     ap.add_argument("--host-offload-watermark", type=int, default=0, help="blocks (0: nanoserve's default)")
     add_peer_args(ap)
+    tier_admission.add_args(ap)
     args = ap.parse_args()
     if args.table:
         return table(args.table)
+    if args.admission:
+        return tier_admission.main(args)
     args.dtype = auto_dtype()
     wanted = args.configs.split(",")
     if "vllm" in wanted and args.target != "server":

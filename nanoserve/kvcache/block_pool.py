@@ -17,15 +17,18 @@ Sequences hold references; copies hold pins. A block can be both referenced and 
 
 `allocate` takes a free block, else the least recently used clean one, and a dirty one (dropping
 KV that exists nowhere else: a lossy eviction, counted) only when the caller allows it. Both are
-O(1): pinned blocks are never in the two LRUs.
+O(1): pinned blocks are never in the two LRUs. A load's destinations come from extents.py instead:
+the free blocks as the fewest runs, and the evictions `allocate` would make.
 """
 from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from collections.abc import Callable
+from itertools import compress, repeat
+from operator import not_
 from typing import NamedTuple, Protocol
 
 BlockHash = bytes
@@ -72,10 +75,12 @@ class BlockPool:
         self.dirty: OrderedDict[int, None] = OrderedDict()  # cached-free, unpinned, dirty; oldest first
         # never-cached blocks, a stack: the most recently released is reused first (its memory is warm: on
         # CPU the KV cache's pages are only resident once written, and a queue would fault in a fresh
-        # page run after run until the whole pool had been touched, ~10% of a prefill's time)
-        self.free: list[int] = list(range(num_blocks - 1, -1, -1))
+        # page run after run until the whole pool had been touched, ~10% of a prefill's time); a dict
+        # (insertion order, popitem takes the last) so that a load can take blocks from anywhere in it
+        self.free: dict[int, None] = dict.fromkeys(range(num_blocks - 1, -1, -1))
+        self.free_map = bytearray(b"\1" * num_blocks)  # 1 where free: the runs a load is cut from
         self.pins = [0] * num_blocks
-        self.held: set[int] = set()  # unreferenced and pinned
+        self.num_held = 0  # unreferenced and pinned (a count: a load pins thousands at once; `held` lists them)
         self.num_evictions = 0        # cached blocks reused, clean or not
         self.num_lossy_evictions = 0  # dirty ones: their KV was dropped
         # called with (hash, evicted) when a block stops being findable: another tier's clean marks
@@ -104,7 +109,7 @@ class BlockPool:
     def _unpark(self, block: int) -> None:
         """Take an unreferenced block out of whichever list holds it."""
         if self.pins[block]:
-            self.held.remove(block)
+            self.num_held -= 1
         else:
             (self.clean if self.is_clean[block] else self.dirty).pop(block)
 
@@ -119,7 +124,8 @@ class BlockPool:
         candidate. `keep_clean` (the host tier taking a save): never a clean block, since evicting
         one only moves the lack of a copy to its twin in the other tier."""
         if self.free:
-            block = self.free.pop()
+            block, _ = self.free.popitem()
+            self.free_map[block] = 0
         else:
             lru = self.dirty if keep_clean else self.clean or (self.dirty if lossy_ok else None)
             if not lru:
@@ -140,19 +146,47 @@ class BlockPool:
     def _park(self, block: int) -> None:
         """An unreferenced block goes where its state says (a cached one as most recently used)."""
         if self.pins[block]:
-            self.held.add(block)
+            self.num_held += 1
         elif self.block_hash[block] is not None:
             (self.clean if self.is_clean[block] else self.dirty)[block] = None
         else:
-            self.free.append(block)
+            self.free[block] = None
+            self.free_map[block] = 1
 
     def pin(self, block: int) -> None:
         """Hold a block for a copy: it cannot be reused (evicted or allocated) until unpinned."""
         if self.ref_count[block] == 0 and not self.pins[block]:
             assert self.is_cached_free(block), f"pinning block {block}, which is free (nothing to copy)"
             self._unpark(block)
-            self.held.add(block)
+            self.num_held += 1
         self.pins[block] += 1
+
+    def pin_many(self, blocks: list[int]) -> None:
+        """`pin` each of `blocks` (distinct), in a few passes when none is pinned yet (a load's blocks:
+        its sources cached-free on host, its destinations just allocated), else one by one."""
+        pins, refs = self.pins, self.ref_count
+        if any(map(pins.__getitem__, blocks)):
+            done: list[int] = []
+            try:
+                for b in blocks:
+                    self.pin(b)
+                    done.append(b)
+            except BaseException:
+                for b in done:
+                    self.unpin(b)
+                raise
+            return
+        unref = (list(compress(blocks, map((0).__eq__, map(refs.__getitem__, blocks))))
+                 if any(map(refs.__getitem__, blocks)) else blocks)
+        flags = list(map(self.is_clean.__getitem__, unref))
+        clean = unref if all(flags) else list(compress(unref, flags)) if any(flags) else []
+        dirty = [] if clean is unref else unref if not clean else list(compress(unref, map(not_, flags)))
+        assert all(map(self.clean.__contains__, clean)) and all(map(self.dirty.__contains__, dirty)), (
+            "pinning a free block (nothing to copy)")
+        deque(map(self.clean.pop, clean), maxlen=0)
+        deque(map(self.dirty.pop, dirty), maxlen=0)
+        self.num_held += len(unref)
+        deque(map(pins.__setitem__, blocks, repeat(1)), maxlen=0)
 
     def unpin(self, block: int) -> None:
         """End a copy's hold; an unreferenced cached block rejoins its LRU as most recently used
@@ -160,7 +194,7 @@ class BlockPool:
         assert self.pins[block] > 0, f"unpin of unpinned block {block}"
         self.pins[block] -= 1
         if self.ref_count[block] == 0 and not self.pins[block]:
-            self.held.remove(block)
+            self.num_held -= 1
             self._park(block)
 
     def mark_clean(self, block: int, clean: bool) -> None:
@@ -185,7 +219,7 @@ class BlockPool:
         block = self.allocate(lossy_ok=True, keep_clean=keep_clean)
         self.ref_count[block] = 0
         self.pins[block] = 1
-        self.held.add(block)
+        self.num_held += 1
         return block
 
     def publish(self, block: int, h: BlockHash, key: BlockKey, clean: bool = False) -> bool:
@@ -225,21 +259,28 @@ class BlockPool:
     def stats(self) -> PoolStats:
         in_use = sum(1 for r in self.ref_count if r > 0)
         return PoolStats(self.num_blocks, in_use, len(self.clean) + len(self.dirty), len(self.free),
-                         len(self.held), len(self.clean))
+                         self.num_held, len(self.clean))
+
+    @property
+    def held(self) -> set[int]:
+        """Unreferenced pinned blocks (not reusable until their copies end)."""
+        return {b for b, p in enumerate(self.pins) if p and not self.ref_count[b]}
 
     def check_invariants(self) -> None:
+        held = self.held
+        assert len(held) == self.num_held, f"held count {self.num_held} != {len(held)} held blocks"
         in_use = [b for b, r in enumerate(self.ref_count) if r > 0]
         lru = set(self.clean) | set(self.dirty)
         assert all(r >= 0 for r in self.ref_count), "negative ref count"
         assert all(p >= 0 for p in self.pins), "negative pin count"
-        assert len(in_use) + len(lru) + len(self.free) + len(self.held) == self.num_blocks, (
+        assert len(in_use) + len(lru) + len(self.free) + len(held) == self.num_blocks, (
             f"block accounting: {len(in_use)} in use + {len(lru)} cached-free + "
-            f"{len(self.free)} free + {len(self.held)} held != {self.num_blocks}")
+            f"{len(self.free)} free + {len(held)} held != {self.num_blocks}")
         assert not set(self.clean) & set(self.dirty), "block both clean and dirty"
-        assert not set(in_use) & (lru | set(self.free) | self.held), "in-use block on a free list"
+        assert not set(in_use) & (lru | set(self.free) | held), "in-use block on a free list"
         assert not lru & set(self.free), "block both cached-free and free"
-        assert not self.held & (lru | set(self.free)), "held block on a free list"
-        assert all(self.pins[b] > 0 for b in self.held), "unpinned held block"
+        assert not held & (lru | set(self.free)), "held block on a free list"
+        assert all(self.pins[b] > 0 for b in held), "unpinned held block"
         assert not any(self.pins[b] for b in lru | set(self.free)), "pinned block on a free list"
         assert all(self.block_hash[b] is not None for b in lru), "unhashed block in the LRU"
         assert all(self.is_clean[b] for b in self.clean) and not any(self.is_clean[b] for b in self.dirty), (
@@ -247,5 +288,6 @@ class BlockPool:
         assert not any(self.is_clean[b] for b in range(self.num_blocks) if self.block_hash[b] is None), (
             "unpublished block marked clean")
         assert all(self.block_hash[b] is None for b in self.free), "hashed block on the free list"
+        assert [b for b in range(self.num_blocks) if self.free_map[b]] == sorted(self.free), "free map is stale"
         for h, b in self.index.items():
             assert self.block_hash[b] == h, f"index points at block {b} whose hash changed"

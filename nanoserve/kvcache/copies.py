@@ -18,6 +18,7 @@ import time
 from collections import Counter
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from itertools import repeat
 
 from nanoserve.kvcache.block_pool import BlockHash, BlockKey, BlockPool
 from nanoserve.kvcache.host_tier import HostCopy, HostTier
@@ -150,14 +151,15 @@ class TierCopies:
         entry = self.loading.get(h)
         return entry[0] if entry is not None and entry[1] == key else None
 
-    def begin_load(self, blocks: list[tuple[BlockHash, BlockKey, int, int]]) -> Load:
-        """Start copying (hash, key, host block, device block); the device blocks are pinned until
-        the copy ends (they survive their sequence being freed meanwhile)."""
-        copy = self.host.begin_load([hb for _, _, hb, _ in blocks], [db for _, _, _, db in blocks])
-        ld = Load(copy, [(h, key) for h, key, _, _ in blocks])
-        for db, (h, key) in zip(copy.dev_ids, ld.keys):
-            self.pool.pin(db)
-            self.loading[h] = (db, key, ld)
+    def begin_load(self, hashes: list[BlockHash], keys: list[BlockKey], host_ids: list[int],
+                   dev_ids: list[int]) -> Load:
+        """Start copying host blocks into device blocks, link i being (hashes[i], keys[i], host_ids[i],
+        dev_ids[i]); the device blocks are pinned until the copy ends (they survive their sequence
+        being freed meanwhile). In whole-list passes: a load can be thousands of blocks."""
+        copy = self.host.begin_load(host_ids, dev_ids)
+        ld = Load(copy, list(zip(hashes, keys)))
+        self.pool.pin_many(copy.dev_ids)
+        self.loading.update(zip(hashes, zip(copy.dev_ids, keys, repeat(ld))))
         self.loads.append(ld)
         return ld
 

@@ -210,14 +210,11 @@ class HostTier:
     def begin_load(self, host_ids: list[int], dev_ids: list[int]) -> HostCopy:
         """Start copying host blocks into device blocks the caller holds and keeps unread until
         the copy ends. The host blocks are pinned meanwhile."""
-        pinned: list[int] = []
+        self.pool.pin_many(host_ids)  # all or none
         try:
-            for hb in host_ids:
-                self.pool.pin(hb)
-                pinned.append(hb)
             handle = self.copier.submit("load", self.cache, host_ids, self.device_cache, dev_ids)
         except BaseException:
-            for hb in pinned:
+            for hb in host_ids:
                 self.pool.unpin(hb)
             raise
         return HostCopy(handle, list(host_ids), list(dev_ids))

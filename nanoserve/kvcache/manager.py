@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import enum
 import logging
+from itertools import islice
 
 from nanoserve.kvcache.block_pool import BlockPool
 from nanoserve.kvcache.copies import Load, LoadState, TierCopies
 from nanoserve.kvcache.tier_stats import HitStats, PrefixCacheStats, tier_reports
 from nanoserve.kvcache.host_tier import HostTier
 from nanoserve.kvcache.policy import Supply, TierPolicy
-from nanoserve.kvcache.prefix import PrefixChains, PrefixHit, Tier
+from nanoserve.kvcache.prefix import PrefixChains, PrefixHit, PrefixMatch, Tier
 from nanoserve.kvcache.report import TierReport
 from nanoserve.sequence import Sequence
 
@@ -90,26 +91,27 @@ class KVCacheManager:
         every block and pin taken is released; a load that cannot start is a host miss."""
         assert not seq.block_table and seq.num_computed_tokens == 0
         self.poll_transfers()  # the only copy ends in here: before the match, never after it
-        hits = self.match_prefix(seq, use_host)
-        num_cached = len(hits) * self.block_size
+        match = self.chains.match_runs(seq, use_host)
+        num_cached = len(match) * self.block_size
         num_new = min(num_new_tokens, seq.num_tokens - num_cached)
-        host_hits = [b for t, b in hits if t is Tier.HOST]
-        need = self.blocks_needed(num_cached + num_new) - len(hits) + len(host_hits)
+        host_hits = match.of(Tier.HOST)
+        need = self.blocks_needed(num_cached + num_new) - len(match) + len(host_hits)
         # device hits sitting in an LRU: acquiring them takes them out of what allocation can use
-        supply = self.policy.supply(need, reserve, [b for t, b in hits if t is Tier.DEVICE], host_hits)
+        supply = self.policy.supply(need, reserve, match.of(Tier.DEVICE), host_hits)
         if supply is Supply.SHORT or supply is Supply.DEFER:
             return Admission.NO_ROOM if supply is Supply.SHORT else Admission.WAIT_FOR_SAVES
-        # host room for saves, not counting this request's own host hits (they stay)
-        room = self.policy.host_room() - sum(1 for hb in host_hits if hb in self.host.pool.dirty)
+        # host room for saves, not counting this request's own host hits; read only if lossy, taken before
+        room = (self.policy.host_room() - sum(map(self.host.pool.dirty.__contains__, host_hits))
+                if supply is Supply.LOSSY and self.host is not None else 0)
         lossy_before = self.pool.num_lossy_evictions
-        table, shared = self._take_blocks(seq, hits, need, supply is Supply.LOSSY)
+        table, shared = self._take_blocks(seq, match, need, supply is Supply.LOSSY)
         if host_hits:
             # the host hits are still the ones matched: nothing since the match touched the host
             # pool but `_supply`, which pinned them around the saves it started
             try:
-                shared.add(self.copies.begin_load(
-                    [(seq.block_hashes[i], seq.block_keys[i], b, table[i])
-                     for i, (t, b) in enumerate(hits) if t is Tier.HOST]))
+                shared.add(self.copies.begin_load(match.links(Tier.HOST, seq.block_hashes),
+                                                  match.links(Tier.HOST, seq.block_keys), host_hits,
+                                                  match.links(Tier.HOST, table)))
             except Exception:
                 self._release(table)
                 self.num_load_submit_failures += 1
@@ -121,34 +123,33 @@ class KVCacheManager:
         seq.block_table = table
         seq.num_computed_tokens = num_cached
         # the leading device hits are published; a load publishes its blocks when it lands
-        seq.num_published_blocks = next((i for i, (t, _) in enumerate(hits) if t is not Tier.DEVICE),
-                                        len(hits))
+        seq.num_published_blocks = match.runs[0][2] if match.runs and match.runs[0][0] is Tier.DEVICE else 0
         self.hits.admitted(seq, num_cached, len(host_hits) * self.block_size, loading=bool(shared))
         return Admission.ADMITTED
 
-    def _take_blocks(self, seq: Sequence, hits: list[PrefixHit], need: int,
+    def _take_blocks(self, seq: Sequence, match: PrefixMatch, need: int,
                      lossy_ok: bool) -> tuple[list[int], set[Load]]:
-        """The block table for `hits` plus `need` new blocks (host hits get fresh destination
-        blocks), and the loads in flight it shares. All or nothing."""
-        table: list[int | None] = [None] * len(hits)
+        """The block table for the matched links plus `need` new blocks (host links get fresh
+        destination blocks), and the loads in flight it shares. All or nothing."""
+        table: list[int | None] = [None] * len(match)
         shared: set[Load] = set()
         try:
             # hits on device first: allocating could otherwise evict one of them from the LRU
-            for i, (tier, b) in enumerate(hits):
+            for tier, lo, hi in match.runs:
                 if tier is not Tier.HOST:
-                    self.pool.acquire(b)
-                    table[i] = b
+                    for i in range(lo, hi):
+                        self.pool.acquire(match.blocks[i])
+                        table[i] = match.blocks[i]
                     if tier is Tier.LOADING:
-                        shared.add(self.copies.load_of(seq.block_hashes[i]))
-            # a load's destinations ascending in table order: with the host side in chain order
-            # (copies.chain_order) consecutive blocks on both sides become one copy
-            to_load = [i for i, (tier, _) in enumerate(hits) if tier is Tier.HOST]
-            for i in to_load:
-                table[i] = self.policy.allocate(lossy_ok)
-            for i, b in zip(to_load, sorted(table[i] for i in to_load)):
-                table[i] = b
-            table.extend(self.policy.allocate(lossy_ok)
-                         for _ in range(need - sum(t is Tier.HOST for t, _ in hits)))
+                        shared.update(map(self.copies.load_of, seq.block_hashes[lo:hi]))
+            # a load's destinations: the fewest runs of free blocks, ascending in table order; with
+            # the host side in chain order (copies.chain_order) each run on both sides is one copy
+            num_load = sum(hi - lo for tier, lo, hi in match.runs if tier is Tier.HOST)
+            dest = iter(self.policy.allocate_extents(num_load, lossy_ok) if num_load else ())
+            for tier, lo, hi in match.runs:
+                if tier is Tier.HOST:
+                    table[lo:hi] = list(islice(dest, hi - lo))
+            table.extend(self.policy.allocate(lossy_ok) for _ in range(need - num_load))
         except BaseException:
             self._release(table)
             raise
@@ -161,9 +162,9 @@ class KVCacheManager:
 
     def demand_of(self, seq: Sequence, budget: int) -> int:
         """Device blocks admitting `seq` now would take: its host hits plus its first chunk."""
-        hits = self.match_prefix(seq)
-        on_host = sum(1 for t, _ in hits if t is Tier.HOST)
-        cached = len(hits) * self.block_size
+        match = self.chains.match_runs(seq)
+        on_host = sum(hi - lo for t, lo, hi in match.runs if t is Tier.HOST)
+        cached = len(match) * self.block_size
         return on_host + self.blocks_needed(min(budget, seq.num_tokens - cached))
 
     def offload_cold_blocks(self, demand: int = 0) -> int:

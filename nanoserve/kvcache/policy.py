@@ -19,6 +19,7 @@ from collections.abc import Collection
 
 from nanoserve.kvcache.block_pool import BlockPool
 from nanoserve.kvcache.copies import TierCopies
+from nanoserve.kvcache.extents import allocate_extents
 
 log = logging.getLogger("nanoserve")
 
@@ -47,6 +48,11 @@ class TierPolicy:
     def allocate(self, lossy_ok: bool) -> int:
         self._allocs += 1
         return self.pool.allocate(lossy_ok)
+
+    def allocate_extents(self, n: int, lossy_ok: bool) -> list[int]:
+        """A load's destinations: `n` blocks, ascending, as few runs as the free blocks allow."""
+        self._allocs += n
+        return allocate_extents(self.pool, n, lossy_ok)
 
     def host_room(self) -> int:
         return self.copies.host.room() if self.copies is not None else 0

@@ -2,15 +2,22 @@
 
 Each full block is named by a keyed digest of (parent digest, its tokens), computed once per
 sequence (when the request arrives, for the prompt) and kept with its `BlockKey`, so that matching
-a long prompt in a step costs dictionary lookups, not hashing. A match walks the chain and takes
-each link from the device index, then the loads in flight, then the host index, stopping at the
-first miss.
+a long prompt in a step costs dictionary lookups, not hashing. A match takes each link from the
+device index, then the loads in flight, then the host index, stopping at the first miss. It is done
+a whole tier at a time (one lookup pass per index, a verifying key comparison per run of one tier)
+rather than link by link: a 2,048-block prefix is matched in a few C-level passes. A run whose keys
+do not all verify (a digest collision: never seen) sends the match to the link-by-link walk.
 """
 from __future__ import annotations
 
 import enum
 import hashlib
 import os
+from dataclasses import dataclass
+from itertools import chain, repeat
+from operator import itemgetter
+
+import numpy as np
 
 from nanoserve.kvcache.block_pool import BlockHash, BlockKey, BlockPool, chain_hash
 from nanoserve.kvcache.copies import TierCopies
@@ -26,6 +33,42 @@ class Tier(str, enum.Enum):
 # (tier, block): a host block for Tier.HOST, else a device block. A plain tuple: a long prefix is
 # thousands of hits, and building a NamedTuple each was a third of admitting one.
 PrefixHit = tuple[Tier, int]
+
+
+@dataclass
+class PrefixMatch:
+    """A sequence's leading cached blocks: per link its block (device, or host for Tier.HOST), and the
+    links as runs of one tier each, (tier, first link, end link) in chain order."""
+    blocks: list[int]
+    runs: list[tuple[Tier, int, int]]
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def of(self, tier: Tier) -> list[int]:
+        """The blocks of one tier, in chain order."""
+        return list(chain.from_iterable(self.blocks[lo:hi] for t, lo, hi in self.runs if t is tier))
+
+    def links(self, tier: Tier, per_link: list) -> list:
+        """`per_link` (a list indexed by link) at the links of one tier, in chain order."""
+        return list(chain.from_iterable(per_link[lo:hi] for t, lo, hi in self.runs if t is tier))
+
+    def hits(self) -> list[PrefixHit]:
+        return [(t, b) for t, lo, hi in self.runs for b in self.blocks[lo:hi]]
+
+    @staticmethod
+    def of_hits(hits: list[PrefixHit]) -> PrefixMatch:
+        runs: list[tuple[Tier, int, int]] = []
+        for i, (t, _) in enumerate(hits):
+            if runs and runs[-1][0] is t:
+                runs[-1] = (t, runs[-1][1], i + 1)
+            else:
+                runs.append((t, i, i + 1))
+        return PrefixMatch([b for _, b in hits], runs)
+
+
+_TIERS = (Tier.DEVICE, Tier.LOADING, Tier.HOST)
+_NOT_LOADING = (-1, None, None)
 
 
 class PrefixChains:
@@ -61,10 +104,56 @@ class PrefixChains:
             self.hashes(seq, (seq.num_tokens - 1) // self.block_size)
 
     def match(self, seq: Sequence, use_host: bool = True) -> list[PrefixHit]:
+        """The sequence's leading cached full blocks, link by link (see `match_runs`)."""
+        return self.match_runs(seq, use_host).hits()
+
+    def match_runs(self, seq: Sequence, use_host: bool = True) -> PrefixMatch:
         """The sequence's leading cached full blocks. At least one token is left to compute, so the
         last prompt position always produces logits."""
         if not self.enabled or seq.wants_prompt_logprobs:
-            return []  # prompt logprobs need logits at every prompt position: compute them all
+            return PrefixMatch([], [])  # prompt logprobs need logits at every prompt position: compute them all
+        hashes = self.hashes(seq, (seq.num_tokens - 1) // self.block_size)
+        n, copies = len(hashes), self.copies
+        host = copies.host if copies is not None and use_host else None
+        # per link: 0 device, 1 loading, 2 host, 3 miss; the first index holding it wins
+        block = np.fromiter(map(self.pool.index.get, hashes, repeat(-1)), np.int64, n)
+        tier = np.where(block >= 0, 0, 3)
+        if copies is not None and copies.loading:
+            loading = np.fromiter(map(itemgetter(0), map(copies.loading.get, hashes, repeat(_NOT_LOADING))),
+                                  np.int64, n)
+            block, tier = self._fill(block, tier, loading, 1)
+        if host is not None and (tier == 3).any():
+            on_host = np.fromiter(map(host.pool.index.get, hashes, repeat(-1)), np.int64, n)
+            block, tier = self._fill(block, tier, on_host, 2)
+        end = int(np.argmax(tier == 3)) if (tier == 3).any() else n
+        cuts = np.flatnonzero(np.diff(tier[:end])) + 1
+        bounds = [0, *cuts.tolist(), end] if end else [0]
+        runs = [(_TIERS[int(tier[lo])], lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
+        found = PrefixMatch(block[:end].tolist(), runs)
+        return found if self._verified(seq, found, host) else PrefixMatch.of_hits(self._walk(seq, use_host))
+
+    @staticmethod
+    def _fill(block: np.ndarray, tier: np.ndarray, found: np.ndarray, code: int) -> tuple[np.ndarray, np.ndarray]:
+        take = (tier == 3) & (found >= 0)
+        return np.where(take, found, block), np.where(take, code, tier)
+
+    def _verified(self, seq: Sequence, found: PrefixMatch, host) -> bool:
+        """Every link's stored key is the sequence's: parent digest and tokens (one list comparison per run,
+        by identity first)."""
+        keys = seq.block_keys
+        for t, lo, hi in found.runs:
+            if t is Tier.DEVICE:
+                stored = list(map(self.pool.block_key.__getitem__, found.blocks[lo:hi]))
+            elif t is Tier.LOADING:
+                stored = list(map(itemgetter(1), map(self.copies.loading.__getitem__, seq.block_hashes[lo:hi])))
+            else:
+                stored = list(map(host.pool.block_key.__getitem__, found.blocks[lo:hi]))
+            if stored != keys[lo:hi]:
+                return False
+        return True
+
+    def _walk(self, seq: Sequence, use_host: bool) -> list[PrefixHit]:
+        """The match link by link: the reference `match_runs` falls back on."""
         copies = self.copies
         host = copies.host if copies is not None and use_host else None
         hits: list[PrefixHit] = []

@@ -1,0 +1,195 @@
+"""Admission cost of a host-tier load, on the step path, with a breakdown (bench/tier.py --admission).
+
+The device pool is fragmented the way a busy server leaves it: free runs of every length (a few long,
+hundreds of one to six blocks) between blocks in use and cached-free ones, released in shuffled order;
+the host holds a prompt's whole prefix. A copier that does everything but the memcpy (it cuts the
+batch into copies as the real ones do, and counts them) makes the admission cost the bookkeeping
+only. Each repetition builds the same state afresh and times one `admit`; the breakdown is the time
+inside each named stage (inclusive: the load start includes the copier's submit), the rest is the
+admission's own code. Also timed: digesting the prompt (`hash_prompt`, at arrival on the engine thread).
+Times are the engine thread's CPU time (`time.thread_time`): on a shared machine wall time mostly
+measures who else was scheduled, and this is bookkeeping that never waits.
+
+    python bench/tier.py --admission                       # this checkout
+    python bench/tier.py --admission --base /tmp/base      # and another checkout's nanoserve, side by side
+"""
+from __future__ import annotations
+
+import gc
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+STAGES = (("match", "chains", "match"), ("match", "chains", "match_runs"), ("supply", "policy", "supply"), ("take blocks", "", "_take_blocks"),
+          ("load start", "copies", "begin_load"), ("  of it: submit", "copier", "submit"))
+
+
+def _noop_copier():
+    from nanoserve.kvcache.transfer import Copier, Transfer, copy_blocks
+
+    class Done(Transfer):
+        def done(self) -> bool:
+            return True
+
+        def wait(self, timeout: float | None = None) -> bool:
+            return True
+
+    class NoopCopier(Copier):
+        """Cuts each batch into the copies a real copier makes (same code) and only counts them."""
+        copies = 0
+
+        def _open_lane(self, name: str) -> None:
+            return None
+
+        def submit(self, lane, src, src_ids, dst, dst_ids) -> Transfer:
+            def count(s, d) -> None:
+                NoopCopier.copies += 1
+            copy_blocks(src, src_ids, dst, dst_ids, count, self.max_copy_bytes)
+            return Done()
+    return NoopCopier()
+
+
+def _fragment(kv, rng: random.Random, num_free: int) -> None:
+    """Free runs (eight long ones, the rest 1-6 blocks) between 1-8 blocks in use or cached-free, until
+    `num_free` blocks are free; then released in shuffled order."""
+    pool, n = kv.pool, kv.pool.num_blocks
+    blocks = sorted(pool.allocate() for _ in range(n))
+    long_runs = [512, 384, 320, 256, 200, 160, 128, 100]
+    free, i = [], 0
+    keep = set()
+    while i < n:
+        length = long_runs.pop() if long_runs and rng.random() < 0.05 else rng.randint(1, 6)
+        length = min(length, num_free - len(free), n - i)
+        free += blocks[i:i + length]
+        i += length
+        used = rng.randint(1, 8)
+        keep.update(blocks[i:i + used])
+        i += used
+        if len(free) >= num_free:
+            keep.update(blocks[i:])
+            break
+    rng.shuffle(free)
+    for j, b in enumerate(sorted(keep)):
+        if j % 2:  # cached-free: published, then released
+            pool.publish(b, rng.randbytes(32), (None, (j,)))
+            pool.release(b)
+    for b in free:
+        pool.release(b)
+
+
+def _setup(args, seed: int):
+    """A manager over a fragmented device pool, and a sequence whose whole prefix is on host."""
+    import torch
+
+    from nanoserve.kvcache.host_tier import HostTier
+    from nanoserve.kvcache.manager import KVCacheManager
+    from nanoserve.sampling_params import SamplingParams
+    from nanoserve.sequence import Sequence
+    bs, n = args.block_size, args.load_blocks
+    device = torch.zeros(args.pool_blocks, 1, 2, 1, bs, 1)  # tiny blocks: no copy is cut at a span
+    host = HostTier(n + 64, device, _noop_copier())
+    kv = KVCacheManager(args.pool_blocks, bs, host=host)
+    rng = random.Random(seed)
+    _fragment(kv, rng, args.free_blocks)
+    prompt = [rng.randrange(32000) for _ in range((n + 1) * bs)]
+    seq = Sequence(1, "1", 0, prompt, SamplingParams(), 16, frozenset())
+    kv.hash_prompt(seq)
+    for h, key in zip(seq.block_hashes[:n], seq.block_keys[:n]):  # the prefix, on host only
+        hb = host.pool.allocate_pinned()
+        host.pool.publish(hb, h, key)
+        host.pool.unpin(hb)
+    fresh = Sequence(2, "2", 0, prompt, SamplingParams(), 16, frozenset())  # digests not taken yet
+    return kv, seq, fresh
+
+
+def _timed(owner, name: str, sink: dict[str, float], label: str) -> None:
+    fn: Callable = getattr(owner, name)
+
+    def wrapper(*a, **k):
+        t0 = time.thread_time()
+        try:
+            return fn(*a, **k)
+        finally:
+            sink[label] = sink.get(label, 0.0) + time.thread_time() - t0
+    setattr(owner, name, wrapper)
+
+
+def measure(args) -> dict:
+    rows: dict[str, list[float]] = {}
+    copies = []
+    for rep in range(args.repeat):
+        kv, seq, fresh = _setup(args, seed=rep % 3)
+        sink: dict[str, float] = {}
+        for label, attr, name in STAGES:
+            owner = kv.host.copier if attr == "copier" else getattr(kv, attr) if attr else kv
+            if hasattr(owner, name):
+                _timed(owner, name, sink, label)
+        type(kv.host.copier).copies = 0
+        gc.collect()
+        gc.freeze()  # a collection walking the whole setup is not admission cost: a server's heap is older
+        t0 = time.thread_time()
+        kv.hash_prompt(fresh)
+        t1 = time.thread_time()
+        admitted = kv.admit(seq, args.block_size * 4)
+        t2 = time.thread_time()
+        gc.unfreeze()
+        assert admitted and kv.load_state(seq).value == "loading", "the prefix did not start loading"
+        copies.append(type(kv.host.copier).copies)
+        for label, v in {"hash prompt": t1 - t0, "admit": t2 - t1, **sink}.items():
+            rows.setdefault(label, []).append(v * 1e3)
+        kv.poll_transfers()
+        kv.free(seq)
+        kv.check_invariants()
+    return {"ms": {k: statistics.median(v) for k, v in rows.items()},
+            "ms_min": {k: min(v) for k, v in rows.items()}, "copies": statistics.median(copies)}
+
+
+def main(args) -> None:
+    from common import OtherTree, child_argv, cpu_name, write_json
+    import sys
+    if args.raw:  # one side's child process of an A/B
+        print(json.dumps(measure(args)))
+        return
+    sides = {"this": None}
+    if args.base:
+        sides = {"base": OtherTree(Path(args.base), "tier.py", child_argv(sys.argv[1:]) + ["--raw"]),
+                 "this": None}
+    results: dict[str, list[dict]] = {k: [] for k in sides}
+    for _ in range(args.rounds):  # alternated: drift hits both alike
+        for name, tree in sides.items():
+            results[name].append(tree.run_child() if tree else measure(args))
+    print(f"admission of a {args.load_blocks}-block host prefix ({args.block_size}-token blocks) into a "
+          f"{args.pool_blocks}-block device pool with {args.free_blocks} free blocks, fragmented; "
+          f"no-op copier; engine-thread CPU ms, median and min of {args.repeat} x {args.rounds} rounds; "
+          f"{cpu_name()}")
+    labels = [k for k in ("admit", "match", "supply", "take blocks", "load start", "  of it: submit",
+                          "hash prompt") if any(k in r["ms"] for rs in results.values() for r in rs)]
+    print(f"{'ms':16s}" + "".join(f"{name + ' median':>14s}{name + ' min':>12s}" for name in sides))
+    for label in labels:
+        print(f"{label:16s}" + "".join(
+            f"{statistics.median(r['ms'][label] for r in rs if label in r['ms']):14.3f}"
+            f"{min(r['ms_min'][label] for r in rs if label in r['ms']):12.3f}"
+            if any(label in r["ms"] for r in rs) else f"{'-':>14s}{'-':>12s}" for rs in results.values()))
+    print(f"{'copies':16s}" + "".join(f"{statistics.median(r['copies'] for r in rs):14.0f}{'':12s}"
+                                      for rs in results.values()))
+    write_json(args.json, {"cpu": cpu_name(), "args": vars(args), "results": results})
+
+
+def add_args(ap) -> None:
+    g = ap.add_argument_group("--admission")
+    g.add_argument("--admission", action="store_true", help="time admitting a host prefix (see tier_admission.py)")
+    g.add_argument("--load-blocks", type=int, default=2048)
+    g.add_argument("--pool-blocks", type=int, default=8192)
+    g.add_argument("--free-blocks", type=int, default=4096)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--repeat", type=int, default=15)
+    g.add_argument("--base", default=None, help="another checkout: its nanoserve, side by side")
+    g.add_argument("--raw", action="store_true", help=argparse_suppress())
+
+
+def argparse_suppress() -> str:
+    import argparse
+    return argparse.SUPPRESS
