@@ -10,7 +10,12 @@ the model builds) the only other arithmetic is the norm's (RoPE is bit-exact wit
 its fp32 sum of squares in another order, a few ulp of fp32, which bf16 rounding turns into an occasional
 flip of the last bit that the bf16 ops after it carry on. Measured on this test's models (2 layers, random
 weights, activations of O(1)): logits within 2.2e-6 (fp32) and 4.8e-2 (bf16, a few ulp of the logits) of
-the largest |logit|; asserted 1e-5 and 0.1."""
+the largest |logit|; asserted 1e-5 and 0.1.
+
+Qwen3's and Gemma 3's layers (conftest's tiny models: per-head q/k norms; Gemma's output norms, tanh-GELU
+gate, local RoPE table on its windowed layer), also with Gemma's MLP kept in Q8_0 blocks (a QuantLinear whose
+fused SiLU GLU kernel the GELU gate must not take), likewise: bit for bit with torch's ops, within the bounds
+with the C++ kernels (the per-head norm's sum order too: measured 1.1e-6 and 2.5e-2)."""
 from __future__ import annotations
 
 import random
@@ -23,7 +28,8 @@ import torch
 from nanoserve.kernels import cpu_kernels
 from nanoserve.layers import quant_linear
 from nanoserve.layers.attention import AttentionBatch, TorchAttention
-from nanoserve.layers.quant_linear import PACKED_MAX_ROWS, QuantLinear
+from nanoserve.layers.quant_linear import PACKED_MAX_ROWS, QuantLinear, QuantTensor
+from nanoserve.models.llama import LlamaModel
 from nanoserve.models.llama_plan import projection_plan, stack_plan
 from tests.test_gguf_quantized import _gguf_model, _write_gguf
 
@@ -62,6 +68,27 @@ def _model(tmp_path, dtype: torch.dtype, variant: str):
     types |= {f"blk.{i}.{name}": spec for i in range(LAYERS) for name, spec in layer.items()}
     path = _write_gguf(tmp_path / f"{variant}.gguf", types, scale=HID ** -0.5)  # activations of O(1)
     return _gguf_model(path, cfg, dtype, variant != "dense", cpu_kernels.load(), cpu_kernels.quant())
+
+
+def _tiny(path, dtype: torch.dtype, quant_mlp: bool) -> LlamaModel:
+    """A tiny HF checkpoint (conftest's TINY_CONFIGS: the shapes this file's steps assume) as a finalized CPU
+    model; `quant_mlp`: its gate/up/down kept as Q8_0 blocks (QuantLinear layers)."""
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import quantize
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+    state = load_file(path / "model.safetensors")
+    if quant_mlp:
+        for name, w in state.items():
+            if ".mlp." in name:
+                blocks = torch.from_numpy(quantize(w.float().numpy(), T.Q8_0))
+                state[name] = QuantTensor(blocks, int(T.Q8_0), tuple(w.shape))
+    model = LlamaModel(AutoConfig.from_pretrained(path), dtype, torch.device("cpu"))
+    assert (model.cfg.num_attention_heads, model.cfg.num_key_value_heads, model.head_dim,
+            model.num_layers) == (HEADS, KV, D, LAYERS)
+    model.load_weights(state.items())
+    model.finalize(cpu_kernels.load(), cpu_kernels.quant())
+    return model
 
 
 def _step(seed: int, kind: str, dtype: torch.dtype, bs: int = 16):
@@ -152,3 +179,27 @@ def test_a_layer_kind_the_cpu_loop_does_not_know_fails_loudly(tmp_path, kernels)
     with pytest.raises(ValueError, match="no projection kind 'fp4' \\(Fp4Projection\\)"):
         kernels.DecoderStack(replace(plan, layers=(layer, *plan.layers[1:])))
     kernels.DecoderStack(plan)  # the model's own plan builds
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["qwen3-qk-norm", "gemma3-window", "gemma3-window-q8"])
+def test_the_cpu_stack_runs_qwen3_and_gemma3_layers(tiny_path, kernels, dtype, name):
+    model = _tiny(tiny_path(name.removesuffix("-q8")), dtype, name.endswith("-q8"))
+    plan = stack_plan(model, kernels)
+    assert all(layer.q_norm is not None for layer in plan.layers)
+    gemma = name.startswith("gemma3")
+    assert [layer.local_rope for layer in plan.layers] == ([True, False] if gemma else [False, False])
+    assert all((layer.mlp_out_norm is not None) == gemma for layer in plan.layers)
+    # kept blocks; where the kernels fuse a GLU for them (AVX-512) it is SiLU's, which the stack must not take
+    assert all(isinstance(layer.gate_up_lin, QuantLinear) == name.endswith("-q8") for layer in model.layers)
+    stack, exact = model.stack, kernels.DecoderStack(replace(plan, fused_rows=0))
+    worst = 0.0
+    with torch.inference_mode():
+        for seed in range(6):
+            step = _step(seed, ("decode", "prefill", "mixed")[seed % 3], dtype)
+            logits, cache = _forward(model, None, *step, kernels, model.windows)
+            same = zip(_forward(model, exact, *step, kernels, model.windows), (logits, cache))
+            assert all(torch.equal(a, b) for a, b in same), seed
+            fused_logits = _forward(model, stack, *step, kernels, model.windows)[0]
+            worst = max(worst, ((fused_logits - logits).abs().max() / logits.abs().max()).item())
+    assert worst <= BOUND[dtype], worst

@@ -72,8 +72,16 @@ class LayerPlan:
     post_norm: torch.Tensor
     qkv: Projection
     o: Projection
-    gate_up: Projection  # [gate; up]: only silu(gate) * up is asked of it
+    gate_up: Projection  # [gate; up]: only act(gate) * up is asked of it
     down: Projection
+    # Qwen3's and Gemma 3's per-head norms of q and k [head_dim], before RoPE (both or neither)
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    # Gemma 3's norms of the attention's (after the all-reduce) and the MLP's outputs, before the residual
+    # adds them
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
+    local_rope: bool = False  # RoPE from the forward's local (cos, sin) (Gemma 3's windowed layers)
 
 
 @dataclass(frozen=True)
@@ -89,6 +97,9 @@ class StackPlan:
     # tensor parallel: the sum over the ranks of o_proj's and of down_proj's output, in place (called with
     # the GIL); None on one rank
     all_reduce: Callable[[torch.Tensor], torch.Tensor] | None
+    # the MLP's gate activation (layers/glu.py's ACTIVATIONS): "silu", or "gelu_pytorch_tanh" (Gemma 3), which
+    # takes the [gate; up] projection's plain output
+    act: str = "silu"
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ scale, and sliding-window layers with their own RoPE base (windows: the attentio
 
 One forward per device: on CPU with the C++ kernels the layers run as csrc/decoder_stack.cpp's loop, from the
 typed plan models/llama_plan.py makes of them; everywhere else (CUDA, CPU without the kernels or with head
-dims their attention does not serve, or a layer it does not run: Qwen3's, Gemma 3's) as `_layers`, torch ops
-and the layers' own calls; on CUDA, for the Llama layer, with the small ops fused into Triton kernels
+dims their attention does not serve) as `_layers`, torch ops and the layers' own calls; on CUDA, for the
+Llama layer, with the small ops fused into Triton kernels
 (models/fused_loop.py; $NANOSERVE_FUSED_OPS=0: off).
 
 Tensor parallel (distributed/parallel.py): a rank holds its heads' rows of QKV, its columns of
@@ -225,7 +225,7 @@ class LlamaModel(nn.Module):
         hugepages.relocate([p.data for lin in kept for p in getattr(lin, "parts", ())]
                            + ([self.embed_rows.table.data] if self.embed_rows is not None else []))
         trim_heap()  # what the load freed (packing, relocating, released parameters)
-        self.stack = cpu_stack(self, kernels) if self.llama_layer else None  # others: the torch loop
+        self.stack = cpu_stack(self, kernels)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                 logits_indices: torch.Tensor) -> torch.Tensor | None:
@@ -235,22 +235,22 @@ class LlamaModel(nn.Module):
         if self.embed_scale is not None:
             x.mul_(self.embed_scale)
         cos, sin = self.rotary.cos_sin(positions)
+        local = None if self.local_rotary is None else self.local_rotary.cos_sin(positions)
         # the C++ loop wherever the attention backend is the C++ kernels' (TorchAttention, for the head dims
         # they serve), which then gives the step's arguments
         step = attn.kernel_step() if self.stack is not None else None
         if step is not None:
-            residual = self.stack.forward(x, cos, sin, step)
+            residual = self.stack.forward(x, cos, sin, step, local)
         elif (ops := fused_ops(x.device)) is not None and self.llama_layer:
             residual = fused_layers(self, x, cos, sin, attn, ops)
         else:
-            local = None if self.local_rotary is None else self.local_rotary.cos_sin(positions)
             residual = self._layers(x, (cos, sin), local, attn)
         x = F.rms_norm(residual[logits_indices], (self.hidden,), self.norm, self.eps)
         return self.tp.gather_logits(self.lm_head_lin(x).float(), self.vocab_size)
 
     @property
     def llama_layer(self) -> bool:
-        """Whether the layers are Llama's own (what the C++ loop and the fused CUDA loop run): no q/k norms,
+        """Whether the layers are Llama's own (what the fused CUDA loop runs): no q/k norms,
         no Gemma norms, SiLU."""
         return not (self.cfg.qk_norm or self.gemma) and self.act == "silu"
 

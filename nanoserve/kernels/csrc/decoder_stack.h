@@ -27,6 +27,8 @@ struct Projection {
   virtual at::Tensor operator()(const at::Tensor& x) const = 0;
   // silu(gate) * up of a [gate; up] projection: from the output's halves, unless the kind fuses it
   virtual at::Tensor silu_mul(const at::Tensor& x) const;
+  // gelu_tanh(gate) * up (Gemma 3): always from the output's halves, no kind fuses it
+  at::Tensor gelu_mul(const at::Tensor& x) const;
 };
 
 struct QuantPart {
@@ -67,7 +69,7 @@ struct TorchProjection final : Projection {
   at::Tensor operator()(const at::Tensor& x) const override;
 };
 
-// GateUp: gate and up as two oneDNN calls whose epilogues apply silu and the product
+// GateUp: gate and up as two oneDNN calls whose epilogues apply silu and the product (a SiLU model's only)
 struct GateUpProjection final : Projection {
   OneDnnProjection gate, up;
   at::Tensor operator()(const at::Tensor& x) const override;
@@ -77,17 +79,27 @@ struct GateUpProjection final : Projection {
 struct LayerPlan {
   at::Tensor input_norm, post_norm;
   std::unique_ptr<Projection> qkv, o, gate_up, down;
+  // Qwen3's and Gemma 3's per-head norms of q and k [head_dim], before RoPE; Gemma 3's norms of the
+  // attention's and the MLP's outputs [hidden], before the residual adds them
+  c10::optional<at::Tensor> q_norm, k_norm, attn_out_norm, mlp_out_norm;
+  bool local_rope = false;  // RoPE from the step's local table (Gemma 3's windowed layers)
 };
 
 struct StackPlan {
   int64_t heads = 0, kv_heads = 0, head_dim = 0;
   double eps = 0;
+  bool gelu = false;  // the MLP's gate: gelu_tanh (Gemma 3), else silu
   int64_t fused_rows = 0;  // steps of at most this many rows: the C++ norm and RoPE; larger: torch's ops
   std::vector<LayerPlan> layers;
   std::function<void(const at::Tensor&)> all_reduce;  // tensor parallel: the sum over the ranks, in place
 };
 
 // One step's attention arguments (kernels/plan.py's KernelStep)
+// A RoPE table's rows for the step's tokens, [T, 1, head_dim / 2] each
+struct Rope {
+  at::Tensor cos, sin;
+};
+
 struct StepArgs {
   at::Tensor cache, slot_blocks, slot_offsets;
   int64_t num_decodes = 0;
@@ -129,15 +141,16 @@ class DecoderStack {
  public:
   explicit DecoderStack(StackPlan plan) : plan_(std::move(plan)) {}
   // residual: the embedded tokens [T, hidden], updated in place to the last layer's output (the caller's
-  // final norm reads it); cos, sin [T, 1, head_dim / 2]
-  at::Tensor forward(at::Tensor residual, const at::Tensor& cos, const at::Tensor& sin,
+  // final norm reads it); rope: every layer's table but the local_rope layers', which read local
+  at::Tensor forward(at::Tensor residual, const Rope& rope, const c10::optional<Rope>& local,
                      const StepArgs& step) const;
   mutable PartTimes times;  // off unless a benchmark turns it on
 
  private:
   at::Tensor add_norm(const c10::optional<at::Tensor>& delta, at::Tensor& residual, const at::Tensor& weight,
                       bool fused) const;
-  std::array<at::Tensor, 3> rotated(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+  at::Tensor norm(const at::Tensor& x, const c10::optional<at::Tensor>& weight, bool fused) const;
+  std::array<at::Tensor, 3> rotated(const at::Tensor& qkv, const LayerPlan& layer, const Rope& rope,
                                     bool fused) const;
   void attend(const std::array<at::Tensor, 3>& qkv, const at::Tensor& out, int64_t layer,
               const StepArgs& step) const;

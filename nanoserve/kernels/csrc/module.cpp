@@ -80,6 +80,20 @@ std::function<void(const at::Tensor&)> read_all_reduce(const py::object& fn) {
   };
 }
 
+LayerPlan read_layer(const py::handle& layer, const std::shared_ptr<Scratch>& scratch) {
+  LayerPlan L{field<at::Tensor>(layer, "input_norm"), field<at::Tensor>(layer, "post_norm"),
+              read_projection(layer.attr("qkv"), scratch), read_projection(layer.attr("o"), scratch),
+              read_projection(layer.attr("gate_up"), scratch), read_projection(layer.attr("down"), scratch)};
+  L.q_norm = optional_tensor(layer, "q_norm");
+  L.k_norm = optional_tensor(layer, "k_norm");
+  L.attn_out_norm = optional_tensor(layer, "attn_out_norm");
+  L.mlp_out_norm = optional_tensor(layer, "mlp_out_norm");
+  L.local_rope = field<bool>(layer, "local_rope");
+  if (L.q_norm.has_value() != L.k_norm.has_value())
+    throw py::value_error("DecoderStack: a q norm without k's, or a k norm without q's");
+  return L;
+}
+
 DecoderStack read_stack(const py::object& plan) {
   StackPlan s;
   s.heads = field<int64_t>(plan, "heads");
@@ -87,14 +101,21 @@ DecoderStack read_stack(const py::object& plan) {
   s.head_dim = field<int64_t>(plan, "head_dim");
   s.eps = field<double>(plan, "eps");
   s.fused_rows = field<int64_t>(plan, "fused_rows");
+  const std::string act = field<std::string>(plan, "act");
+  if (act != "silu" && act != "gelu_pytorch_tanh")
+    throw py::value_error("DecoderStack has no activation '" + act + "'");
+  s.gelu = act == "gelu_pytorch_tanh";
   const auto scratch = std::make_shared<Scratch>();
-  for (const py::handle layer : plan.attr("layers"))
-    s.layers.push_back(
-        {field<at::Tensor>(layer, "input_norm"), field<at::Tensor>(layer, "post_norm"),
-         read_projection(layer.attr("qkv"), scratch), read_projection(layer.attr("o"), scratch),
-         read_projection(layer.attr("gate_up"), scratch), read_projection(layer.attr("down"), scratch)});
+  for (const py::handle layer : plan.attr("layers")) s.layers.push_back(read_layer(layer, scratch));
   s.all_reduce = read_all_reduce(plan.attr("all_reduce"));
   return DecoderStack(std::move(s));
+}
+
+// a (cos, sin) pair, or None
+c10::optional<Rope> read_rope(const py::object& pair) {
+  if (pair.is_none()) return c10::nullopt;
+  const auto t = pair.cast<std::pair<at::Tensor, at::Tensor>>();
+  return Rope{t.first, t.second};
 }
 
 StepArgs read_step(const py::handle& step) {
@@ -168,13 +189,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init(&read_stack), py::arg("plan"))
       .def(
           "forward",
+          // local: the local_rope layers' (cos, sin), or None where no layer reads it
           [](const DecoderStack& stack, at::Tensor residual, at::Tensor cos, at::Tensor sin,
-             const py::object& step) {
+             const py::object& step, const py::object& local) {
             const StepArgs args = read_step(step);
+            const c10::optional<Rope> local_rope = read_rope(local);
             py::gil_scoped_release release;
-            return stack.forward(residual, cos, sin, args);
+            return stack.forward(residual, Rope{cos, sin}, local_rope, args);
           },
-          py::arg("residual"), py::arg("cos"), py::arg("sin"), py::arg("step"))
+          py::arg("residual"), py::arg("cos"), py::arg("sin"), py::arg("step"), py::arg("local") = py::none())
       .def_property(
           "timing", [](const DecoderStack& stack) { return stack.times.on; },
           [](const DecoderStack& stack, bool on) { stack.times.on = on; })
