@@ -23,8 +23,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-STAGES = (("match", "chains", "match"), ("match", "chains", "match_runs"), ("supply", "policy", "supply"), ("take blocks", "", "_take_blocks"),
-          ("load start", "copies", "begin_load"), ("  of it: submit", "copier", "submit"))
+STAGES = (("match", "chains", "match"), ("match", "chains", "match_runs"), ("supply", "policy", "supply"),
+          ("take blocks", "", "_take_blocks"), ("load start", "copies", "begin_load"),
+          ("  of it: submit", "copier", "submit"))
 
 
 def _noop_copier():
@@ -180,7 +181,8 @@ def main(args) -> None:
 
 def add_args(ap) -> None:
     g = ap.add_argument_group("--admission")
-    g.add_argument("--admission", action="store_true", help="time admitting a host prefix (see tier_admission.py)")
+    g.add_argument("--admission", action="store_true",
+                   help="time admitting a host prefix (see tier_admission.py)")
     g.add_argument("--load-blocks", type=int, default=2048)
     g.add_argument("--pool-blocks", type=int, default=8192)
     g.add_argument("--free-blocks", type=int, default=4096)

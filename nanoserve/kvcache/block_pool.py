@@ -80,7 +80,8 @@ class BlockPool:
         self.free: dict[int, None] = dict.fromkeys(range(num_blocks - 1, -1, -1))
         self.free_map = bytearray(b"\1" * num_blocks)  # 1 where free: the runs a load is cut from
         self.pins = [0] * num_blocks
-        self.num_held = 0  # unreferenced and pinned (a count: a load pins thousands at once; `held` lists them)
+        # unreferenced and pinned (a count: a load pins thousands at once; `held` lists them)
+        self.num_held = 0
         self.num_evictions = 0        # cached blocks reused, clean or not
         self.num_lossy_evictions = 0  # dirty ones: their KV was dropped
         # called with (hash, evicted) when a block stops being findable: another tier's clean marks
@@ -288,6 +289,7 @@ class BlockPool:
         assert not any(self.is_clean[b] for b in range(self.num_blocks) if self.block_hash[b] is None), (
             "unpublished block marked clean")
         assert all(self.block_hash[b] is None for b in self.free), "hashed block on the free list"
-        assert [b for b in range(self.num_blocks) if self.free_map[b]] == sorted(self.free), "free map is stale"
+        assert [b for b in range(self.num_blocks) if self.free_map[b]] == sorted(self.free), \
+            "free map is stale"
         for h, b in self.index.items():
             assert self.block_hash[b] == h, f"index points at block {b} whose hash changed"

@@ -111,7 +111,8 @@ class PrefixChains:
         """The sequence's leading cached full blocks. At least one token is left to compute, so the
         last prompt position always produces logits."""
         if not self.enabled or seq.wants_prompt_logprobs:
-            return PrefixMatch([], [])  # prompt logprobs need logits at every prompt position: compute them all
+            # prompt logprobs need logits at every prompt position: compute them all
+            return PrefixMatch([], [])
         hashes = self.hashes(seq, (seq.num_tokens - 1) // self.block_size)
         n, copies = len(hashes), self.copies
         host = copies.host if copies is not None and use_host else None
@@ -133,7 +134,8 @@ class PrefixChains:
         return found if self._verified(seq, found, host) else PrefixMatch.of_hits(self._walk(seq, use_host))
 
     @staticmethod
-    def _fill(block: np.ndarray, tier: np.ndarray, found: np.ndarray, code: int) -> tuple[np.ndarray, np.ndarray]:
+    def _fill(block: np.ndarray, tier: np.ndarray, found: np.ndarray,
+              code: int) -> tuple[np.ndarray, np.ndarray]:
         take = (tier == 3) & (found >= 0)
         return np.where(take, found, block), np.where(take, code, tier)
 
@@ -145,7 +147,8 @@ class PrefixChains:
             if t is Tier.DEVICE:
                 stored = list(map(self.pool.block_key.__getitem__, found.blocks[lo:hi]))
             elif t is Tier.LOADING:
-                stored = list(map(itemgetter(1), map(self.copies.loading.__getitem__, seq.block_hashes[lo:hi])))
+                loading = map(self.copies.loading.__getitem__, seq.block_hashes[lo:hi])
+                stored = list(map(itemgetter(1), loading))
             else:
                 stored = list(map(host.pool.block_key.__getitem__, found.blocks[lo:hi]))
             if stored != keys[lo:hi]:

@@ -1,9 +1,10 @@
 """Llama-family decoder (Llama 2/3/3.1, Mistral, SmolLM2, Qwen2, Qwen3, Gemma 3) reading and writing the
-paged KV cache through an attention backend. The family's variations are the config's (models/model_config.py):
-Qwen3's and Gemma 3's per-head q/k RMSNorm, Gemma 3's norms after attention and MLP with (1 + w) weights (kept
-here as 1 + w, as llama.cpp's GGUF stores them), tanh-GELU gate, embedding scaled by sqrt(hidden), attention
-scale, and sliding-window layers with their own RoPE base (windows: the attention backend's). Q/K/V and gate/up projections are fused into one matmul each;
-`load_weights` maps HF names onto the fused slices.
+paged KV cache through an attention backend. The family's variations are the config's
+(models/model_config.py): Qwen3's and Gemma 3's per-head q/k RMSNorm, Gemma 3's norms after attention and
+MLP with (1 + w) weights (kept here as 1 + w, as llama.cpp's GGUF stores them), tanh-GELU gate, embedding
+scaled by sqrt(hidden), attention scale, and sliding-window layers with their own RoPE base (windows: the
+attention backend's). Q/K/V and gate/up projections are fused into one matmul each; `load_weights` maps HF
+names onto the fused slices.
 
 One forward per device: on CPU with the C++ kernels the layers run as csrc/decoder_stack.cpp's loop, from the
 typed plan models/llama_plan.py makes of them; everywhere else (CUDA, CPU without the kernels or with head
@@ -56,7 +57,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.cfg = cfg = cfg if isinstance(cfg, ModelConfig) else ModelConfig.from_dict(cfg.to_dict())
         if cfg.hidden_act not in ACTIVATIONS:
-            raise ValueError(f"hidden activation {cfg.hidden_act!r} is not supported ({', '.join(ACTIVATIONS)})")
+            raise ValueError(f"hidden activation {cfg.hidden_act!r} is not supported "
+                             f"({', '.join(ACTIVATIONS)})")
         self.act, self.gemma, self.windows = cfg.hidden_act, cfg.gemma, cfg.layer_windows
         self.tp = tp = tp or TensorParallel()
         self.hidden = cfg.hidden_size
@@ -272,10 +274,12 @@ class LlamaModel(nn.Module):
             qk = rotate(qk, *(local_rope if windowed else rope))
             o = attn.forward(qk[:, :h], qk[:, h:], qkv[:, k_end:].view(-1, hk, d), i)
             out = self.tp.all_reduce(layer.o_lin(o.view(-1, h * d)))
-            residual.add_(out if layer.attn_out_norm is None else F.rms_norm(out, hid, layer.attn_out_norm, eps))
+            residual.add_(out if layer.attn_out_norm is None
+                          else F.rms_norm(out, hid, layer.attn_out_norm, eps))
             x = F.rms_norm(residual, hid, layer.post_norm, eps)
             out = self.tp.all_reduce(layer.down_lin(glu(layer.gate_up_lin, x, self.act)))
-            residual.add_(out if layer.mlp_out_norm is None else F.rms_norm(out, hid, layer.mlp_out_norm, eps))
+            residual.add_(out if layer.mlp_out_norm is None
+                          else F.rms_norm(out, hid, layer.mlp_out_norm, eps))
         return residual
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
