@@ -72,6 +72,8 @@ def test_kept_quantized_logprobs_close_to_transformers(path, reference, prompt_i
     transformers' dequantized fp32 model; greedy tokens equal on the short prompts."""
     model, greedy = reference
     llm = LLM(path, dtype="float32", kv_cache_gb=0.2)
+    # a reply ends at <eos> or at the <end_of_turn> that closes Gemma's chat turns
+    assert {1, llm.tokenizer.convert_tokens_to_ids("<end_of_turn>")} <= set(llm.engine.info.eos_token_ids)
     m = llm.engine.model  # every projection and the embedding served from the file's blocks
     assert all(isinstance(getattr(layer, a), QuantLinear) for layer in m.layers
                for a in ("qkv_lin", "o_lin", "gate_up_lin", "down_lin")) and m.embed_rows is not None

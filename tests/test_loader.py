@@ -126,3 +126,41 @@ def test_generic_tokenizer_loads_as_autotokenizer_would(embedded_dir):
         auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     assert (ours.eos_token_id, ours.bos_token_id, len(ours)) == \
         (auto.eos_token_id, auto.bos_token_id, len(auto))
+
+
+def _gemma3_header(path, **extra) -> None:
+    """A Gemma 3 GGUF file's metadata (no tensors: the config reads the header alone)."""
+    from gguf import GGUFWriter
+    w = GGUFWriter(str(path), "gemma3")
+    for key, value in dict(block_count=12, embedding_length=64, feed_forward_length=128, context_length=512,
+                           vocab_size=300, **{"attention.head_count": 4, "attention.head_count_kv": 2,
+                                              "attention.key_length": 32, "attention.value_length": 32,
+                                              "attention.layer_norm_rms_epsilon": 1e-6,
+                                              "attention.sliding_window": 16, "rope.freq_base": 1e6},
+                           **extra).items():
+        (w.add_string if isinstance(value, str) else w.add_float32 if isinstance(value, float)
+         else w.add_uint32)(f"gemma3.{key}", value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gguf_gemma3_config_is_what_llama_cpp_completes(tmp_path):
+    """Every 6th layer global, the local RoPE base 10000 unscaled while the global layers take the file's
+    linear scaling (Gemma 3 4B-27B files carry one); a scaling type we do not apply is refused."""
+    from nanoserve.models.loader import _gguf_config
+    from nanoserve.models.model_config import ModelConfig
+    from nanoserve.sampling_params import InvalidRequest
+    _gemma3_header(tmp_path / "plain.gguf")
+    plain = ModelConfig.from_dict(_gguf_config(tmp_path / "plain.gguf").to_dict())
+    assert plain.layer_windows == (16,) * 5 + (0,) + (16,) * 5 + (0,)
+    assert (plain.rope_theta, plain.rope_local_theta, plain.rope_scaling) == (1e6, 10000.0, None)
+    assert plain.query_pre_attn_scalar == 32 and plain.gemma and plain.qk_norm
+    _gemma3_header(tmp_path / "scaled.gguf", **{"rope.scaling.type": "linear", "rope.scaling.factor": 8.0})
+    scaled = ModelConfig.from_dict(_gguf_config(tmp_path / "scaled.gguf").to_dict())
+    assert scaled.rope_scaling["rope_type"] == "linear" and scaled.rope_scaling["factor"] == 8.0
+    assert (scaled.rope_theta, scaled.rope_local_theta) == (1e6, 10000.0)
+    _gemma3_header(tmp_path / "yarn.gguf", **{"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0})
+    with pytest.raises(InvalidRequest, match="rope scaling 'yarn' is not supported"):
+        _gguf_config(tmp_path / "yarn.gguf")

@@ -240,3 +240,16 @@ def test_engine_loads_transformers_and_llguidance_only_when_needed(embedded_dir)
     assert start == f"False False {(tok.eos_token_id,)} {facts_of(tok).max_token_chars}"
     assert plain == "False False"
     assert constrained in ("True True 'yes'", "True True 'no'")
+
+
+def test_sliding_windows_as_transformers_reads_them():
+    """Mistral v0.2 on says `"sliding_window": null` (no window, not the 4096 default); Qwen's window starts
+    at max_window_layers (default 28) where use_sliding_window is on."""
+    from transformers import MistralConfig, Qwen2Config
+    assert ModelConfig.from_dict({"model_type": "mistral", "sliding_window": None}).layer_windows == ()
+    assert MistralConfig(sliding_window=None).sliding_window is None
+    assert set(ModelConfig.from_dict({"model_type": "mistral"}).layer_windows) == {4096}
+    qwen = {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64, "num_hidden_layers": 30}
+    hf = Qwen2Config(**{k: v for k, v in qwen.items() if k != "model_type"})
+    assert ModelConfig.from_dict(qwen).layer_windows == tuple(
+        64 if t == "sliding_attention" else 0 for t in hf.layer_types)

@@ -243,18 +243,12 @@ class LlamaModel(nn.Module):
         step = attn.kernel_step() if self.stack is not None else None
         if step is not None:
             residual = self.stack.forward(x, cos, sin, step, local)
-        elif (ops := fused_ops(x.device)) is not None and self.llama_layer:
+        elif (ops := fused_ops(x.device)) is not None and self.cfg.llama_layer:
             residual = fused_layers(self, x, cos, sin, attn, ops)
         else:
             residual = self._layers(x, (cos, sin), local, attn)
         x = F.rms_norm(residual[logits_indices], (self.hidden,), self.norm, self.eps)
         return self.tp.gather_logits(self.lm_head_lin(x).float(), self.vocab_size)
-
-    @property
-    def llama_layer(self) -> bool:
-        """Whether the layers are Llama's own (what the fused CUDA loop runs): no q/k norms,
-        no Gemma norms, SiLU."""
-        return not (self.cfg.qk_norm or self.gemma) and self.act == "silu"
 
     def _layers(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 local_rope: tuple[torch.Tensor, torch.Tensor] | None, attn: AttentionBackend) -> torch.Tensor:

@@ -170,17 +170,45 @@ def _gguf_config(path: Path):
         tie_word_embeddings="output.weight" not in names)
     if arch in ("qwen3", "gemma3"):
         kw["head_dim"] = a("attention.key_length")
+    scaling = _gguf_rope_scaling(a)
     if arch == "gemma3":
-        kw.update(_gemma3_config(a, kw))
+        kw.update(_gemma3_config(a, kw, scaling))
+    elif scaling:
+        kw["rope_parameters"] = {**scaling, "rope_theta": kw.pop("rope_theta")}
     cls, hf_arch = GGUF_ARCHS[arch]
     cfg = getattr(transformers, cls)(**kw)
     cfg.architectures = [hf_arch]
     return cfg
 
 
-def _gemma3_config(a, kw: dict) -> dict:
+def _gguf_rope_scaling(a) -> dict:
+    """The file's RoPE scaling as rope_parameters keys ({} for none): linear, as llama.cpp's converter writes
+    it for Gemma 3 4B-27B; any other type is refused rather than served unscaled."""
+    kind = a("rope.scaling.type")
+    if kind in (None, "none"):
+        return {}
+    if kind != "linear":
+        raise InvalidRequest(f"GGUF rope scaling {kind!r} is not supported (linear); use the HF safetensors "
+                             "folder", param="model")
+    return {"rope_type": "linear", "factor": float(a("rope.scaling.factor"))}
+
+
+def _gguf_stop_ids(cfg, meta: dict, tok) -> int | list[int] | None:
+    """The ids that end a reply: EOS and the end-of-turn token (the file's eot id, else Gemma's
+    `<end_of_turn>`, which its chat turns end with while its EOS is `<eos>`)."""
+    eos = cfg.eos_token_id
+    ids = list(eos) if isinstance(eos, list) else [eos] if eos is not None else []
+    eot = meta.get("tokenizer.ggml.eot_token_id")
+    if eot is None and cfg.model_type == "gemma3_text":
+        eot = tok.get_vocab().get("<end_of_turn>")  # absent: no such turn token, nothing to add
+    ids += [eot] if eot is not None and eot not in ids else []
+    return ids if len(ids) > 1 else ids[0] if ids else None  # one id stays an int, as config.json has it
+
+
+def _gemma3_config(a, kw: dict, scaling: dict) -> dict:
     """What a Gemma 3 GGUF file leaves to the reader, as llama.cpp fills it in: every 6th layer global, the
-    windowed layers' RoPE base 10000, the query scale 1/sqrt(head_dim) (hidden / heads for the 27B)."""
+    windowed layers' RoPE base 10000 (unscaled: `scaling` is the global layers'), the query scale
+    1/sqrt(head_dim) (hidden / heads for the 27B)."""
     from nanoserve.models.model_config import GEMMA_LOCAL_THETA, GEMMA_WINDOW_PATTERN
     layers, hidden, heads = kw["num_hidden_layers"], kw["hidden_size"], kw["num_attention_heads"]
     types = ["full_attention" if (i + 1) % GEMMA_WINDOW_PATTERN == 0 else "sliding_attention"
@@ -188,7 +216,7 @@ def _gemma3_config(a, kw: dict) -> dict:
     return dict(sliding_window=a("attention.sliding_window"), layer_types=types,
                 query_pre_attn_scalar=hidden // heads if layers == 62 else kw["head_dim"],
                 rope_parameters={
-                    "full_attention": {"rope_type": "default", "rope_theta": kw.pop("rope_theta")},
+                    "full_attention": {"rope_type": "default", **scaling, "rope_theta": kw.pop("rope_theta")},
                     "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA_LOCAL_THETA}})
 
 
@@ -235,7 +263,9 @@ def materialize(src: ModelSource, dequantize: bool = True) -> ModelSource:
     if not (out / weights).exists():
         from safetensors.torch import save_file
         cfg = _gguf_config(f)
-        tok = _gguf_tokenizer(f, _gguf_meta(f)[0])
+        meta = _gguf_meta(f)[0]
+        tok = _gguf_tokenizer(f, meta)
+        cfg.eos_token_id = _gguf_stop_ids(cfg, meta, tok)
         tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
         tmp.mkdir(parents=True, exist_ok=True)
         cfg.save_pretrained(tmp)

@@ -65,6 +65,12 @@ class ModelConfig:
         return self.model_type in ("qwen3", "gemma3_text")
 
     @property
+    def llama_layer(self) -> bool:
+        """Whether the layers are Llama's own (what the fused CUDA loop runs): no q/k norms, no Gemma norms,
+        SiLU."""
+        return not (self.qk_norm or self.gemma) and self.hidden_act == "silu"
+
+    @property
     def gemma(self) -> bool:
         """Gemma 3's layer: norms after attention and MLP too, (1 + w) norm weights, the embedding scaled
         by sqrt(hidden)."""
@@ -101,17 +107,18 @@ class ModelConfig:
                    eos_token_id=d["eos_token_id"] if "eos_token_id" in d else DEFAULTS[kind]["eos_token_id"],
                    hidden_act=get("hidden_activation") or get("hidden_act", "silu"),
                    query_pre_attn_scalar=get("query_pre_attn_scalar"),
-                   layer_windows=layer_windows(kind, get, get("num_hidden_layers")),
+                   # an explicit null (Mistral v0.2 on) is no window, not the default, as for eos_token_id
+                   layer_windows=layer_windows(kind, get, get("num_hidden_layers"), (
+                       d["sliding_window"] if "sliding_window" in d else get("sliding_window")) or 0),
                    rope_local_theta=float(local.get("rope_theta") or get("rope_local_base_freq")
                                           or GEMMA_LOCAL_THETA) if gemma else None)
 
 
-def layer_windows(kind: str, get, num_layers: int) -> tuple[int, ...]:
+def layer_windows(kind: str, get, num_layers: int, window: int) -> tuple[int, ...]:
     """Each layer's sliding window (0: global), as transformers masks them: `layer_types` where config.json
     lists them, else Gemma 3's pattern (every `sliding_window_pattern`-th layer global), Mistral's window on
     every layer, Qwen's on the layers from `max_window_layers` on where `use_sliding_window`. () where no
     layer is windowed."""
-    window = get("sliding_window") or 0
     if types := get("layer_types"):
         if len(types) != num_layers:
             raise InvalidRequest(f"config.json lists {len(types)} layer_types for {num_layers} layers",
@@ -123,7 +130,7 @@ def layer_windows(kind: str, get, num_layers: int) -> tuple[int, ...]:
     elif kind == "mistral":
         windows = [window] * num_layers
     elif kind in ("qwen2", "qwen3") and get("use_sliding_window"):
-        first = get("max_window_layers") or 0
+        first = get("max_window_layers", 28)  # transformers' default
         windows = [window if i >= first else 0 for i in range(num_layers)]
     else:
         windows = []

@@ -229,7 +229,10 @@ class Server:
             text = await asyncio.to_thread(self._chat_prompt, body.messages, tools,
                                            body.add_generation_prompt, False, body.chat_template_kwargs)
             add_special = False
-        else:
+        else:  # what only renders messages is refused, not dropped
+            if (field := "tools" if body.tools else "chat_template_kwargs" if body.chat_template_kwargs
+                    else None) is not None:
+                raise APIError(f"'{field}' applies to 'messages' only, not to 'prompt'", param=field)
             text, add_special = body.prompt, body.add_special_tokens
         limit = self.llm.max_model_len * self.llm.max_token_chars
         if len(text) > limit:
