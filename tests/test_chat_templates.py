@@ -198,7 +198,8 @@ def test_server_refuses_bad_chat_template_kwargs(qwen3, kwargs):
                                                extra_body={"chat_template_kwargs": kwargs})
 
 
-@pytest.mark.parametrize("field", [{"tools": [WEATHER]}, {"chat_template_kwargs": {"enable_thinking": False}}])
+@pytest.mark.parametrize("field", [{"tools": [WEATHER]},
+                                   {"chat_template_kwargs": {"enable_thinking": False}}])
 def test_tokenize_refuses_what_only_messages_use_beside_a_prompt(qwen3, field):
     """Given with `prompt`, these would be dropped: refused, naming the field."""
     r = httpx.post(qwen3.url + "/tokenize", json={"prompt": "hi", **field}, timeout=60)
