@@ -86,7 +86,7 @@ def test_kept_quantized_logprobs_close_to_transformers(path, reference, prompt_i
         deltas += [abs(out.prompt_logprobs[k].logprob - float(ref[k - 1, ids[k]]))
                    for k in range(1, len(ids))]
     mean, worst = sum(deltas) / len(deltas), max(deltas)
-    print(f"kept-quantized vs transformers fp32: mean |d logprob| {mean:.4f}, max {worst:.4f}, "
+    print(f"kept-quantized vs transformers fp32: mean |d logprob| {mean:.2e}, max {worst:.2e}, "
           f"{len(deltas)} tokens")
     assert mean < 0.05 and worst < 1.0
     params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
@@ -103,25 +103,35 @@ def server(path):
 
 
 def test_served_through_the_openai_client(server):
-    """Chat (Gemma's turn format), streaming, a tool call in the Hermes format, and structured output."""
+    """Chat (Gemma's turn format), streaming, a tool call in the Hermes format, and structured output. The
+    file is the base 270M model, not the instruction-tuned one: its replies are continuations, so the
+    checks are of the format and the constraints, not of an answer."""
     import openai
     client = openai.OpenAI(base_url=server.base_url, api_key="-", http_client=httpx.Client(trust_env=False))
     model = client.models.list().data[0].id
     msgs = [{"role": "system", "content": "Answer in one word."},
             {"role": "user", "content": "What is the capital of France?"}]
+    # the file carries no chat template: Gemma's turn format, the system message opening the user turn
+    ids = httpx.post(server.url + "/tokenize", json={"messages": msgs}, timeout=60).json()["tokens"]
+    text = httpx.post(server.url + "/detokenize", json={"tokens": ids}, timeout=60).json()["prompt"]
+    assert text == ("<bos><start_of_turn>user\nAnswer in one word.\n\nWhat is the capital of France?"
+                    "<end_of_turn>\n<start_of_turn>model\n")
     reply = client.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=0)
-    assert "paris" in reply.choices[0].message.content.lower()
+    assert reply.choices[0].message.content and reply.usage.prompt_tokens == len(ids)
     streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
         model=model, messages=msgs, max_tokens=8, temperature=0, stream=True) if c.choices)
     assert streamed == reply.choices[0].message.content
+    # closed schemas: a base model left to add properties keeps adding them until max_tokens
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+        "additionalProperties": False}}}
     called = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[tool],
-        tool_choice="required", max_tokens=40, temperature=0)
+        tool_choice="required", parallel_tool_calls=False, max_tokens=40, temperature=0)
     call = called.choices[0].message.tool_calls[0]
     assert call.function.name == "get_weather" and "city" in json.loads(call.function.arguments)
-    schema = {"type": "object", "properties": {"capital": {"type": "string"}}, "required": ["capital"]}
+    schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 20}},
+              "required": ["capital"], "additionalProperties": False}
     structured = client.chat.completions.create(
         model=model, messages=msgs[1:], max_tokens=30, temperature=0,
         response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
