@@ -22,6 +22,9 @@ if TYPE_CHECKING:  # the API process reads its tokenizer through here and never 
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_LINK = "model.gguf"  # in a GGUF folder materialized without dequantizing: the file the weights stay in
+# what a materialized folder holds, in the folder's name: a change to it (config keys, stop ids, the
+# tokenizer's build) makes the next start convert again instead of reading an older nanoserve's folder
+MATERIALIZED_FORMAT = 2
 
 
 @dataclass
@@ -258,7 +261,7 @@ def materialize(src: ModelSource, dequantize: bool = True) -> ModelSource:
     f = src.path / src.gguf_file
     st = f.stat()
     out = cache_dir() / "gguf" / (f"{f.stem}-{st.st_size}-{int(st.st_mtime)}"
-                                  f"{'' if dequantize else '-quantized'}")
+                                  f"{'' if dequantize else '-quantized'}-v{MATERIALIZED_FORMAT}")
     weights = "model.safetensors" if dequantize else GGUF_LINK
     if not (out / weights).exists():
         from safetensors.torch import save_file
