@@ -136,9 +136,11 @@ def test_llm_chat_passes_chat_template_kwargs(tiny_path):
 
 # ---- through the server ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def qwen3():
-    s = ServerProcess("--chat-template", str(QWEN3), "--enable-auto-tool-choice", "--tool-call-parser",
-                      "hermes")
+def qwen3(tiny_path):
+    """A Qwen3 model (the tiny random one: the SmolLM2 tokenizer, so prompts render as with the embedded
+    model) served with Qwen3's template."""
+    s = ServerProcess("--model", str(tiny_path("qwen3-qk-norm")), "--chat-template", str(QWEN3),
+                      "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     yield s
     s.stop()
 
