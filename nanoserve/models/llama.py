@@ -59,7 +59,7 @@ class LlamaModel(nn.Module):
         if cfg.hidden_act not in ACTIVATIONS:
             raise ValueError(f"hidden activation {cfg.hidden_act!r} is not supported "
                              f"({', '.join(ACTIVATIONS)})")
-        self.act, self.gemma, self.windows = cfg.hidden_act, cfg.gemma, cfg.layer_windows
+        self.windows = cfg.layer_windows  # the attention backend's (runner/model_runner.py)
         self.tp = tp = tp or TensorParallel()
         self.hidden = cfg.hidden_size
         self.num_layers = cfg.num_hidden_layers
@@ -95,7 +95,7 @@ class LlamaModel(nn.Module):
             self.head_dim, cfg.max_position_embeddings, cfg.rope_local_theta, None, dtype, device)
         self.scale = (cfg.query_pre_attn_scalar or self.head_dim) ** -0.5
         # Gemma scales the embedding by sqrt(hidden) rounded to the model's dtype, as transformers does
-        self.embed_scale = float(torch.tensor(self.hidden ** 0.5, dtype=dtype)) if self.gemma else None
+        self.embed_scale = float(torch.tensor(self.hidden ** 0.5, dtype=dtype)) if cfg.gemma else None
         # GGUF blocks kept as they are (layers/quant_linear.py), by checkpoint name; finalize() builds
         # their layers
         self.quantized: dict[str, QuantTensor] = {}
@@ -110,8 +110,8 @@ class LlamaModel(nn.Module):
         layer.o, layer.gate_up, layer.down = p(hid, self.q_size), p(2 * inter, hid), p(hid, inter)
         layer.q_norm = p(self.head_dim) if self.cfg.qk_norm else None
         layer.k_norm = p(self.head_dim) if self.cfg.qk_norm else None
-        layer.attn_out_norm = p(hid) if self.gemma else None  # Gemma's norms of the branches' outputs
-        layer.mlp_out_norm = p(hid) if self.gemma else None
+        layer.attn_out_norm = p(hid) if self.cfg.gemma else None  # Gemma's norms of the branches' outputs
+        layer.mlp_out_norm = p(hid) if self.cfg.gemma else None
         return layer
 
     def weight_targets(self) -> dict[str, WeightTarget]:
@@ -138,7 +138,8 @@ class LlamaModel(nn.Module):
             "mlp.down_proj.weight": ("down", None, (hid, total_inter), 1, i0),
             "self_attn.q_norm.weight": ("q_norm", None, (d,), 0, 0),
             "self_attn.k_norm.weight": ("k_norm", None, (d,), 0, 0)}
-        if self.gemma:  # its post_attention norm is of the attention's output; the MLP's input norm is "pre_"
+        # Gemma: its post_attention norm is of the attention's output; the MLP's input norm is "pre_"
+        if self.cfg.gemma:
             per_layer.update({"post_attention_layernorm.weight": ("attn_out_norm", None, (hid,), 0, 0),
                               "pre_feedforward_layernorm.weight": ("post_norm", None, (hid,), 0, 0),
                               "post_feedforward_layernorm.weight": ("mlp_out_norm", None, (hid,), 0, 0)})
@@ -184,7 +185,7 @@ class LlamaModel(nn.Module):
             index = [slice(None)] * len(shape)
             index[t.dim] = slice(t.start, t.start + t.dst.shape[t.dim])
             t.dst.copy_(src[tuple(index)])
-            if self.gemma and name.endswith("norm.weight"):  # HF's Gemma norm weight w scales by 1 + w
+            if self.cfg.gemma and name.endswith("norm.weight"):  # HF's Gemma norm weight w scales by 1 + w
                 t.dst.add_(1.0)
             loaded.add(name)
         if missing := sorted(targets.keys() - loaded):
@@ -212,12 +213,13 @@ class LlamaModel(nn.Module):
         # and without AMX (not measured), oneDNN's own split
         split = kernels is not None and gemm_amx(kernels) and self.embed.dtype == torch.bfloat16
         rows = kernels.linear_rows if split else None
+        silu = self.cfg.hidden_act == "silu"
         for i, layer in enumerate(self.layers):
             q = quant.get(i, {})
             layer.qkv_lin = q.get("qkv") or Linear(layer.qkv, layer.qkv_bias, rows)
             layer.o_lin = q.get("o") or Linear(layer.o, split_rows=rows)
             # GateUp's oneDNN epilogue is SiLU's: a GELU model's [gate; up] is one Linear
-            layer.gate_up_lin = q.get("gate_up") or (gate_up_layer(layer.gate_up, rows) if self.act == "silu"
+            layer.gate_up_lin = q.get("gate_up") or (gate_up_layer(layer.gate_up, rows) if silu
                                                      else Linear(layer.gate_up, split_rows=rows))
             layer.down_lin = q.get("down") or Linear(layer.down, split_rows=rows)
         self.lm_head_lin = quant.get("lm_head") or Linear(self.lm_head)
@@ -256,7 +258,7 @@ class LlamaModel(nn.Module):
         stream. The torch loop: every device's but a CPU model's with the C++ kernels (its `stack`).
         `local_rope`: the windowed layers' (cos, sin) where their RoPE base differs."""
         h, d, hk, hid, eps = self.num_heads, self.head_dim, self.num_kv_heads, (self.hidden,), self.eps
-        k_end = self.q_size + self.kv_size
+        k_end, act, local_layers = self.q_size + self.kv_size, self.cfg.hidden_act, self.cfg.local_rope_layers
         residual = x
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv_lin(F.rms_norm(residual, hid, layer.input_norm, eps))
@@ -264,14 +266,13 @@ class LlamaModel(nn.Module):
             if layer.q_norm is not None:
                 qk = torch.cat((F.rms_norm(qk[:, :h], (d,), layer.q_norm, eps),
                                 F.rms_norm(qk[:, h:], (d,), layer.k_norm, eps)), dim=1)
-            windowed = local_rope is not None and self.windows and self.windows[i]
-            qk = rotate(qk, *(local_rope if windowed else rope))
+            qk = rotate(qk, *(local_rope if local_layers[i] else rope))
             o = attn.forward(qk[:, :h], qk[:, h:], qkv[:, k_end:].view(-1, hk, d), i)
             out = self.tp.all_reduce(layer.o_lin(o.view(-1, h * d)))
             residual.add_(out if layer.attn_out_norm is None
                           else F.rms_norm(out, hid, layer.attn_out_norm, eps))
             x = F.rms_norm(residual, hid, layer.post_norm, eps)
-            out = self.tp.all_reduce(layer.down_lin(glu(layer.gate_up_lin, x, self.act)))
+            out = self.tp.all_reduce(layer.down_lin(glu(layer.gate_up_lin, x, act)))
             residual.add_(out if layer.mlp_out_norm is None
                           else F.rms_norm(out, hid, layer.mlp_out_norm, eps))
         return residual

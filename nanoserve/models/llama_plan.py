@@ -30,17 +30,11 @@ def stack_plan(model: nn.Module, kernels: ModuleType) -> StackPlan:
     layers = tuple(LayerPlan(layer.input_norm, layer.post_norm, projection_plan(layer.qkv_lin),
                              projection_plan(layer.o_lin), projection_plan(layer.gate_up_lin),
                              projection_plan(layer.down_lin), layer.q_norm, layer.k_norm, layer.attn_out_norm,
-                             layer.mlp_out_norm, local_rope(model, i))
-                   for i, layer in enumerate(model.layers))
+                             layer.mlp_out_norm, local)
+                   for layer, local in zip(model.layers, model.cfg.local_rope_layers))
     return StackPlan(model.num_heads, model.num_kv_heads, model.head_dim, model.eps,
                      1 << 62 if kernels.vectorized else FUSED_MAX_ROWS, layers,
-                     model.tp.all_reduce if model.tp.enabled else None, model.act)
-
-
-def local_rope(model: nn.Module, i: int) -> bool:
-    """Whether layer i takes its RoPE from the model's local table (Gemma 3's windowed layers), as the torch
-    loop chooses."""
-    return model.local_rotary is not None and bool(model.windows) and bool(model.windows[i])
+                     model.tp.all_reduce if model.tp.enabled else None, model.cfg.hidden_act)
 
 
 def projection_plan(lin: object) -> Projection:

@@ -146,11 +146,12 @@ def _gguf_tokenizer(path: Path, meta: dict):
     return tok
 
 
-def _gguf_config(path: Path):
-    """An HF config from GGUF metadata. (transformers can do this too, but it reads the whole
-    file and takes ~10 s for a 100 MB model; the metadata is all we need.)"""
+def _gguf_config(path: Path, header: tuple[dict, set[str]] | None = None):
+    """An HF config from GGUF metadata (`header`: `_gguf_meta(path)` where the caller read it already).
+    (transformers can do this too, but it reads the whole file and takes ~10 s for a 100 MB model; the
+    metadata is all we need.)"""
     import transformers
-    meta, names = _gguf_meta(path)
+    meta, names = header or _gguf_meta(path)
     arch = meta["general.architecture"]
     if arch not in GGUF_ARCHS:
         raise InvalidRequest(f"GGUF architecture {arch!r} is not supported ({', '.join(GGUF_ARCHS)})",
@@ -265,8 +266,8 @@ def materialize(src: ModelSource, dequantize: bool = True) -> ModelSource:
     weights = "model.safetensors" if dequantize else GGUF_LINK
     if not (out / weights).exists():
         from safetensors.torch import save_file
-        cfg = _gguf_config(f)
-        meta = _gguf_meta(f)[0]
+        meta, names = _gguf_meta(f)
+        cfg = _gguf_config(f, (meta, names))
         tok = _gguf_tokenizer(f, meta)
         cfg.eos_token_id = _gguf_stop_ids(cfg, meta, tok)
         tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")

@@ -65,6 +65,13 @@ class ModelConfig:
         return self.model_type in ("qwen3", "gemma3_text")
 
     @property
+    def local_rope_layers(self) -> tuple[bool, ...]:
+        """Per layer: whether its RoPE is the windowed layers' own base (Gemma 3's windowed layers)."""
+        if self.rope_local_theta is None or not self.layer_windows:
+            return (False,) * self.num_hidden_layers
+        return tuple(w > 0 for w in self.layer_windows)
+
+    @property
     def llama_layer(self) -> bool:
         """Whether the layers are Llama's own (what the fused CUDA loop runs): no q/k norms, no Gemma norms,
         SiLU."""
