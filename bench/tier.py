@@ -23,6 +23,7 @@ multiround (`longdoc` here is docqa).
                                                      # one JSON per concurrency
     python bench/tier.py --table bench/results/tier_multiround_c*.json   # the docs' table
     python bench/tier.py --admission --base /tmp/base    # admitting a host prefix: cost per stage, copies
+    python bench/tier.py --restart --runs 3 --concurrency 8   # round 2 after a SIGTERM: disk vs recompute
 
 Per config and concurrency (rounds after the first): share of prompt tokens from each tier, the
 share of *reusable* prompt tokens (full blocks some earlier request had computed) served from
@@ -43,6 +44,7 @@ import time
 from pathlib import Path
 
 import tier_admission
+import tier_restart
 from common import RequestResult, Workload, auto_dtype, cpu_name, distribution_ms, write_json
 from peers import ServerSpec, add_peer_args, peer_config, start
 
@@ -131,6 +133,8 @@ def cli_flags(cfg: dict) -> list[str]:
     flags = ["--kv-cache-gb", str(cfg["kv_cache_gb"]), "--max-num-seqs", str(cfg["max_num_seqs"])]
     if cfg.get("host_cache_gb"):
         flags += ["--host-cache-gb", str(cfg["host_cache_gb"])]
+    if cfg.get("disk_cache_gb"):
+        flags += ["--disk-cache-gb", str(cfg["disk_cache_gb"]), "--disk-cache-dir", cfg["disk_cache_dir"]]
     if cfg.get("host_offload_watermark"):
         flags += ["--host-offload-watermark", str(cfg["host_offload_watermark"])]
     if not cfg.get("enable_prefix_caching", True):
@@ -277,12 +281,16 @@ def main() -> None:
     ap.add_argument("--host-offload-watermark", type=int, default=0, help="blocks (0: nanoserve's default)")
     add_peer_args(ap)
     tier_admission.add_args(ap)
+    tier_restart.add_args(ap)
     args = ap.parse_args()
     if args.table:
         return table(args.table)
     if args.admission:
         return tier_admission.main(args)
     args.dtype = auto_dtype()
+    if args.restart:
+        return tier_restart.main(argparse.Namespace(**{**vars(args), "concurrency": int(args.concurrency)}),
+                                 cpu_name())
     wanted = args.configs.split(",")
     if "vllm" in wanted and args.target != "server":
         ap.error("the vllm config needs --target server")

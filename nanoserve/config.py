@@ -80,6 +80,12 @@ class EngineConfig:
                                     group="KV cache")
     host_cache_gb: float = opt(0.0, "second prefix-cache tier in host memory, in GiB; 0 = off",
                                group="KV cache")
+    disk_cache_gb: float = opt(0.0, "third prefix-cache tier on local disk, in GiB, below the host tier "
+                               "(needs --host-cache-gb): host blocks are written through to it, and it is "
+                               "kept across restarts; 0 = off", group="KV cache")
+    disk_cache_dir: str | None = opt(None, "directory of the disk tier (created 0700; default: "
+                                     "$NANOSERVE_CACHE_DIR/kv/MODEL, else ~/.cache/nanoserve/kv/MODEL)",
+                                     metavar="DIR", group="KV cache")
     host_offload_watermark: int = opt(0, "override: device blocks the cleaner keeps reusable without losing "
                                       "cached KV (cold blocks are copied to the host tier ahead of "
                                       "eviction); 0 = sized from observed demand (the default)",
@@ -161,6 +167,13 @@ class EngineConfig:
                                  "Q8_0/Q4_0/Q4_1 weights stay quantized there)")
             if self.resolved_dtype(device) == torch.float32:
                 raise ValueError("--quantization fp8 computes in bf16 or fp16: drop --dtype float32")
+        if self.disk_cache_gb < 0:
+            raise ValueError("disk_cache_gb must be >= 0")
+        if self.disk_cache_gb and not self.host_cache_gb:
+            raise ValueError("--disk-cache-gb needs --host-cache-gb: disk blocks are read through the host "
+                             "tier")
+        if self.disk_cache_gb and self.tensor_parallel_size > 1:
+            raise ValueError("--disk-cache-gb is not supported with --tensor-parallel-size > 1 yet")
         if self.host_cache_gb and not self.enable_prefix_caching:
             raise ValueError("--host-cache-gb needs prefix caching; drop --no-enable-prefix-caching")
 

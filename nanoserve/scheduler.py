@@ -46,6 +46,7 @@ class Scheduler:
         self.kv = kv
         self.inline_loads = inline_loads
         self.inline_load_wait = 0.05
+        self.inline_disk_wait = 0.5
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -131,7 +132,11 @@ class Scheduler:
             if seq.num_pending:  # preempted while a token was being sampled: back once it is known
                 skipped.append(self.waiting.popleft())
                 continue
-            if not self._admit(seq, budget):
+            admission = self._admit(seq, budget)
+            if admission is Admission.WAIT_FOR_DISK:  # its prefix is being read: the next ones may go first
+                skipped.append(self.waiting.popleft())
+                continue
+            if not admission:
                 break
             self.waiting.popleft()
             if self.inline_loads and self.kv.load_state(seq) is LoadState.LOADING:
@@ -148,14 +153,18 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         return out
 
-    def _admit(self, seq: Sequence, budget: int) -> bool:
+    def _admit(self, seq: Sequence, budget: int) -> Admission:
         admission = self.kv.admit(seq, budget, reserve=len(self.running))
-        if admission is not Admission.WAIT_FOR_SAVES or not self.inline_loads:
-            return bool(admission)
-        # CPU: the saves it waits for are memcpys of a few ms; deferring costs it (and everyone queued
-        # behind it) a whole step. Measured on docqa: 3 of 16 round-2 admissions deferred a step each.
-        self.kv.complete_saves(self.inline_load_wait)
-        return bool(self.kv.admit(seq, budget, reserve=len(self.running)))
+        if admission is Admission.WAIT_FOR_SAVES and self.inline_loads:
+            # CPU: the saves it waits for are memcpys of a few ms; deferring costs it (and everyone queued
+            # behind it) a whole step. Measured on docqa: 3 of 16 round-2 admissions deferred a step each.
+            self.kv.complete_saves(self.inline_load_wait)
+        elif admission is Admission.WAIT_FOR_DISK and self.inline_loads:
+            # reads are file I/O plus a checksum (tens of ms for a long prefix): worth one wait, not a step
+            self.kv.complete_reads(self.inline_disk_wait)
+        else:
+            return admission
+        return self.kv.admit(seq, budget, reserve=len(self.running))
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)

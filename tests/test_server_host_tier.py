@@ -104,3 +104,33 @@ def test_soak_mixed_traffic_with_disconnects_leaves_nothing_behind(server):
     client = server.client()  # and it still serves
     assert client.completions.create(model=client.models.list().data[0].id, prompt="hi",
                                      max_tokens=2).usage.completion_tokens == 2
+
+
+def test_a_restart_serves_the_prefix_from_disk(tmp_path):
+    """--disk-cache-gb: a document asked, the server stopped with SIGTERM, a new one started on the same
+    directory: the document's blocks come back from disk (fp32: the same greedy text), and the directory
+    holds only files nobody else can read."""
+    directory = tmp_path / "kv"
+    flags = ("--dtype", "float32", "--kv-cache-gb", "0.02", "--host-cache-gb", "0.02", "--disk-cache-gb",
+             "0.05", "--disk-cache-dir", str(directory), "--max-num-seqs", "1")
+    answers, usages = [], []
+    for _ in range(2):
+        s = ServerProcess(*flags)
+        try:
+            client = s.client()
+            out = client.completions.create(model=client.models.list().data[0].id, prompt=DOCS[0] + " Summary:",
+                                            max_tokens=6, temperature=0)
+            answers.append(out.choices[0].text)
+            usages.append(out.usage)
+            disk_hits = m(s.metrics(), "nanoserve:prefix_cache_hits_total", tier="disk")
+        finally:
+            code, logs = s.terminate(), s.logs()
+            s.stop()
+        assert code == 0, logs
+    full_blocks = (usages[0].prompt_tokens - 1) // 16 * 16
+    assert usages[0].prompt_tokens_details.cached_tokens == 0
+    assert usages[1].prompt_tokens_details.cached_tokens == full_blocks == disk_hits
+    assert answers[1] == answers[0]
+    assert directory.stat().st_mode & 0o777 == 0o700
+    assert {f.name: f.stat().st_mode & 0o777 for f in directory.iterdir()} == {
+        "blocks.dat": 0o600, "index.bin": 0o600, "hash_key": 0o600}

@@ -397,7 +397,7 @@ def test_failed_copy_submission_is_a_host_miss_or_a_skipped_save():
     seq = Sequence(1, "1", 0, [1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(), 4, frozenset())
     assert kv.admit(seq, 8)
     assert kv.load_state(seq) is LoadState.READY and seq.num_computed_tokens == 0 and not kv.copies.loads
-    assert kv.num_load_submit_failures == 1 and kv.host_stats.hits == 0 and seq.num_host_cached_tokens == 0
+    assert kv.admitter.num_load_submit_failures == 1 and kv.host_stats.hits == 0 and seq.num_host_cached_tokens == 0
     kv.check_invariants()
     kv.free(seq)
     dev, host = kv.reports()

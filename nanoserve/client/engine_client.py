@@ -125,10 +125,13 @@ class EngineClient:
         self._thread = threading.Thread(target=self._receive, name="nanoserve-engine-client", daemon=True)
         self._thread.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Abort everything still in flight and stop the engine core (idempotent)."""
+    def stop(self, timeout: float | None = None) -> None:
+        """Abort everything still in flight and stop the engine core (idempotent). Default wait: 10 s,
+        and 5 minutes with a disk tier, which writes what it does not hold yet and its index first."""
         if not self.core.started or self.core.closed:
             return
+        if timeout is None:
+            timeout = 300.0 if self.config.disk_cache_gb else 10.0
         with self._lock:
             self._stopping = True
             if not self._dead:

@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -23,17 +24,20 @@ from nanoserve.engine.step_pipeline import Collected, Launched, StepPipeline
 from nanoserve.heap import trim_heap
 from nanoserve.parallel.ranks import Ranks
 from nanoserve.parallel.shard import build_shard, check_memory, host_blocks, startup_phase
+from nanoserve.kvcache.disk_store import DiskStore, load_or_create_key
+from nanoserve.kvcache.disk_tier import DiskTier, disk_fingerprint, weights_digest
 from nanoserve.kvcache.host_tier import HostTier
 from nanoserve.kvcache.manager import KVCacheManager
 from nanoserve.kvcache.transfer import make_copier
 from nanoserve.layers.sampler import Sampler
 from nanoserve.models.hub import HubOptions
 from nanoserve.models.llama import LlamaModel
-from nanoserve.models.loader import (GENERIC_TOKENIZERS, load_config, load_tokenizer, materialize,
-                                     resolve_model, tokenizer_dir)
+from nanoserve.models.loader import (GENERIC_TOKENIZERS, ModelSource, cache_dir, load_config, load_tokenizer,
+                                     materialize, resolve_model, tokenizer_dir)
 from nanoserve.models.tokenizer_facts import facts_of, read_tokenizer_facts
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.runner.model_runner import KVLayout
 from nanoserve.scheduler import Scheduler
 
 log = logging.getLogger("nanoserve")
@@ -41,14 +45,47 @@ log = logging.getLogger("nanoserve")
 GiB = 1 << 30
 
 
-def kv_event_publisher(endpoint: str | None, kv: KVCacheManager, host: HostTier | None):
+def kv_event_publisher(endpoint: str | None, kv: KVCacheManager):
     """What each tier stores and drops, for routers (--kv-events-endpoint); pyzmq is imported only then."""
     if not endpoint:
         return None
     from nanoserve.engine.kv_events import KVEventPublisher
     publisher = KVEventPublisher(endpoint, kv.block_size)
-    publisher.log.watch(kv.pool, host.pool if host is not None else None)
+    publisher.log.watch(kv.pool, kv.host.pool if kv.host is not None else None,
+                        kv.disk.pool if kv.disk is not None else None)
     return publisher
+
+
+def host_tier(config: EngineConfig, layout: KVLayout, ranks: Ranks, kv_cache: torch.Tensor,
+              device: torch.device) -> HostTier | None:
+    blocks = host_blocks(config, layout, ranks.tp.size)
+    if not blocks:
+        return None
+    with startup_phase("host tier") as phase:
+        host = HostTier(blocks, kv_cache, ranks.copier(make_copier(device)))
+        how = f"pinned in {len(host.pinned_ranges)} range(s)" if device.type == "cuda" else "allocated"
+        phase.what = (f"{blocks} blocks = {blocks * layout.block_size} tokens, "
+                      f"{host.num_bytes * ranks.tp.size / GiB:.2f} GiB {how}")
+    return host
+
+
+def disk_tier(config: EngineConfig, source: ModelSource, layout: KVLayout,
+              host: HostTier | None) -> DiskTier | None:
+    """The disk level (--disk-cache-gb) in its directory, with the hash key kept there: chains hashed
+    after a restart must name the same prefixes."""
+    if host is None or not config.disk_cache_gb:
+        return None
+    directory = Path(config.disk_cache_dir or cache_dir() / "kv" / source.name.replace("/", "--"))
+    with startup_phase("disk tier") as phase:
+        slot_bytes = -(-host.block_bytes // 4096) * 4096
+        store = DiskStore(directory, int(config.disk_cache_gb * GiB) // slot_bytes, host.block_bytes)
+        key = load_or_create_key(directory)
+        shape = (layout.num_layers, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        kind = f"{shape} {layout.dtype} {layout.backend.__name__} {tuple(host.cache.shape[1:])}"
+        weights = weights_digest(source.path) + f"{config.load_format} {config.seed}".encode()
+        disk = DiskTier(store, host, disk_fingerprint(weights, kind, key), key)
+        phase.what = f"{store.num_slots} blocks, {store.num_slots * slot_bytes / GiB:.2f} GiB in {directory}"
+    return disk
 
 
 class LLMEngine:
@@ -79,11 +116,14 @@ class LLMEngine:
         num_blocks, block_size, self.max_model_len = (shard.num_blocks, shard.layout.block_size,
                                                       shard.max_model_len)
         self.runner.listener = self.ranks.followers
-        host = self._host_tier()
+        host = host_tier(config, self.layout, self.ranks, self.runner.kv_cache, self.device)
+        disk = disk_tier(config, self.source, self.layout, host)
         # the cleaner sizes its target from demand; a watermark only overrides it
         self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching, host,
-                                 config.host_offload_watermark)
-        self.kv_events = kv_event_publisher(config.kv_events_endpoint, self.kv, host)
+                                 config.host_offload_watermark, disk.hash_key if disk else None, disk)
+        self.kv_events = kv_event_publisher(config.kv_events_endpoint, self.kv)
+        if disk is not None:
+            disk.restore()  # with the events publisher watching: routers hear what the disk holds
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.step_tokens,
                                    inline_loads=self.device.type == "cpu")
         self.sampler = Sampler(config.seed, self.device)
@@ -114,18 +154,6 @@ class LLMEngine:
             if self._tokenizer is None:
                 self._tokenizer = load_tokenizer(self.source, self.config.tokenizer)
             return self._tokenizer
-
-    def _host_tier(self) -> HostTier | None:
-        blocks = host_blocks(self.config, self.layout, self.ranks.tp.size)
-        if not blocks:
-            return None
-        with startup_phase("host tier") as phase:
-            host = HostTier(blocks, self.runner.kv_cache, self.ranks.copier(make_copier(self.device)))
-            how = (f"pinned in {len(host.pinned_ranges)} range(s)" if self.device.type == "cuda"
-                   else "allocated")
-            phase.what = (f"{blocks} blocks = {blocks * self.layout.block_size} tokens, "
-                          f"{host.num_bytes * self.ranks.tp.size / GiB:.2f} GiB {how}")
-        return host
 
     # ---- requests -------------------------------------------------------------------------
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
@@ -284,6 +312,7 @@ class LLMEngine:
             pass
         finally:
             try:
+                self.kv.persist()  # with a disk tier: what is cached survives the restart
                 self.kv.close()
             finally:
                 self.ranks.close()

@@ -236,6 +236,16 @@ class BlockPool:
             self.events[0].stored(h, key, self.events[1])
         return True
 
+    def restore(self, block: int, h: BlockHash, key: BlockKey) -> bool:
+        """Publish free `block` as cached-free, most recently used (a tier's index read back at start)."""
+        if block not in self.free or h in self.index:
+            return False
+        del self.free[block]
+        self.free_map[block] = 0
+        self.publish(block, h, key)
+        self._park(block)
+        return True
+
     def unpublish(self, block: int) -> None:
         """Stop a block being findable (its content is not trusted)."""
         cached_free = self.is_cached_free(block)

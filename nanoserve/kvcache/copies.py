@@ -19,9 +19,13 @@ from collections import Counter
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from itertools import repeat
+from typing import TYPE_CHECKING
 
 from nanoserve.kvcache.block_pool import BlockHash, BlockKey, BlockPool
 from nanoserve.kvcache.host_tier import HostCopy, HostTier
+
+if TYPE_CHECKING:
+    from nanoserve.kvcache.disk_tier import DiskTier
 
 log = logging.getLogger("nanoserve")
 
@@ -63,8 +67,8 @@ def chain_order(blocks: list[int], pool: BlockPool) -> list[int]:
 
 
 class TierCopies:
-    def __init__(self, pool: BlockPool, host: HostTier) -> None:
-        self.pool, self.host = pool, host
+    def __init__(self, pool: BlockPool, host: HostTier, disk: DiskTier | None = None) -> None:
+        self.pool, self.host, self.disk = pool, host, disk
         self.saves: list[HostCopy] = []
         self.loads: list[Load] = []
         self.loading: dict[BlockHash, tuple[int, BlockKey, Load]] = {}  # device block being loaded
@@ -74,28 +78,40 @@ class TierCopies:
         self.num_save_submit_failures = 0   # optional saves that could not start (skipped)
         pool.on_unpublish = self._device_dropped
         host.pool.on_unpublish = self._host_dropped
+        if disk is not None:  # host blocks written through to disk; reads from it publish on host
+            disk.on_change = self._refresh
 
     # ---- clean flags ------------------------------------------------------------------------------
     def twin(self, block: int) -> None:
-        """Device block `block` and the host block of the same chain hold the same KV."""
-        hb = self.host.pool.index.get(self.pool.block_hash[block])
-        if hb is not None:
-            self.pool.mark_clean(block, True)
-            self.host.pool.mark_clean(hb, True)
+        """Device block `block` may now be held by a tier below too: its flags and its twins' follow."""
+        self._refresh(self.pool.block_hash[block])
+
+    def _refresh(self, h: BlockHash) -> None:
+        """The clean flags of chain `h`'s blocks from which tiers hold it: a device block is clean when
+        the host or the disk holds it; a host block when the disk does (with a disk tier), else when the
+        device does (evicting it would gain nothing)."""
+        dev, on_host = self.pool.index.get(h), self.host.pool.index.get(h)
+        on_disk = self.disk is not None and h in self.disk.pool.index
+        if dev is not None:
+            self.pool.mark_clean(dev, on_host is not None or on_disk)
+        if on_host is not None:
+            self.host.pool.mark_clean(on_host, on_disk if self.disk is not None else dev is not None)
 
     def _device_dropped(self, h: BlockHash, evicted: bool) -> None:
-        if (hb := self.host.pool.index.get(h)) is not None:
-            self.host.pool.mark_clean(hb, False)  # the host copy is the only one now
+        self._refresh(h)
 
     def _host_dropped(self, h: BlockHash, evicted: bool) -> None:
-        if (b := self.pool.index.get(h)) is not None:
-            self.pool.mark_clean(b, False)  # the device copy is the only one now
+        self._refresh(h)
 
     # ---- saves --------------------------------------------------------------------------------------
     def pending_saves(self, exclude: Collection[int] = ()) -> int:
         """Device blocks that saves in flight will make clean and reusable (unreferenced now)."""
         return sum(1 for c in self.saves for b in c.dev_ids
                    if not self.pool.ref_count[b] and b not in exclude)
+
+    def host_blocks_being_written(self) -> int:
+        """Host blocks pinned by writes to disk: clean, and room for saves, once those land."""
+        return sum(len(c.host_ids) for c in self.disk.writes) if self.disk is not None else 0
 
     def save_dirty(self, n: int, protect: Collection[int] = ()) -> int:
         """Start saving up to `n` of the oldest dirty device blocks (marking clean, without a copy,
@@ -107,7 +123,9 @@ class TierCopies:
         for block in pool.dirty:  # oldest first: the next to be evicted
             if len(dev_ids) + len(already) >= n:
                 break
-            if host.lookup(pool.block_hash[block], pool.block_key[block]) is not None:
+            if host.lookup(pool.block_hash[block], pool.block_key[block]) is not None or (
+                    self.disk is not None and self.disk.pool.lookup(pool.block_hash[block],
+                                                                   pool.block_key[block]) is not None):
                 already.append(block)
             else:
                 dev_ids.append(block)
@@ -144,6 +162,8 @@ class TierCopies:
             if ok and self.pool.block_hash[db] == h:
                 self.twin(db)  # now clean: evicting it loses nothing
             self.pool.unpin(db)
+        if ok and self.disk is not None:
+            self.disk.write_back(copy.host_ids)  # write-through: the host block is clean once on disk
 
     # ---- loads --------------------------------------------------------------------------------------
     def loading_block(self, h: BlockHash, key: BlockKey) -> int | None:
@@ -208,8 +228,11 @@ class TierCopies:
         wait for any load (see `state`: READY, or FAILED if one of them failed)."""
         for c in [c for c in self.saves if c.handle.done()]:
             self._end_save(c)
-        return [sid for ld in [ld for ld in self.loads if ld.copy.handle.done()]
-                for sid in self._end_load(ld)]
+        settled = [sid for ld in [ld for ld in self.loads if ld.copy.handle.done()]
+                   for sid in self._end_load(ld)]
+        if self.disk is not None:
+            self.disk.poll()
+        return settled
 
     def wait_for(self, seq_id: int, timeout: float) -> None:
         """Wait (up to `timeout` in all) for the loads `seq_id` waits on; the caller polls after."""
@@ -224,11 +247,14 @@ class TierCopies:
             c.handle.wait(max(0.0, deadline - time.monotonic()))
 
     def wait_oldest(self, timeout: float | None = None) -> None:
-        """Block until the oldest load (else save) completes, or `timeout`; the caller polls after."""
+        """Block until the oldest load (else save, else disk read or write) completes, or `timeout`; the
+        caller polls after."""
         if self.loads:
             self.loads[0].copy.handle.wait(timeout)
         elif self.saves:
             self.saves[0].handle.wait(timeout)
+        elif self.disk is not None and (io := self.disk.reads or self.disk.writes):
+            io[0].io.wait(timeout)
 
     def close(self, timeout: float = 30.0) -> None:
         """End every copy, then release the host pool (unpinning it on CUDA). A copy still running
@@ -240,6 +266,8 @@ class TierCopies:
         if self.saves or self.loads:
             log.error("KV copies still running at shutdown; the host pool is left as it is")
         else:
+            if self.disk is not None:
+                self.disk.close()  # its writes read the host pool
             self.host.close()
 
     def check_invariants(self) -> None:
@@ -253,13 +281,19 @@ class TierCopies:
         assert all(ld in self.loads for lds in self.waiting_on.values() for ld in lds), (
             "waiting on an ended load")
         host.check_invariants()
-        for a, b, name in ((dev, host, "device"), (host, dev, "host")):
+        disk = self.disk.pool.index if self.disk is not None else {}
+        for a, below, name in ((dev, lambda h: h in host.index or h in disk, "device"),
+                               (host, (lambda h: h in disk) if self.disk else (lambda h: h in dev.index), "host")):
             for blk in range(a.num_blocks):
                 h = a.block_hash[blk]
                 if h is not None and a.index.get(h) == blk:
-                    assert a.is_clean[blk] == (h in b.index), f"{name} block {blk} clean flag is wrong"
+                    assert a.is_clean[blk] == below(h), f"{name} block {blk} clean flag is wrong"
         assert host.stats().in_use == 0, "host blocks are held by copies (pins), never referenced"
         host_pins = Counter(b for c in self.saves for b in c.host_ids)
         host_pins.update(b for ld in self.loads for b in ld.copy.host_ids)
+        if self.disk is not None:
+            self.disk.check_invariants()
+            host_pins.update(b for c in self.disk.reads + self.disk.writes for b in c.host_ids)
+            host_pins.update(b for staged in self.disk.staged.values() for b in staged)
         assert all(host.pins[b] == host_pins[b] for b in range(host.num_blocks)), (
             "host block pinned without a copy in flight (or the reverse)")

@@ -21,7 +21,7 @@ import msgspec
 
 from nanoserve.kvcache.block_pool import BlockHash, BlockKey, BlockPool
 
-MEDIUM_DEVICE, MEDIUM_HOST = "GPU", "CPU"
+MEDIUM_DEVICE, MEDIUM_HOST, MEDIUM_DISK = "GPU", "CPU", "DISK"
 
 
 class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
@@ -59,10 +59,12 @@ class KVEventLog:
         self.block_size = block_size
         self._events: list[KVCacheEvent] = [AllBlocksCleared()]  # a restarted replica forgets everything
 
-    def watch(self, device: BlockPool, host: BlockPool | None) -> None:
+    def watch(self, device: BlockPool, host: BlockPool | None, disk: BlockPool | None = None) -> None:
         device.events = (self, MEDIUM_DEVICE)
         if host is not None:
             host.events = (self, MEDIUM_HOST)
+        if disk is not None:
+            disk.events = (self, MEDIUM_DISK)
 
     def stored(self, h: BlockHash, key: BlockKey, medium: str) -> None:
         parent, last = key.parent, self._events[-1] if self._events else None

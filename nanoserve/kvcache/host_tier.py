@@ -148,6 +148,8 @@ class HostTier:
             self.copier.max_copy_bytes, register_bytes)
         self.block_bytes = device_cache[0].numel() * device_cache.element_size()
         self.transfers = TransferStats()
+        # a disk tier below (disk_tier.py): then a clean host block is one whose chain is on disk
+        self.backed = False
 
     @property
     def num_bytes(self) -> int:
@@ -164,8 +166,9 @@ class HostTier:
 
     def room(self) -> int:
         """Blocks a save can take: free ones, and cached ones whose KV is on host only (the host
-        LRU drops those). Blocks whose twin is on device are kept: evicting one gains nothing."""
-        return len(self.pool.free) + len(self.pool.dirty)
+        LRU drops those). Blocks whose twin is on device are kept: evicting one gains nothing. With a
+        disk below, every unpinned block: clean ones (on disk) go first."""
+        return len(self.pool.free) + len(self.pool.dirty) + (len(self.pool.clean) if self.backed else 0)
 
     def begin_save(self, dev_ids: list[int], keys: list[tuple[BlockHash, BlockKey]]) -> HostCopy | None:
         """Start copying device blocks to host, as many as the host has room for. The caller keeps
@@ -173,7 +176,7 @@ class HostTier:
         host_ids: list[int] = []
         try:
             while len(host_ids) < len(dev_ids) and self.room():
-                host_ids.append(self.pool.allocate_pinned(keep_clean=True))
+                host_ids.append(self.pool.allocate_pinned(keep_clean=not self.backed))
             if not host_ids:
                 return None
             n = len(host_ids)

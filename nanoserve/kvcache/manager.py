@@ -7,22 +7,23 @@ allocated device blocks; the sequence is LOADING until every copy it needs has c
 (`load_state`), and only then are those device blocks published. Concurrent requests on the same
 host prefix share the copy in flight. The parts: the chains and their matching (`prefix`), the
 copies and the clean/dirty flags (`copies`), allocation and the lossless policy: when to defer,
-when KV may be dropped, what the cleaner saves (`policy`).
-Nothing here ever waits for a copy except `complete_loads`, `complete_saves`, `wait_for_transfer`
-and `close`.
+when KV may be dropped, what the cleaner saves (`policy`), admitting a waiting sequence (`admission`);
+with a disk tier below the host, its reads, writes and index (`disk_tier`).
+Nothing here ever waits for a copy except `complete_loads`, `complete_saves`, `complete_reads`,
+`wait_for_transfer`, `persist` and `close`.
 """
 from __future__ import annotations
 
-import enum
 import logging
-from itertools import islice
 
+from nanoserve.kvcache.admission import Admission, Admitter
 from nanoserve.kvcache.block_pool import BlockPool
-from nanoserve.kvcache.copies import Load, LoadState, TierCopies
+from nanoserve.kvcache.copies import LoadState, TierCopies
+from nanoserve.kvcache.disk_tier import DiskTier
 from nanoserve.kvcache.tier_stats import HitStats, PrefixCacheStats, tier_reports
 from nanoserve.kvcache.host_tier import HostTier
 from nanoserve.kvcache.policy import Supply, TierPolicy
-from nanoserve.kvcache.prefix import PrefixChains, PrefixHit, PrefixMatch, Tier
+from nanoserve.kvcache.prefix import PrefixChains, PrefixHit, Tier
 from nanoserve.kvcache.report import TierReport
 from nanoserve.sequence import Sequence
 
@@ -30,30 +31,21 @@ log = logging.getLogger("nanoserve")
 __all__ = ["Admission", "KVCacheManager", "LoadState", "PrefixHit", "Supply", "Tier"]
 
 
-class Admission(enum.Enum):
-    """A waiting sequence's answer from `admit`; true only when admitted."""
-    ADMITTED = "admitted"
-    WAIT_FOR_SAVES = "wait for saves"  # only by dropping uncopied KV: saves started, ask again
-    NO_ROOM = "no room"
-
-    def __bool__(self) -> bool:
-        return self is Admission.ADMITTED
-
-
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  host: HostTier | None = None, offload_watermark: int = 0,
-                 hash_salt: bytes | None = None) -> None:
+                 hash_salt: bytes | None = None, disk: DiskTier | None = None) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
-        self.host = host
-        self.hits = HitStats(host=PrefixCacheStats() if host is not None else None)
+        self.host, self.disk = host, disk
+        self.hits = HitStats(host=PrefixCacheStats() if host is not None else None,
+                             disk=PrefixCacheStats() if disk is not None else None)
         self.device_stats, self.host_stats = self.hits.device, self.hits.host or PrefixCacheStats()
-        self.copies = TierCopies(self.pool, host) if host is not None else None
+        self.copies = TierCopies(self.pool, host, disk) if host is not None else None
         self.chains = PrefixChains(block_size, self.pool, self.copies, enable_prefix_caching, hash_salt)
         self.policy = TierPolicy(self.pool, self.copies, offload_watermark)
-        self.num_load_submit_failures = 0   # loads that could not start (treated as host misses)
+        self.admitter = Admitter(block_size, self.pool, self.chains, self.policy, self.copies, self.hits)
 
     @property
     def num_blocks(self) -> int:
@@ -83,82 +75,10 @@ class KVCacheManager:
         return self.chains.match(seq, use_host)
 
     def admit(self, seq: Sequence, num_new_tokens: int, reserve: int = 0, use_host: bool = True) -> Admission:
-        """Give a waiting sequence its cached prefix and blocks for `num_new_tokens` more tokens;
-        host hits start loading (see `load_state`). Not admitted (nothing the caller holds changed):
-        NO_ROOM if the blocks cannot be had now; WAIT_FOR_SAVES if only by dropping uncopied KV while
-        saves can avoid that: those saves are started and the answer may change. `reserve`: blocks
-        to leave reusable without loss (the running sequences' next tokens). If anything raises,
-        every block and pin taken is released; a load that cannot start is a host miss."""
-        assert not seq.block_table and seq.num_computed_tokens == 0
+        """Give a waiting sequence its cached prefix and blocks for `num_new_tokens` more tokens (see
+        admission.py); host hits start loading (see `load_state`)."""
         self.poll_transfers()  # the only copy ends in here: before the match, never after it
-        match = self.chains.match_runs(seq, use_host)
-        num_cached = len(match) * self.block_size
-        num_new = min(num_new_tokens, seq.num_tokens - num_cached)
-        host_hits = match.of(Tier.HOST)
-        need = self.blocks_needed(num_cached + num_new) - len(match) + len(host_hits)
-        # device hits sitting in an LRU: acquiring them takes them out of what allocation can use
-        supply = self.policy.supply(need, reserve, match.of(Tier.DEVICE), host_hits)
-        if supply is Supply.SHORT or supply is Supply.DEFER:
-            return Admission.NO_ROOM if supply is Supply.SHORT else Admission.WAIT_FOR_SAVES
-        # host room for saves, not counting this request's own host hits; read only if lossy, taken before
-        room = (self.policy.host_room() - sum(map(self.host.pool.dirty.__contains__, host_hits))
-                if supply is Supply.LOSSY and self.host is not None else 0)
-        lossy_before = self.pool.num_lossy_evictions
-        table, shared = self._take_blocks(seq, match, need, supply is Supply.LOSSY)
-        if host_hits:
-            # the host hits are still the ones matched: nothing since the match touched the host
-            # pool but `_supply`, which pinned them around the saves it started
-            try:
-                shared.add(self.copies.begin_load(match.links(Tier.HOST, seq.block_hashes),
-                                                  match.links(Tier.HOST, seq.block_keys), host_hits,
-                                                  match.links(Tier.HOST, table)))
-            except Exception:
-                self._release(table)
-                self.num_load_submit_failures += 1
-                log.exception("KV load from host could not start; recomputing the prefix instead")
-                return self.admit(seq, num_new_tokens, reserve, use_host=False)
-        self.policy.note_lossy(lossy_before, room)
-        if shared:  # registered right after the match: no copy has ended in between
-            self.copies.wait_on(seq.seq_id, shared)
-        seq.block_table = table
-        seq.num_computed_tokens = num_cached
-        # the leading device hits are published; a load publishes its blocks when it lands
-        seq.num_published_blocks = match.runs[0][2] if match.runs and match.runs[0][0] is Tier.DEVICE else 0
-        self.hits.admitted(seq, num_cached, len(host_hits) * self.block_size, loading=bool(shared))
-        return Admission.ADMITTED
-
-    def _take_blocks(self, seq: Sequence, match: PrefixMatch, need: int,
-                     lossy_ok: bool) -> tuple[list[int], set[Load]]:
-        """The block table for the matched links plus `need` new blocks (host links get fresh
-        destination blocks), and the loads in flight it shares. All or nothing."""
-        table: list[int | None] = [None] * len(match)
-        shared: set[Load] = set()
-        try:
-            # hits on device first: allocating could otherwise evict one of them from the LRU
-            for tier, lo, hi in match.runs:
-                if tier is not Tier.HOST:
-                    for i in range(lo, hi):
-                        self.pool.acquire(match.blocks[i])
-                        table[i] = match.blocks[i]
-                    if tier is Tier.LOADING:
-                        shared.update(map(self.copies.load_of, seq.block_hashes[lo:hi]))
-            # a load's destinations: the fewest runs of free blocks, ascending in table order; with
-            # the host side in chain order (copies.chain_order) each run on both sides is one copy
-            num_load = sum(hi - lo for tier, lo, hi in match.runs if tier is Tier.HOST)
-            dest = iter(self.policy.allocate_extents(num_load, lossy_ok) if num_load else ())
-            for tier, lo, hi in match.runs:
-                if tier is Tier.HOST:
-                    table[lo:hi] = list(islice(dest, hi - lo))
-            table.extend(self.policy.allocate(lossy_ok) for _ in range(need - num_load))
-        except BaseException:
-            self._release(table)
-            raise
-        return table, shared
-
-    def _release(self, table: list[int | None]) -> None:
-        for b in table:
-            if b is not None:
-                self.pool.release(b)
+        return self.admitter.admit(seq, num_new_tokens, reserve, use_host)
 
     def demand_of(self, seq: Sequence, budget: int) -> int:
         """Device blocks admitting `seq` now would take: its host hits plus its first chunk."""
@@ -192,6 +112,26 @@ class KVCacheManager:
             self.copies.wait_for(seq.seq_id, timeout)
             self.poll_transfers()
 
+    def complete_reads(self, timeout: float) -> None:
+        """Wait (up to `timeout` each) for the disk reads in flight, then end what is done."""
+        if self.disk is not None:
+            self.disk.wait_reads(timeout)
+            self.poll_transfers()
+
+    def persist(self) -> None:
+        """Shutdown, with a disk tier: device KV that exists nowhere else is saved to host, every host
+        block written to disk, and the disk index saved for the next start. Blocks (seconds)."""
+        if self.disk is None:
+            return
+        self.poll_transfers()
+        # rounds of what the host has room for: each save lands, is written through to disk, and its host
+        # blocks (clean then) make room for the next round
+        while self.pool.dirty and self.copies.save_dirty(len(self.pool.dirty)):
+            self.complete_saves(60.0)
+            self.disk.drain()
+        self.complete_saves(60.0)
+        self.disk.persist()
+
     def complete_saves(self, timeout: float) -> None:
         """Wait (up to `timeout` in all) for the saves in flight, then end what is done."""
         if self.copies is not None:
@@ -207,7 +147,8 @@ class KVCacheManager:
 
     def drain_transfers(self) -> None:
         """Wait for every copy in flight and end it (tests, benchmarks, shutdown)."""
-        while self.copies is not None and (self.copies.saves or self.copies.loads):
+        while self.copies is not None and (self.copies.saves or self.copies.loads or (
+                self.disk is not None and (self.disk.reads or self.disk.writes))):
             self.wait_for_transfer()
 
     def close(self, timeout: float = 30.0) -> None:
@@ -256,11 +197,14 @@ class KVCacheManager:
         seq.num_computed_tokens = seq.num_published_blocks = 0
         if self.copies is not None:
             self.copies.forget(seq.seq_id)
+        if self.disk is not None:
+            self.disk.take_fetched(seq.seq_id)
+            self.disk.unstage(seq.seq_id)
         self.hits.forget(seq.seq_id)
 
     def reports(self) -> list[TierReport]:
         return tier_reports(self.pool, self.hits, self.host, self.block_size, self.num_save_submit_failures,
-                            self.num_load_submit_failures)
+                            self.admitter.num_load_submit_failures, self.disk)
 
     def check_invariants(self) -> None:
         """Pool accounting per tier, pins and clean flags (copies.py), and held hit stats."""

@@ -97,8 +97,8 @@ class TierPolicy:
             lossless = pool.num_available(lossless=True) - sum(1 for b in hits if b in pool.clean)
         if need <= lossless:
             return Supply.LOSSLESS  # only the reserve is short: its saves (if any) are under way
-        if started or pending:
-            return Supply.DEFER
+        if started or pending or copies.host_blocks_being_written():
+            return Supply.DEFER  # (host blocks being written to disk are room for saves once written)
         if copies.num_save_submit_failures > failures:
             return Supply.DEFER  # a save could not start just now: try again next step
         return Supply.LOSSY if need <= total else Supply.SHORT

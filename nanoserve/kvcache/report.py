@@ -7,7 +7,7 @@ from dataclasses import dataclass
 @dataclass
 class TierReport:
     """One KV tier's state and counters, for /metrics and logs."""
-    tier: str                 # "device" | "host"
+    tier: str                 # "device" | "host" | "disk"
     blocks_total: int
     blocks_in_use: int
     blocks_cached: int        # free but still findable by the prefix cache
@@ -18,9 +18,10 @@ class TierReport:
     evictions: int
     blocks_in_flight: int = 0  # held only by copies still running
     lossy_evictions: int = 0  # of `evictions`: KV dropped with no copy in another tier
-    bytes_in: int = 0         # host tier: bytes copied device -> host
+    bytes_in: int = 0         # host tier: bytes copied device -> host (disk: host -> disk)
     bytes_out: int = 0        # host tier: bytes copied host -> device
     seconds_in: float = 0.0
     seconds_out: float = 0.0
     save_failures: int = 0    # host tier: saves that failed or could not start (that KV was not kept)
-    load_failures: int = 0    # host tier: loads that failed or could not start (recomputed instead)
+    load_failures: int = 0    # host tier: loads that failed or could not start (recomputed instead); disk:
+    #                           reads that failed or did not verify against their checksum

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from nanoserve.kvcache.block_pool import BlockPool
+from nanoserve.kvcache.disk_tier import DiskTier
 from nanoserve.kvcache.host_tier import HostTier
 from nanoserve.kvcache.report import TierReport
 from nanoserve.sequence import Sequence
@@ -22,17 +23,20 @@ class PrefixCacheStats:
 class HitStats:
     device: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     host: PrefixCacheStats | None = None  # None without a host tier
-    # first admissions whose loads are in flight: seq id -> (sequence, cached tokens, of them from host)
-    unconfirmed: dict[int, tuple[Sequence, int, int]] = field(default_factory=dict)
+    disk: PrefixCacheStats | None = None  # None without a disk tier
+    # first admissions whose loads are in flight: seq id -> (sequence, cached tokens, of them from host,
+    # of those read from disk for it)
+    unconfirmed: dict[int, tuple[Sequence, int, int, int]] = field(default_factory=dict)
 
-    def admitted(self, seq: Sequence, num_cached: int, host_tokens: int, loading: bool) -> None:
+    def admitted(self, seq: Sequence, num_cached: int, host_tokens: int, loading: bool,
+                 disk_tokens: int = 0) -> None:
         """A sequence got its prefix: count it now, or once its loads land (`loading`)."""
         if seq.admitted:
             return
         if loading:
-            self.unconfirmed[seq.seq_id] = (seq, num_cached, host_tokens)
+            self.unconfirmed[seq.seq_id] = (seq, num_cached, host_tokens, disk_tokens)
         else:
-            self._count(seq, num_cached, host_tokens)
+            self._count(seq, num_cached, host_tokens, disk_tokens)
 
     def loads_ended(self, seq_id: int, failed: bool) -> None:
         stats = self.unconfirmed.pop(seq_id, None)
@@ -42,7 +46,7 @@ class HitStats:
     def forget(self, seq_id: int) -> None:
         self.unconfirmed.pop(seq_id, None)
 
-    def _count(self, seq: Sequence, num_cached: int, host_tokens: int) -> None:
+    def _count(self, seq: Sequence, num_cached: int, host_tokens: int, disk_tokens: int) -> None:
         seq.admitted = True
         seq.num_cached_tokens = num_cached
         seq.num_device_cached_tokens = num_cached - host_tokens
@@ -52,10 +56,14 @@ class HitStats:
         if self.host is not None:
             self.host.queries += seq.num_prompt_tokens - (num_cached - host_tokens)
             self.host.hits += host_tokens
+        if self.disk is not None:  # read from disk into host for this request, then loaded as host hits
+            self.disk.queries += seq.num_prompt_tokens - (num_cached - disk_tokens)
+            self.disk.hits += disk_tokens
 
 
 def tier_reports(pool: BlockPool, hits: HitStats, host: HostTier | None, block_size: int,
-                 save_submit_failures: int, load_submit_failures: int) -> list[TierReport]:
+                 save_submit_failures: int, load_submit_failures: int,
+                 disk: DiskTier | None = None) -> list[TierReport]:
     st = pool.stats()
     out = [TierReport("device", st.total, st.in_use, st.cached_free, st.free, block_size,
                       hits.device.queries, hits.device.hits, pool.num_evictions, st.in_flight,
@@ -67,4 +75,10 @@ def tier_reports(pool: BlockPool, hits: HitStats, host: HostTier | None, block_s
                               host.pool.num_lossy_evictions, t.bytes_in, t.bytes_out, t.seconds_in,
                               t.seconds_out, t.failed_in + save_submit_failures,
                               t.failed_out + load_submit_failures))
+    if disk is not None and hits.disk is not None:
+        ds, d, bb = disk.pool.stats(), disk.stats, host.block_bytes
+        out.append(TierReport("disk", ds.total, ds.in_use, ds.cached_free, ds.free, block_size,
+                              hits.disk.queries, hits.disk.hits, disk.pool.num_evictions, ds.in_flight,
+                              disk.pool.num_lossy_evictions, d.blocks_written * bb, d.blocks_read * bb,
+                              d.seconds_written, d.seconds_read, d.write_failures, d.read_failures))
     return out
