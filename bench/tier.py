@@ -11,7 +11,9 @@ only with a KV budget of device + host (what the same memory buys without a tier
 round TTFT (mean/p50/p90), time, prompt and output throughput separately (prompt tok/s counts
 cached prompt tokens too: it is not work done) and the fraction of prompt tokens served by each
 tier; offline, also other requests' decode rate in steps while a host load is in flight vs not;
-then the no-reuse workload (unique prompts) with the host tier on vs off. TTFT's mean and
+then the no-reuse workload (unique prompts) with the host tier on vs off. Offline, each round also
+prints where the engine's time went (bench/tier_breakdown.py: forward, admission, inline waits for
+copies, the cleaner, deferrals), stored in the JSON as `breakdown`. TTFT's mean and
 percentiles as bench/common.py defines them; the workloads are bench/common.py's docqa and
 multiround (`longdoc` here is docqa).
 
@@ -44,6 +46,7 @@ import time
 from pathlib import Path
 
 import tier_admission
+import tier_breakdown
 import tier_restart
 from common import RequestResult, Workload, auto_dtype, cpu_name, distribution_ms, write_json
 from peers import ServerSpec, add_peer_args, peer_config, start
@@ -81,6 +84,7 @@ class OfflineTarget:
         from nanoserve.sampling_params import SamplingParams
         self.args = args
         self.eng = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, **cfg))
+        self.breakdown = tier_breakdown.Breakdown(self.eng)
         self.params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
         import torch
         self.cores = f"offline engine in this process, {torch.get_num_threads()} compute thread(s)"
@@ -207,6 +211,9 @@ def run_side_by_side(args, configs: dict[str, dict], wl: Workload, rounds: int) 
                 delta = None if lossy is None else lossy - last_lossy[name]
                 last_lossy[name] = lossy
                 rows[name].append(summarize(name, rnd, done, elapsed, reusable, delta))
+                if (bd := getattr(target, "breakdown", None)) is not None:  # offline: time per stage
+                    rows[name][-1]["breakdown"] = bd.take()
+                    tier_breakdown.show(name, rnd, rows[name][-1]["breakdown"])
                 wl.observe(rnd, states[name], prompts, done)
     finally:
         for target in targets.values():
