@@ -46,7 +46,7 @@ class Scheduler:
         self.kv = kv
         self.inline_loads = inline_loads
         self.inline_load_wait = 0.05
-        self.inline_disk_wait = 0.5
+        self.inline_disk_wait = 0.2
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -123,7 +123,20 @@ class Scheduler:
                 i += 1
         if out.num_preempted or deferred:
             return out  # memory is tight: admit nobody until the running set drains
+        for second in (False, True):
+            budget, reading = self._admit_waiting(out, budget)
+            # CPU: every waiting prefix on disk is being read now; wait for the first read (tens of ms) and
+            # admit what has landed in this step rather than the next
+            if second or not (reading and self.inline_loads and budget > 0):
+                break
+            self.kv.complete_reads(self.inline_disk_wait)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
+        """Admit waiting sequences in order while the budget and seats last; returns the budget left and
+        whether any was passed over for its prefix being read from disk (the next ones may go first)."""
         skipped: list[Sequence] = []
+        reading = False
         while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.parent is not None and not (seq.parent.prompt_done or seq.parent.is_finished):
@@ -133,8 +146,9 @@ class Scheduler:
                 skipped.append(self.waiting.popleft())
                 continue
             admission = self._admit(seq, budget)
-            if admission is Admission.WAIT_FOR_DISK:  # its prefix is being read: the next ones may go first
+            if admission is Admission.WAIT_FOR_DISK:
                 skipped.append(self.waiting.popleft())
+                reading = True
                 continue
             if not admission:
                 break
@@ -151,7 +165,7 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         self.waiting.extendleft(reversed(skipped))
-        return out
+        return budget, reading
 
     def _admit(self, seq: Sequence, budget: int) -> Admission:
         admission = self.kv.admit(seq, budget, reserve=len(self.running))
@@ -159,9 +173,6 @@ class Scheduler:
             # CPU: the saves it waits for are memcpys of a few ms; deferring costs it (and everyone queued
             # behind it) a whole step. Measured on docqa: 3 of 16 round-2 admissions deferred a step each.
             self.kv.complete_saves(self.inline_load_wait)
-        elif admission is Admission.WAIT_FOR_DISK and self.inline_loads:
-            # reads are file I/O plus a checksum (tens of ms for a long prefix): worth one wait, not a step
-            self.kv.complete_reads(self.inline_disk_wait)
         else:
             return admission
         return self.kv.admit(seq, budget, reserve=len(self.running))

@@ -142,10 +142,14 @@ class _SlotFile:
         self.span = max(1, min(_IOV_MAX // 2, MAX_COPY_BYTES // slot_bytes))
         self.num_checksum_failures = self.num_read_errors = self.bytes_written = self.bytes_read = 0
         self.lanes = {lane: ThreadPoolExecutor(1, f"nanoserve-disk-{lane}") for lane in ("read", "write")}
+        # a read's checksums on two threads (hashlib releases the GIL): a request waits for them, while
+        # writes are nobody's wait and keep to their one thread, off the cores the model computes on
+        self.hashers = ThreadPoolExecutor(2, "nanoserve-disk-verify")
 
     def shutdown(self) -> None:
         for lane in self.lanes.values():
             lane.shutdown()  # after the batches already queued: nothing uses the fd once it is closed
+        self.hashers.shutdown()
         os.close(self.fd)  # releases the flock too
 
     def run(self, io: DiskIO, body: Callable, rows: memoryview, block_ids: list[int], slots: list[int],
@@ -191,8 +195,10 @@ class _SlotFile:
               sums: list[bytes]) -> None:
         bb = self.block_bytes
         got = os.preadv(self.fd, self._iov(rows, b, n, self.scratch), s * self.slot_bytes)
-        for k in range(min(n, (got - bb) // self.slot_bytes + 1)):  # those wholly read (a truncated file)
-            if checksum(chains[i + k], rows[(b + k) * bb:(b + k + 1) * bb]) != sums[i + k]:
+        whole = range(min(n, (got - bb) // self.slot_bytes + 1))  # those wholly read (a truncated file)
+        found = self.hashers.map(lambda k: checksum(chains[i + k], rows[(b + k) * bb:(b + k + 1) * bb]), whole)
+        for k, got_sum in zip(whole, found):
+            if got_sum != sums[i + k]:
                 self.num_checksum_failures += 1
             else:
                 io.ok[i + k] = True

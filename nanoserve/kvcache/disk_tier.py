@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,8 +141,7 @@ class DiskTier:
 
     def _end_write(self, c: DiskCopy) -> None:
         self.writes.remove(c)
-        hp = self.host.pool
-        for i, (hb, slot, (h, key)) in enumerate(zip(c.host_ids, c.slots, c.keys)):
+        for i, (slot, (h, key)) in enumerate(zip(c.slots, c.keys)):
             self.writing.discard(h)
             if c.io.ok[i] and self.pool.publish(slot, h, key):
                 self.checksums[slot] = c.io.checksums[i]
@@ -237,13 +235,6 @@ class DiskTier:
             self._end_read(c)
         for c in [c for c in self.writes if c.io.done()]:
             self._end_write(c)
-
-    def wait_reads(self, timeout: float) -> None:
-        """Wait (up to `timeout` in all) for the reads in flight, then end what is done."""
-        deadline = time.monotonic() + timeout
-        for c in list(self.reads):
-            c.io.wait(max(0.0, deadline - time.monotonic()))
-        self.poll()
 
     def drain(self) -> None:
         self.store.drain()

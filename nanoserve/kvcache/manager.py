@@ -113,9 +113,9 @@ class KVCacheManager:
             self.poll_transfers()
 
     def complete_reads(self, timeout: float) -> None:
-        """Wait (up to `timeout` each) for the disk reads in flight, then end what is done."""
-        if self.disk is not None:
-            self.disk.wait_reads(timeout)
+        """Wait (up to `timeout`) for the oldest disk read in flight, then end what is done."""
+        if self.disk is not None and self.disk.reads:
+            self.disk.reads[0].io.wait(timeout)
             self.poll_transfers()
 
     def persist(self) -> None:
