@@ -49,6 +49,10 @@ def test_prefix_caching_takes_vllm_flags_and_the_older_spelling():
         assert from_args(EngineConfig, parser.parse_args(list(argv))).enable_prefix_caching is on, argv
     with pytest.raises(ValueError, match="drop --no-enable-prefix-caching"):
         from_args(EngineConfig, parser.parse_args(["--no-prefix-caching", "--host-cache-gb", "1"]))
+    with pytest.raises(ValueError, match="--disk-cache-gb needs --host-cache-gb"):
+        from_args(EngineConfig, parser.parse_args(["--disk-cache-gb", "1"]))
+    with pytest.raises(ValueError, match="--disk-cache-gb is not supported with --tensor-parallel-size"):
+        from_args(EngineConfig, parser.parse_args(["--host-cache-gb", "1", "--disk-cache-gb", "1", "-tp", "2"]))
 
 
 @pytest.mark.parametrize("case", ["port taken", "host tier", "kv cache"])
