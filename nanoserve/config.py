@@ -172,6 +172,8 @@ class EngineConfig:
         if self.disk_cache_gb and not self.host_cache_gb:
             raise ValueError("--disk-cache-gb needs --host-cache-gb: disk blocks are read through the host "
                              "tier")
+        if self.disk_cache_dir and not self.disk_cache_gb:
+            raise ValueError("--disk-cache-dir needs --disk-cache-gb (the size of the disk tier)")
         if self.disk_cache_gb and self.tensor_parallel_size > 1:
             raise ValueError("--disk-cache-gb is not supported with --tensor-parallel-size > 1 yet")
         if self.host_cache_gb and not self.enable_prefix_caching:

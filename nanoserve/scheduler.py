@@ -46,7 +46,7 @@ class Scheduler:
         self.kv = kv
         self.inline_loads = inline_loads
         self.inline_load_wait = 0.05
-        self.inline_disk_wait = 0.2
+        self.inline_disk_wait = 0.1
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -125,8 +125,8 @@ class Scheduler:
             return out  # memory is tight: admit nobody until the running set drains
         for second in (False, True):
             budget, reading = self._admit_waiting(out, budget)
-            # CPU: every waiting prefix on disk is being read now; wait for the first read (tens of ms) and
-            # admit what has landed in this step rather than the next
+            # CPU: every waiting prefix on disk is being read now; wait (briefly: the running requests wait
+            # too) for the first read and admit what has landed in this step rather than the next
             if second or not (reading and self.inline_loads and budget > 0):
                 break
             self.kv.complete_reads(self.inline_disk_wait)
@@ -134,7 +134,8 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
         """Admit waiting sequences in order while the budget and seats last; returns the budget left and
-        whether any was passed over for its prefix being read from disk (the next ones may go first)."""
+        whether any was passed over for its prefix being read from disk (the next ones may go first) while
+        the rest fitted."""
         skipped: list[Sequence] = []
         reading = False
         while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.max_num_seqs:
@@ -151,6 +152,7 @@ class Scheduler:
                 reading = True
                 continue
             if not admission:
+                reading = False  # no room: waiting for a read would not admit anyone this step
                 break
             self.waiting.popleft()
             if self.inline_loads and self.kv.load_state(seq) is LoadState.LOADING:

@@ -223,7 +223,7 @@ def test_files_are_private_and_a_shared_directory_is_refused(tmp_path):
     with pytest.raises(ValueError, match="chmod 700"):
         load_or_create_key(shared)
     os.chmod(directory / "blocks.dat", 0o644)
-    with pytest.raises(ValueError, match="blocks.dat is accessible by other users"):
+    with pytest.raises(ValueError, match="blocks.dat is not a private file"):
         DiskStore(directory, 4, 100)
     os.chmod(directory / "hash_key", 0o640)
     with pytest.raises(ValueError, match="hash_key"):
@@ -380,3 +380,29 @@ def test_sigkill_at_any_moment_leaves_no_index_or_a_whole_one(tmp_path, caplog):
             k, i = e.tokens
             assert torch.equal(dst[e.slot], round_blocks(k)[i])
         store.close()
+
+
+def test_symlinks_and_other_users_directories_are_refused(tmp_path):
+    """A symlinked directory, a blocks.dat that is a symlink (to a file the server could overwrite), and a
+    directory another user owns (who could plant a key and an index) are refused; a cache too small for
+    one block is a start-up error."""
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(real)
+    with pytest.raises(ValueError, match="not a directory of this user's"):
+        DiskStore(tmp_path / "link", 4, 100)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep me")
+    os.chmod(victim, 0o600)
+    (real / "blocks.dat").symlink_to(victim)
+    with pytest.raises(OSError):  # O_NOFOLLOW: never opened through the link
+        DiskStore(real, 4, 100)
+    assert victim.read_bytes() == b"keep me"
+    with pytest.raises(ValueError, match="smaller than one KV block"):
+        DiskStore(tmp_path / "tiny", 0, 100)
+    if os.geteuid() == 0:  # only root can hand a directory to another user
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o700)
+        os.chown(theirs, 65534, 65534)
+        with pytest.raises(ValueError, match="owned by another user"):
+            DiskStore(theirs, 4, 100)

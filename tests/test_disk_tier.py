@@ -4,18 +4,23 @@ wrong (from disk, after a restart, after a corruption) fails the run. Nothing de
 speed: copies and file I/O run on their real threads and are waited for."""
 from __future__ import annotations
 
+import errno
+import os
 import random
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
+from nanoserve import SamplingParams
 from nanoserve.kvcache.disk_store import DiskStore, load_or_create_key
 from nanoserve.kvcache.disk_tier import DiskTier, disk_fingerprint
 from nanoserve.kvcache.host_tier import HostTier
 from nanoserve.kvcache.manager import KVCacheManager
 from nanoserve.kvcache.transfer import ThreadCopier
 from nanoserve.scheduler import Scheduler
+from nanoserve.sequence import Sequence
 from tests.test_tier_copies import BS, _run
 
 DOCS = [[rng.randrange(100) for _ in range(13)] for rng in map(random.Random, range(6))]  # 6 full blocks each
@@ -117,4 +122,53 @@ def test_after_a_crash_the_older_index_serves_no_rewritten_slot(tmp_path, caplog
     _serve(device, kv, sched, DOCS[:3])
     assert rewritten > 0 and 0 < disk.stats.read_failures <= rewritten and disk.stats.blocks_read > 0
     assert "checksum" in caplog.text
+    kv.close()
+
+
+def test_a_request_gone_while_its_read_runs_leaves_no_pin(tmp_path):
+    """Aborted while its prefix is being read: the read lands, publishes on host, and holds nothing."""
+    device, kv, disk, sched = _tiers(tmp_path / "kv")
+    _serve(device, kv, sched, DOCS[:2])
+    kv.persist()
+    kv.close()
+    device, kv, disk, sched = _tiers(tmp_path / "kv")
+    gate, reads = threading.Event(), disk.store._file.reads
+    disk.store._file.reads = lambda *a: (gate.wait(60), reads(*a))
+    seq = Sequence(0, "0", 0, DOCS[0] + [0, 0], SamplingParams(), 2, frozenset())
+    sched.add(seq)
+    sched.inline_disk_wait = 0.0
+    sched.schedule()
+    assert disk.reads and seq in sched.waiting  # passed over while its blocks are read
+    sched.finish(seq)
+    gate.set()
+    kv.drain_transfers()
+    sched.check_invariants()
+    assert not disk.staged and not any(kv.host.pool.pins) and disk.stats.blocks_read > 0
+    kv.close()
+
+
+def test_writes_that_keep_failing_leave_the_tier_read_only_and_serving(tmp_path, monkeypatch, caplog):
+    """A full disk (every write ENOSPC): after three failed batches no write starts, the host keeps its
+    blocks as without a disk, and the workload still drains with correct KV; what the disk held still reads."""
+    device, kv, disk, sched = _tiers(tmp_path / "kv")
+    _serve(device, kv, sched, DOCS[:3])
+    written = disk.stats.blocks_written
+
+    def full(*a):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "pwritev", full)
+    _serve(device, kv, sched, DOCS, rounds=2)
+    assert disk.degraded and not kv.host.backed and "keep failing" in caplog.text
+    assert disk.stats.blocks_written == written and disk.stats.blocks_read > 0
+    kv.persist()  # ends, and saves the index of what the disk holds
+    kv.close()
+
+
+def test_persist_ends_when_the_disk_is_smaller_than_the_device(tmp_path):
+    """Each write then evicts a slot another device block needs: persist saves each dirty block at most
+    about once and ends."""
+    device, kv, disk, sched = _tiers(tmp_path / "kv", dev_blocks=32, host_blocks=4, disk_slots=8)
+    _serve(device, kv, sched, DOCS[:3])
+    kv.persist()
+    assert disk.stats.blocks_written <= 3 * 8 + 8 and len(disk.pool.index) == 8
     kv.close()

@@ -24,7 +24,7 @@ from nanoserve.engine.step_pipeline import Collected, Launched, StepPipeline
 from nanoserve.heap import trim_heap
 from nanoserve.parallel.ranks import Ranks
 from nanoserve.parallel.shard import build_shard, check_memory, host_blocks, startup_phase
-from nanoserve.kvcache.disk_store import DiskStore, load_or_create_key
+from nanoserve.kvcache.disk_store import DiskStore, load_or_create_key, slot_size
 from nanoserve.kvcache.disk_tier import DiskTier, disk_fingerprint, weights_digest
 from nanoserve.kvcache.host_tier import HostTier
 from nanoserve.kvcache.manager import KVCacheManager
@@ -77,12 +77,18 @@ def disk_tier(config: EngineConfig, source: ModelSource, layout: KVLayout,
         return None
     directory = Path(config.disk_cache_dir or cache_dir() / "kv" / source.name.replace("/", "--"))
     with startup_phase("disk tier") as phase:
-        slot_bytes = -(-host.block_bytes // 4096) * 4096
-        store = DiskStore(directory, int(config.disk_cache_gb * GiB) // slot_bytes, host.block_bytes)
-        key = load_or_create_key(directory)
+        slot_bytes = slot_size(host.block_bytes)
+        try:
+            store = DiskStore(directory, int(config.disk_cache_gb * GiB) // slot_bytes, host.block_bytes)
+            key = load_or_create_key(directory)
+        except OSError as e:
+            raise ValueError(f"--disk-cache-dir {directory}: {e.strerror or e}") from None
         shape = (layout.num_layers, layout.block_size, layout.num_kv_heads, layout.head_dim)
-        kind = f"{shape} {layout.dtype} {layout.backend.__name__} {tuple(host.cache.shape[1:])}"
-        weights = weights_digest(source.path) + f"{config.load_format} {config.seed}".encode()
+        kind = (f"{shape} {layout.dtype} {layout.backend.__name__} {tuple(host.cache.shape[1:])} "
+                f"quantization={config.quantization}")
+        # random weights are a function of the seed; real ones are not
+        weights = (f"dummy seed {config.seed}".encode() if config.load_format == "dummy"
+                   else weights_digest(source.path))
         disk = DiskTier(store, host, disk_fingerprint(weights, kind, key), key)
         phase.what = f"{store.num_slots} blocks, {store.num_slots * slot_bytes / GiB:.2f} GiB in {directory}"
     return disk
@@ -312,7 +318,10 @@ class LLMEngine:
             pass
         finally:
             try:
-                self.kv.persist()  # with a disk tier: what is cached survives the restart
+                try:
+                    self.kv.persist()  # with a disk tier: what is cached survives the restart
+                except Exception:  # (a full disk): the next start finds the previous index, or none
+                    log.exception("saving the disk KV cache's index failed")
                 self.kv.close()
             finally:
                 self.ranks.close()

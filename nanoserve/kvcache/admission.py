@@ -84,8 +84,8 @@ class Admitter:
         seq.num_published_blocks = match.runs[0][2] if match.runs and match.runs[0][0] is Tier.DEVICE else 0
         from_disk = 0
         if self.disk is not None:
-            self.disk.unstage(seq.seq_id)  # after begin_load: its loads hold what they copy
             from_disk = min(self.disk.take_fetched(seq.seq_id), len(host_hits))
+            self.disk.forget(seq.seq_id)  # after begin_load: its loads hold what they copy
         self.hits.admitted(seq, num_cached, len(host_hits) * self.block_size, loading=bool(shared),
                            disk_tokens=from_disk * self.block_size)
         return Admission.ADMITTED

@@ -94,8 +94,8 @@ class TierCopies:
         on_disk = self.disk is not None and h in self.disk.pool.index
         if dev is not None:
             self.pool.mark_clean(dev, on_host is not None or on_disk)
-        if on_host is not None:
-            self.host.pool.mark_clean(on_host, on_disk if self.disk is not None else dev is not None)
+        if on_host is not None:  # (a disk whose writes failed takes no more: the host keeps its own rule)
+            self.host.pool.mark_clean(on_host, on_disk if self.host.backed else dev is not None)
 
     def _device_dropped(self, h: BlockHash, evicted: bool) -> None:
         self._refresh(h)
@@ -111,7 +111,7 @@ class TierCopies:
 
     def host_blocks_being_written(self) -> int:
         """Host blocks pinned by writes to disk: clean, and room for saves, once those land."""
-        return sum(len(c.host_ids) for c in self.disk.writes) if self.disk is not None else 0
+        return sum(len(c.host_ids) for c in self.disk.writes) if self.host.backed else 0
 
     def save_dirty(self, n: int, protect: Collection[int] = ()) -> int:
         """Start saving up to `n` of the oldest dirty device blocks (marking clean, without a copy,
@@ -283,7 +283,8 @@ class TierCopies:
         host.check_invariants()
         disk = self.disk.pool.index if self.disk is not None else {}
         for a, below, name in ((dev, lambda h: h in host.index or h in disk, "device"),
-                               (host, (lambda h: h in disk) if self.disk else (lambda h: h in dev.index), "host")):
+                               (host, (lambda h: h in disk) if self.host.backed else (lambda h: h in dev.index),
+                                "host")):
             for blk in range(a.num_blocks):
                 h = a.block_hash[blk]
                 if h is not None and a.index.get(h) == blk:

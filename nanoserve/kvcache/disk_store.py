@@ -3,7 +3,8 @@ index of them kept across restarts. Which block goes to which slot is the caller
 
 One directory only its owner may open (0700: the cached KV is other tenants' prompts); files 0600:
   blocks.dat  slot i at i * slot_bytes (a block rounded up to 4096: page-aligned for the page cache and
-              a later O_DIRECT). Sparse, never shrunk; flock'ed while open (two servers would clobber it).
+              a later O_DIRECT). Reserved whole at start (posix_fallocate), never shrunk; flock'ed while
+              open (two servers would clobber it).
   index.bin   little-endian: b"NSKVIDX1", u32 fingerprint length, fingerprint, u64 slot_bytes, u64 count;
               per entry u32 slot, u8 has_parent, 32-byte chain, 32-byte parent (zeros if none), 16-byte
               checksum, u32 token count, the tokens as u32; then the sha256 of all that.
@@ -81,21 +82,30 @@ def _byte_view(t: torch.Tensor) -> memoryview:
 
 
 def _private_dir(directory: Path) -> Path:
+    """Ours alone: a real directory (not a symlink), owned by this user, mode 0700. Another user's directory,
+    even 0700, is refused: whoever owns it could plant a key and an index, and read every tenant's KV."""
     directory.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileExistsError):
         directory.mkdir(mode=0o700)
         os.chmod(directory, 0o700)  # a umask may have taken the owner's own bits
-    if (mode := stat.S_IMODE(directory.stat().st_mode)) & 0o077:
+    st = os.lstat(directory)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise ValueError(f"--disk-cache-dir {directory} is not a directory of this user's (a symlink, or "
+                         "owned by another user)")
+    if (mode := stat.S_IMODE(st.st_mode)) & 0o077:
         raise ValueError(f"--disk-cache-dir {directory} is accessible by other users (mode {mode:04o}); "
                          "chmod 700 it")
     return directory
 
 
 def _open_private(path: Path, flags: int) -> int:
-    fd = os.open(path, flags | os.O_CLOEXEC, 0o600)
-    if (mode := stat.S_IMODE(os.fstat(fd).st_mode)) & 0o077:
+    """A regular file of this user's, 0600, never through a symlink."""
+    fd = os.open(path, flags | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
         os.close(fd)
-        raise ValueError(f"{path} is accessible by other users (mode {mode:04o}); chmod 600 it")
+        raise ValueError(f"{path} is not a private file of this user's (mode {stat.S_IMODE(st.st_mode):04o}, "
+                         f"owner {st.st_uid}); remove it or chmod 600 it")
     return fd
 
 
@@ -205,20 +215,33 @@ class _SlotFile:
                 self.bytes_read += bb
 
 
+def slot_size(block_bytes: int) -> int:
+    """Bytes a block takes in the data file: rounded up to a page."""
+    return -(-block_bytes // SLOT_ALIGN) * SLOT_ALIGN
+
+
 class DiskStore:
     """The slots of DIRECTORY/blocks.dat, read and written asynchronously, and their index."""
 
     def __init__(self, directory: Path, num_slots: int, block_bytes: int) -> None:
         self.directory = _private_dir(Path(directory))
         self.num_slots, self.block_bytes = num_slots, block_bytes
-        self.slot_bytes = -(-block_bytes // SLOT_ALIGN) * SLOT_ALIGN
+        self.slot_bytes = slot_size(block_bytes)
         fd = _open_private(self.directory / "blocks.dat", os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when its holder dies
         except BlockingIOError:
             os.close(fd)
             raise ValueError(f"--disk-cache-dir {self.directory} is in use by another process") from None
-        os.ftruncate(fd, max(os.fstat(fd).st_size, num_slots * self.slot_bytes))  # never shrunk
+        if num_slots < 1:
+            os.close(fd)
+            raise ValueError(f"--disk-cache-gb is smaller than one KV block ({self.slot_bytes} bytes)")
+        try:  # the space reserved now: a disk too small is a start-up error, not failed writes later
+            os.posix_fallocate(fd, 0, num_slots * self.slot_bytes)  # never shrunk
+        except OSError as e:
+            os.close(fd)
+            raise ValueError(f"--disk-cache-dir {self.directory}: cannot reserve "
+                             f"{num_slots * self.slot_bytes / 2**30:.2f} GiB ({e.strerror})") from None
         self._file = _SlotFile(fd, block_bytes, self.slot_bytes)
         self._last: dict[str, DiskIO] = {}  # lanes are FIFO: the last one done means all are
         self._close = weakref.finalize(self, self._file.shutdown)

@@ -30,6 +30,9 @@ from nanoserve.kvcache.extents import allocate_extents
 from nanoserve.kvcache.host_tier import HostTier
 
 log = logging.getLogger("nanoserve")
+# what the KV bytes mean beyond the weights and layout: bump it with any change to the numerics that write
+# them (RoPE, norms, the attention's rounding), so an older server's blocks are not read back as equal
+KV_FORMAT = b"nanoserve-kv-disk/1\0"
 
 
 @dataclass(eq=False)
@@ -51,17 +54,22 @@ class DiskStats:
     seconds_written: float = 0.0
     seconds_read: float = 0.0
     restored: int = 0           # blocks found in the index at start
+    lossy_evictions: int = 0    # slots reused whose chain no other tier held
 
 
 def weights_digest(path: Path) -> bytes:
-    """Names, sizes and modification times of the weight files under `path` (a file or a folder), and
-    their first MiB: a changed checkpoint changes it without reading gigabytes at every start."""
+    """The weight files under `path` (a file or a folder): names, sizes, modification times, what a hub
+    snapshot's links point to (content-addressed blob names), and their first and last MiB: a changed
+    checkpoint changes it without reading gigabytes at every start."""
     h = hashlib.sha256()
     files = sorted(p for p in (path.rglob("*") if path.is_dir() else [path]) if p.is_file())
     for f in files:
         st = f.stat()
-        h.update(f"{f.relative_to(path) if path.is_dir() else f.name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+        name = f.relative_to(path) if path.is_dir() else f.name
+        h.update(f"{name}\0{f.resolve().name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
         with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))
+            fh.seek(max(0, st.st_size - (1 << 20)))
             h.update(fh.read(1 << 20))
     return h.digest()
 
@@ -71,7 +79,7 @@ def disk_fingerprint(weights: bytes, layout: str, hash_key: bytes) -> bytes:
     (dtype, block size, per-block shape, backend) and the hash key (as a digest: the index file never
     holds the key)."""
     key_digest = hashlib.sha256(b"nanoserve hash key\0" + hash_key).digest()
-    return hashlib.sha256(b"nanoserve-kv-disk/1\0" + weights + layout.encode() + key_digest).digest()
+    return hashlib.sha256(KV_FORMAT + weights + layout.encode() + key_digest).digest()
 
 
 class DiskTier:
@@ -92,8 +100,14 @@ class DiskTier:
         # told when a chain is stored on or dropped from disk, or read into host: the clean flags of its
         # blocks in the other tiers follow (copies.py owns them)
         self.on_change: Callable[[BlockHash], None] = lambda h: None
-        self.pool.on_unpublish = lambda h, evicted: self.on_change(h)
+        self.pool.on_unpublish = self._dropped
         host.backed = True  # host clean = on disk: the host LRU evicts those first
+        self.write_failures_in_row = 0
+        self.degraded = False  # writes kept failing: no more are started (reads of what it holds go on)
+
+    def _dropped(self, h: BlockHash, evicted: bool) -> None:
+        self.stats.lossy_evictions += evicted and h not in self.host.pool.index
+        self.on_change(h)
 
     def _take_slots(self, n: int) -> list[int]:
         """`n` slots for a write, pinned, as few runs as the free slots allow (large sequential writes);
@@ -109,6 +123,8 @@ class DiskTier:
         """Write these host blocks' KV to disk, those published and not on disk (or being written) yet;
         marks clean the ones the disk already holds. Returns the blocks whose write started."""
         hp, todo = self.host.pool, []
+        if self.degraded:
+            return 0
         for hb in host_ids:
             h = hp.block_hash[hb]
             if h is None or hp.index.get(h) != hb or h in self.writing:
@@ -150,6 +166,19 @@ class DiskTier:
             self.stats.write_failures += not c.io.ok[i]
         self.stats.seconds_written += c.io.seconds
         self._release(c.host_ids, c.slots)
+        self.write_failures_in_row = 0 if all(c.io.ok) else self.write_failures_in_row + 1
+        if self.write_failures_in_row >= 3 and not self.degraded:
+            self._degrade(c.io.error)
+
+    def _degrade(self, error: BaseException | None) -> None:
+        """Writes keep failing (a full or read-only disk): start none any more, and let the host keep its
+        blocks as it does without a disk (clean = the device holds them), so saves from device are not
+        deferred for writes that never land. What the disk holds is still read."""
+        log.error("disk KV cache: writes to %s keep failing (%s); it takes no more blocks until restarted "
+                  "(reads of what it holds go on)", self.store.directory, error or "short write")
+        self.degraded, self.host.backed = True, False
+        for h in list(self.host.pool.index):
+            self.on_change(h)
 
     # ---- reads --------------------------------------------------------------------------------------
     def fetch(self, seq_id: int, hashes: list[BlockHash], keys: list[BlockKey], start: int,
@@ -173,7 +202,7 @@ class DiskTier:
             fits = max(0, min(self.host.room(), hp.num_blocks // 2 - sum(held.values())))
             # short of room while others hold theirs: wait for them to be admitted rather than read half of
             # it; one that holds some already never waits for room (two such would wait for each other)
-            waits = len(todo) - fits if sum(held.values()) and not held.get(seq_id) else 0
+            waits = max(0, len(todo) - fits) if sum(held.values()) and not held.get(seq_id) else 0
             todo = todo[:fits]
             host_ids = [hp.allocate_pinned(keep_clean=False) for _ in todo]
         finally:
@@ -210,12 +239,17 @@ class DiskTier:
             if not c.io.ok[i]:
                 self.pool.unpublish(slot)  # never trusted again; the request recomputes it
                 self.stats.read_failures += 1
+                if c.seq_id in self.fetched:
+                    self.fetched[c.seq_id] -= 1  # not a hit
             elif hp.publish(hb, h, key, clean=True):
                 self.stats.blocks_read += 1
                 kept.append(hb)
                 self.on_change(h)
         self.stats.seconds_read += c.io.seconds
-        self.staged.setdefault(c.seq_id, []).extend(kept)
+        if c.seq_id < 0:  # its request is gone: the blocks are the host LRU's at once
+            kept = []
+        elif kept:
+            self.staged.setdefault(c.seq_id, []).extend(kept)
         self._release([hb for hb in c.host_ids if hb not in set(kept)], c.slots)
 
     def unstage(self, seq_id: int) -> None:
@@ -223,6 +257,15 @@ class DiskTier:
         host LRU's again."""
         for hb in self.staged.pop(seq_id, ()):
             self.host.pool.unpin(hb)
+
+    def forget(self, seq_id: int) -> None:
+        """The request is gone (finished, aborted, preempted): its staged blocks go back to the host LRU,
+        and a read still in flight for it publishes its blocks without holding them."""
+        self.fetched.pop(seq_id, None)
+        self.unstage(seq_id)
+        for c in self.reads:
+            if c.seq_id == seq_id:
+                c.seq_id = -1
 
     def take_fetched(self, seq_id: int) -> int:
         """Blocks read from disk for this sequence since it last asked (its first admission counts them)."""

@@ -125,10 +125,16 @@ class KVCacheManager:
             return
         self.poll_transfers()
         # rounds of what the host has room for: each save lands, is written through to disk, and its host
-        # blocks (clean then) make room for the next round
-        while self.pool.dirty and self.copies.save_dirty(len(self.pool.dirty)):
+        # blocks (clean then) make room for the next round. At most as many saves as there were dirty
+        # blocks (a disk smaller than the device evicts what it just took), none once a copy fails.
+        budget, failures = len(self.pool.dirty), self.copies.save_failures_in_row
+        while budget > 0 and self.pool.dirty and not self.disk.degraded and failures == 0:
+            if not (started := self.copies.save_dirty(len(self.pool.dirty))):
+                break
+            budget -= started
             self.complete_saves(60.0)
             self.disk.drain()
+            failures = self.copies.save_failures_in_row + self.disk.write_failures_in_row
         self.complete_saves(60.0)
         self.disk.persist()
 
@@ -198,8 +204,7 @@ class KVCacheManager:
         if self.copies is not None:
             self.copies.forget(seq.seq_id)
         if self.disk is not None:
-            self.disk.take_fetched(seq.seq_id)
-            self.disk.unstage(seq.seq_id)
+            self.disk.forget(seq.seq_id)
         self.hits.forget(seq.seq_id)
 
     def reports(self) -> list[TierReport]:

@@ -79,6 +79,6 @@ def tier_reports(pool: BlockPool, hits: HitStats, host: HostTier | None, block_s
         ds, d, bb = disk.pool.stats(), disk.stats, host.block_bytes
         out.append(TierReport("disk", ds.total, ds.in_use, ds.cached_free, ds.free, block_size,
                               hits.disk.queries, hits.disk.hits, disk.pool.num_evictions, ds.in_flight,
-                              disk.pool.num_lossy_evictions, d.blocks_written * bb, d.blocks_read * bb,
+                              d.lossy_evictions, d.blocks_written * bb, d.blocks_read * bb,
                               d.seconds_written, d.seconds_read, d.write_failures, d.read_failures))
     return out
