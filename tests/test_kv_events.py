@@ -85,23 +85,26 @@ def subscriber():
     s.close()
 
 
-def test_a_router_rebuilds_both_tiers_from_the_events(tiny_path, subscriber):
+@pytest.mark.parametrize("disk", [False, True], ids=["device+host", "device+host+disk"])
+def test_a_router_rebuilds_every_tier_from_the_events(tiny_path, subscriber, tmp_path, disk):
     bs = 4
     prompts = random_prompts(10, 20, 60, seed=21)
+    tiers = dict(disk_cache_gb=0.00008, disk_cache_dir=str(tmp_path / "kv")) if disk else {}
     with LLM(str(tiny_path("llama-gqa-tied")), dtype="float32", block_size=bs, num_kv_blocks=24,
-             max_num_seqs=2, host_cache_gb=0.00008, kv_events_endpoint=subscriber.endpoint) as llm:
+             max_num_seqs=2, host_cache_gb=0.00008, kv_events_endpoint=subscriber.endpoint, **tiers) as llm:
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
         outs = llm.generate(prompts, params) + llm.generate(prompts[::-1], params)
         batches = subscriber.batches()
         kv = llm.engine.kv
         device, host = set(kv.pool.index), set(kv.host.pool.index)
+        on_disk = set(kv.disk.pool.index) if disk else set()
 
     assert [seq for _, seq, _ in batches] == list(range(len(batches)))  # none lost
     assert {topic for topic, _, _ in batches} == {b""}
     events = [e for _, _, b in batches for e in b.events]
     assert isinstance(events[0], AllBlocksCleared)  # a starting replica: forget what it held before
-    held: dict[str, set] = {"GPU": set(), "CPU": set()}
-    removed = {"GPU": 0, "CPU": 0}
+    held: dict[str, set] = {"GPU": set(), "CPU": set(), "DISK": set()}
+    removed = {"GPU": 0, "CPU": 0, "DISK": 0}
     texts = {tuple(p[:bs]) for p in prompts}
     for e in events:
         if isinstance(e, AllBlocksCleared):
@@ -118,7 +121,18 @@ def test_a_router_rebuilds_both_tiers_from_the_events(tiny_path, subscriber):
             held[e.medium] -= set(e.block_hashes)
             removed[e.medium] += len(e.block_hashes)
     assert removed["GPU"] > 0 and removed["CPU"] > 0  # the workload evicted from both tiers
-    assert held == {"GPU": device, "CPU": host} and device and host
+    assert held == {"GPU": device, "CPU": host, "DISK": on_disk} and device and host
+    assert bool(removed["DISK"]) is bool(on_disk) is disk  # (and from the disk, when it has one)
+    if disk:  # restarted on the same directory: it clears, then announces what its disk index brought back
+        first = len(subscriber.frames)
+        with LLM(str(tiny_path("llama-gqa-tied")), dtype="float32", block_size=bs, num_kv_blocks=24,
+                 max_num_seqs=2, host_cache_gb=0.00008, kv_events_endpoint=subscriber.endpoint, **tiers) as llm:
+            llm.engine.step()  # (events go out with a step)
+            restored = set(llm.engine.kv.disk.pool.index)
+            events = [e for _, _, b in subscriber.batches()[first:] for e in b.events]
+        assert isinstance(events[0], AllBlocksCleared) and restored  # (its shutdown saved device-only KV into a small disk)
+        assert {h for e in events[1:] if isinstance(e, BlockStored) for h in e.block_hashes} == restored
+        assert {e.medium for e in events[1:]} == {"DISK"}
     assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
 
 
