@@ -22,6 +22,7 @@ not be read until its transfer is `done()`.
 """
 from __future__ import annotations
 
+import ctypes
 import queue
 import threading
 import time
@@ -45,6 +46,17 @@ class DeviceFault(BaseException):
 
 def copy_block(src: torch.Tensor, dst: torch.Tensor) -> None:
     dst.copy_(src)
+
+
+def copy_block_memmove(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """CPU: a run of blocks as one memmove on the calling (worker) thread. torch's `copy_` would start an
+    OpenMP team of the worker's own, whose threads spin after each copy beside the model's: on 2 cores
+    that cost the server ~30% of its decode throughput with the host tier on (docqa, concurrency 8)."""
+    if (src.device.type == dst.device.type == "cpu" and src.dtype == dst.dtype and src.shape == dst.shape
+            and src.is_contiguous() and dst.is_contiguous()):
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())  # releases the GIL
+    else:
+        dst.copy_(src)
 
 
 def copy_block_async(src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -167,7 +179,7 @@ def _stop_worker(jobs: queue.SimpleQueue, worker: threading.Thread) -> None:
 class ThreadCopier(Copier):
     """`block_copy` is injectable so tests can slow or fail copies without sleeps in this code."""
 
-    def __init__(self, block_copy: BlockCopy = copy_block, max_copy_bytes: int = MAX_COPY_BYTES) -> None:
+    def __init__(self, block_copy: BlockCopy = copy_block_memmove, max_copy_bytes: int = MAX_COPY_BYTES) -> None:
         super().__init__(max_copy_bytes)
         self.block_copy = block_copy
         self._last: dict[str, Transfer] = {}  # lanes are FIFO: the last one done means all are
