@@ -24,7 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 STAGES = (("match", "chains", "match"), ("match", "chains", "match_runs"), ("supply", "policy", "supply"),
-          ("take blocks", "", "_take_blocks"), ("load start", "copies", "begin_load"),
+          ("take blocks", "", "_take_blocks"), ("take blocks", "admitter", "_take_blocks"),
+          ("load start", "copies", "begin_load"),
           ("  of it: submit", "copier", "submit"))
 
 
@@ -125,8 +126,8 @@ def measure(args) -> dict:
         kv, seq, fresh = _setup(args, seed=rep % 3)
         sink: dict[str, float] = {}
         for label, attr, name in STAGES:
-            owner = kv.host.copier if attr == "copier" else getattr(kv, attr) if attr else kv
-            if hasattr(owner, name):
+            owner = kv.host.copier if attr == "copier" else getattr(kv, attr, None) if attr else kv
+            if owner is not None and hasattr(owner, name):  # (an older checkout has no admitter)
                 _timed(owner, name, sink, label)
         type(kv.host.copier).copies = 0
         gc.collect()
