@@ -61,7 +61,8 @@ class Breakdown:
 
 
 def show(name: str, rnd: int, b: dict[str, float]) -> None:
-    stages = "  ".join(f"{k} {b[k]:.2f}s" for k in ("step", "forward", "schedule", "admit", "wait loads",
-                                                    "wait saves", "wait disk", "idle wait", "cleaner") if b.get(k))
+    names = ("step", "forward", "schedule", "admit", "wait loads", "wait saves", "wait disk", "idle wait",
+             "cleaner")
+    stages = "  ".join(f"{k} {b[k]:.2f}s" for k in names if b.get(k))
     counts = "  ".join(f"{k} {int(b[k])}" for k in ("steps", "deferred", "blocks loaded", "blocks saved"))
     print(f"{'':14s} round {rnd} breakdown: {stages}  |  {counts}", flush=True)

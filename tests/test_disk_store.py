@@ -242,7 +242,8 @@ def test_one_directory_one_store_and_closing_ends_its_threads(tmp_path):
     sums = write_ok(store, src, [0], [0])
     assert read(store, src, [0], [0], sums) == [True]
     lanes = {t.name.rsplit("_", 1)[0] for t in threading.enumerate() if t.name.startswith("nanoserve-disk")}
-    assert lanes == {"nanoserve-disk-read", "nanoserve-disk-write", "nanoserve-disk-verify"}  # and reads' hashes
+    # one thread per direction, and the reads' checksums
+    assert lanes == {"nanoserve-disk-read", "nanoserve-disk-write", "nanoserve-disk-verify"}
     with pytest.raises(ValueError, match="in use by another process"):
         DiskStore(tmp_path / "c", 4, block_bytes(src))
     del store  # collected: its finalizer stops the threads and frees the file

@@ -149,7 +149,8 @@ def test_a_request_gone_while_its_read_runs_leaves_no_pin(tmp_path):
 
 def test_writes_that_keep_failing_leave_the_tier_read_only_and_serving(tmp_path, monkeypatch, caplog):
     """A full disk (every write ENOSPC): after three failed batches no write starts, the host keeps its
-    blocks as without a disk, and the workload still drains with correct KV; what the disk held still reads."""
+    blocks as without a disk, and the workload still drains with correct KV; what the disk held still
+    reads."""
     device, kv, disk, sched = _tiers(tmp_path / "kv")
     _serve(device, kv, sched, DOCS[:3])
     written = disk.stats.blocks_written

@@ -126,11 +126,13 @@ def test_a_router_rebuilds_every_tier_from_the_events(tiny_path, subscriber, tmp
     if disk:  # restarted on the same directory: it clears, then announces what its disk index brought back
         first = len(subscriber.frames)
         with LLM(str(tiny_path("llama-gqa-tied")), dtype="float32", block_size=bs, num_kv_blocks=24,
-                 max_num_seqs=2, host_cache_gb=0.00008, kv_events_endpoint=subscriber.endpoint, **tiers) as llm:
+                 max_num_seqs=2, host_cache_gb=0.00008, kv_events_endpoint=subscriber.endpoint,
+                 **tiers) as llm:
             llm.engine.step()  # (events go out with a step)
             restored = set(llm.engine.kv.disk.pool.index)
             events = [e for _, _, b in subscriber.batches()[first:] for e in b.events]
-        assert isinstance(events[0], AllBlocksCleared) and restored  # (its shutdown saved device-only KV into a small disk)
+        # (what it restored: its shutdown also saved device-only KV, into a small disk)
+        assert isinstance(events[0], AllBlocksCleared) and restored
         assert {h for e in events[1:] if isinstance(e, BlockStored) for h in e.block_hashes} == restored
         assert {e.medium for e in events[1:]} == {"DISK"}
     assert all(len(o.outputs[0].token_ids) == 6 for o in outs)

@@ -282,9 +282,9 @@ class TierCopies:
             "waiting on an ended load")
         host.check_invariants()
         disk = self.disk.pool.index if self.disk is not None else {}
+        host_below = (lambda h: h in disk) if self.host.backed else (lambda h: h in dev.index)
         for a, below, name in ((dev, lambda h: h in host.index or h in disk, "device"),
-                               (host, (lambda h: h in disk) if self.host.backed else (lambda h: h in dev.index),
-                                "host")):
+                               (host, host_below, "host")):
             for blk in range(a.num_blocks):
                 h = a.block_hash[blk]
                 if h is not None and a.index.get(h) == blk:

@@ -206,7 +206,8 @@ class _SlotFile:
         bb = self.block_bytes
         got = os.preadv(self.fd, self._iov(rows, b, n, self.scratch), s * self.slot_bytes)
         whole = range(min(n, (got - bb) // self.slot_bytes + 1))  # those wholly read (a truncated file)
-        found = self.hashers.map(lambda k: checksum(chains[i + k], rows[(b + k) * bb:(b + k + 1) * bb]), whole)
+        found = self.hashers.map(lambda k: checksum(chains[i + k], rows[(b + k) * bb:(b + k + 1) * bb]),
+                                 whole)
         for k, got_sum in zip(whole, found):
             if got_sum != sums[i + k]:
                 self.num_checksum_failures += 1

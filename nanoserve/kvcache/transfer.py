@@ -179,7 +179,8 @@ def _stop_worker(jobs: queue.SimpleQueue, worker: threading.Thread) -> None:
 class ThreadCopier(Copier):
     """`block_copy` is injectable so tests can slow or fail copies without sleeps in this code."""
 
-    def __init__(self, block_copy: BlockCopy = copy_block_memmove, max_copy_bytes: int = MAX_COPY_BYTES) -> None:
+    def __init__(self, block_copy: BlockCopy = copy_block_memmove,
+                 max_copy_bytes: int = MAX_COPY_BYTES) -> None:
         super().__init__(max_copy_bytes)
         self.block_copy = block_copy
         self._last: dict[str, Transfer] = {}  # lanes are FIFO: the last one done means all are
