@@ -18,7 +18,6 @@ import time
 from collections import Counter
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from itertools import repeat
 from typing import TYPE_CHECKING
 
 from nanoserve.kvcache.block_pool import BlockHash, BlockKey, BlockPool
@@ -39,8 +38,17 @@ class LoadState(enum.Enum):
 @dataclass(eq=False)
 class Load:
     copy: HostCopy
-    keys: list[tuple[BlockHash, BlockKey]]
+    hashes: list[BlockHash]  # per link (as copy.dev_ids): the chain digest and key it loads
+    keys: list[BlockKey]
     waiters: set[int] = field(default_factory=set)  # seq ids holding its destination blocks
+    # digest -> link, built only when a match first hits the load in flight (a second request on the
+    # same prefix): the first admission, on the step path, records the load once per digest and no more
+    _links: dict[BlockHash, int] | None = field(default=None, repr=False)
+
+    def link(self, h: BlockHash) -> int:
+        if self._links is None:
+            self._links = dict(zip(self.hashes, range(len(self.hashes))))
+        return self._links[h]
 
 
 def chain_order(blocks: list[int], pool: BlockPool) -> list[int]:
@@ -66,12 +74,25 @@ def chain_order(blocks: list[int], pool: BlockPool) -> list[int]:
     return out
 
 
+def loading_links(loading: dict[BlockHash, Load],
+                  hashes: list[BlockHash]) -> tuple[list[int], list[BlockKey | None]]:
+    """Per digest: the device block a load in flight fills with it (-1: none), and its stored key."""
+    blocks: list[int] = []
+    keys: list[BlockKey | None] = []
+    for h in hashes:
+        ld = loading.get(h)
+        i = ld.link(h) if ld is not None else -1
+        blocks.append(ld.copy.dev_ids[i] if ld is not None else -1)
+        keys.append(ld.keys[i] if ld is not None else None)
+    return blocks, keys
+
+
 class TierCopies:
     def __init__(self, pool: BlockPool, host: HostTier, disk: DiskTier | None = None) -> None:
         self.pool, self.host, self.disk = pool, host, disk
         self.saves: list[HostCopy] = []
         self.loads: list[Load] = []
-        self.loading: dict[BlockHash, tuple[int, BlockKey, Load]] = {}  # device block being loaded
+        self.loading: dict[BlockHash, Load] = {}  # the load in flight filling a device block with a chain
         self.waiting_on: dict[int, set[Load]] = {}  # seq id -> loads it still needs
         self.failed: set[int] = set()                # seq ids whose load failed
         self.save_failures_in_row = 0  # failed submits/copies since the last save that landed
@@ -168,18 +189,22 @@ class TierCopies:
     # ---- loads --------------------------------------------------------------------------------------
     def loading_block(self, h: BlockHash, key: BlockKey) -> int | None:
         """The device block a load in flight is filling with this chain's KV."""
-        entry = self.loading.get(h)
-        return entry[0] if entry is not None and entry[1] == key else None
+        ld = self.loading.get(h)
+        if ld is None:
+            return None
+        i = ld.link(h)
+        return ld.copy.dev_ids[i] if ld.keys[i] == key else None
 
     def begin_load(self, hashes: list[BlockHash], keys: list[BlockKey], host_ids: list[int],
-                   dev_ids: list[int]) -> Load:
+                   dev_ids: list[int], dev_spans: list[tuple[int, int]] | None = None) -> Load:
         """Start copying host blocks into device blocks, link i being (hashes[i], keys[i], host_ids[i],
         dev_ids[i]); the device blocks are pinned until the copy ends (they survive their sequence
-        being freed meanwhile). In whole-list passes: a load can be thousands of blocks."""
+        being freed meanwhile). In whole-list passes: a load can be thousands of blocks. `dev_spans`:
+        `dev_ids` as runs [start, stop), in order, when the caller has them (extents.allocate_spans)."""
         copy = self.host.begin_load(host_ids, dev_ids)
-        ld = Load(copy, list(zip(hashes, keys)))
-        self.pool.pin_many(copy.dev_ids)
-        self.loading.update(zip(hashes, zip(copy.dev_ids, keys, repeat(ld))))
+        ld = Load(copy, list(hashes), list(keys))
+        self.pool.pin_many(copy.dev_ids, dev_spans)
+        self.loading.update(dict.fromkeys(ld.hashes, ld))  # one entry per digest, no tuple per link
         self.loads.append(ld)
         return ld
 
@@ -189,7 +214,7 @@ class TierCopies:
         self.waiting_on[seq_id] = loads
 
     def load_of(self, h: BlockHash) -> Load:
-        return self.loading[h][2]
+        return self.loading[h]
 
     def state(self, seq_id: int) -> LoadState:
         if seq_id in self.failed:
@@ -206,7 +231,7 @@ class TierCopies:
         ok = self.host.end_load(ld.copy)
         if ok:
             ld.copy.handle.order_compute_after()
-        for db, (h, key) in zip(ld.copy.dev_ids, ld.keys):
+        for db, h, key in zip(ld.copy.dev_ids, ld.hashes, ld.keys):
             del self.loading[h]
             if ok and self.pool.publish(db, h, key):  # the KV is on device only now: findable from here on
                 self.twin(db)
@@ -277,7 +302,8 @@ class TierCopies:
         dev_pins.update(b for ld in self.loads for b in ld.copy.dev_ids)
         assert all(dev.pins[b] == dev_pins[b] for b in range(dev.num_blocks)), (
             "device block pinned without a copy in flight (or the reverse)")
-        assert {db for db, _, _ in self.loading.values()} == {b for ld in self.loads for b in ld.copy.dev_ids}
+        assert len(self.loading) == sum(len(ld.hashes) for ld in self.loads) and all(
+            self.loading.get(h) is ld for ld in self.loads for h in ld.hashes), "loading index is stale"
         assert all(ld in self.loads for lds in self.waiting_on.values() for ld in lds), (
             "waiting on an ended load")
         host.check_invariants()
