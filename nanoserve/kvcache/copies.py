@@ -15,10 +15,13 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from nanoserve.kvcache.block_pool import BlockHash, BlockKey, BlockPool
 from nanoserve.kvcache.host_tier import HostCopy, HostTier
@@ -45,10 +48,10 @@ class Load:
     # same prefix): the first admission, on the step path, records the load once per digest and no more
     _links: dict[BlockHash, int] | None = field(default=None, repr=False)
 
-    def link(self, h: BlockHash) -> int:
+    def links(self) -> dict[BlockHash, int]:
         if self._links is None:
             self._links = dict(zip(self.hashes, range(len(self.hashes))))
-        return self._links[h]
+        return self._links
 
 
 def chain_order(blocks: list[int], pool: BlockPool) -> list[int]:
@@ -75,15 +78,19 @@ def chain_order(blocks: list[int], pool: BlockPool) -> list[int]:
 
 
 def loading_links(loading: dict[BlockHash, Load],
-                  hashes: list[BlockHash]) -> tuple[list[int], list[BlockKey | None]]:
-    """Per digest: the device block a load in flight fills with it (-1: none), and its stored key."""
-    blocks: list[int] = []
-    keys: list[BlockKey | None] = []
-    for h in hashes:
-        ld = loading.get(h)
-        i = ld.link(h) if ld is not None else -1
-        blocks.append(ld.copy.dev_ids[i] if ld is not None else -1)
-        keys.append(ld.keys[i] if ld is not None else None)
+                  hashes: list[BlockHash]) -> tuple[np.ndarray, list[BlockKey | None]]:
+    """Per digest: the device block a load in flight fills with it (-1: none), and its stored key. In
+    passes per load (a digest is in one load at most), not per link: a second request on a prefix in
+    flight matches thousands of links here."""
+    n = len(hashes)
+    blocks = np.full(n, -1, np.int64)
+    keys: list[BlockKey | None] = [None] * n
+    for ld in set(map(loading.get, hashes)) - {None}:
+        pos = np.fromiter(map(ld.links().get, hashes, repeat(-1)), np.int64, n)
+        at = (pos >= 0).nonzero()[0]
+        src = pos[at]
+        blocks[at] = np.array(ld.copy.dev_ids, np.int64)[src]
+        deque(map(keys.__setitem__, at.tolist(), map(ld.keys.__getitem__, src.tolist())), maxlen=0)
     return blocks, keys
 
 
@@ -192,7 +199,7 @@ class TierCopies:
         ld = self.loading.get(h)
         if ld is None:
             return None
-        i = ld.link(h)
+        i = ld.links()[h]
         return ld.copy.dev_ids[i] if ld.keys[i] == key else None
 
     def begin_load(self, hashes: list[BlockHash], keys: list[BlockKey], host_ids: list[int],

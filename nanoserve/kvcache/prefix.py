@@ -159,7 +159,7 @@ class PrefixChains:
         loading_keys = None
         if copies is not None and copies.loading:
             loading, loading_keys = loading_links(copies.loading, hashes)
-            block, tier = self._fill(block, tier, np.array(loading, np.int64), 1)
+            block, tier = self._fill(block, tier, loading, 1)
         if host is not None and (tier == 3).any():
             on_host = np.fromiter(map(host.pool.index.get, hashes, repeat(-1)), np.int64, n)
             block, tier = self._fill(block, tier, on_host, 2)
