@@ -85,13 +85,31 @@ def loading_links(loading: dict[BlockHash, Load],
     n = len(hashes)
     blocks = np.full(n, -1, np.int64)
     keys: list[BlockKey | None] = [None] * n
-    for ld in set(map(loading.get, hashes)) - {None}:
+    per_link = list(map(loading.get, hashes))
+    lds = set(per_link) - {None}
+    if len(lds) == 1 and _one_piece(per_link, hashes, lds.pop(), blocks, keys):
+        return blocks, keys
+    for ld in set(per_link) - {None}:
         pos = np.fromiter(map(ld.links().get, hashes, repeat(-1)), np.int64, n)
         at = (pos >= 0).nonzero()[0]
         src = pos[at]
         blocks[at] = np.array(ld.copy.dev_ids, np.int64)[src]
         deque(map(keys.__setitem__, at.tolist(), map(ld.keys.__getitem__, src.tolist())), maxlen=0)
     return blocks, keys
+
+
+def _one_piece(per_link: list[Load | None], hashes: list[BlockHash], ld: Load, blocks: np.ndarray,
+               keys: list[BlockKey | None]) -> bool:
+    """`loading_links` when the links `ld` loads are one piece of both chains, contiguous on each side
+    (the usual: a request on the prefix another one is loading), as slices; False if they are not."""
+    lo = per_link.index(ld)
+    m = per_link.count(ld)
+    j = ld.hashes.index(hashes[lo])
+    if per_link[lo:lo + m].count(ld) != m or ld.hashes[j:j + m] != hashes[lo:lo + m]:
+        return False
+    blocks[lo:lo + m] = ld.copy.dev_ids[j:j + m]
+    keys[lo:lo + m] = ld.keys[j:j + m]
+    return True
 
 
 class TierCopies:
