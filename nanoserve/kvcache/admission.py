@@ -62,14 +62,14 @@ class Admitter:
                                               or self.copies.host.backed and b in self.copies.host.pool.clean)
                 if supply is Supply.LOSSY and self.copies is not None else 0)
         lossy_before = self.pool.num_lossy_evictions
-        table, shared = self._take_blocks(seq, match, need, supply is Supply.LOSSY)
+        table, shared, spans = self._take_blocks(seq, match, need, supply is Supply.LOSSY)
         if host_hits:
             # the host hits are still the ones matched: nothing since the match touched the host
             # pool but `_supply`, which pinned them around the saves it started
             try:
                 shared.add(self.copies.begin_load(match.links(Tier.HOST, seq.block_hashes),
                                                   match.links(Tier.HOST, seq.block_keys), host_hits,
-                                                  match.links(Tier.HOST, table)))
+                                                  match.links(Tier.HOST, table), spans))
             except Exception:
                 self._release(table)
                 self.num_load_submit_failures += 1
@@ -100,9 +100,10 @@ class Admitter:
                                match.of(Tier.HOST))
 
     def _take_blocks(self, seq: Sequence, match: PrefixMatch, need: int,
-                     lossy_ok: bool) -> tuple[list[int], set[Load]]:
+                     lossy_ok: bool) -> tuple[list[int], set[Load], list[tuple[int, int]] | None]:
         """The block table for the matched links plus `need` new blocks (host links get fresh
-        destination blocks), and the loads in flight it shares. All or nothing."""
+        destination blocks), the loads in flight it shares, and the host links' blocks as runs
+        (when known: extents.allocate_spans). All or nothing."""
         table: list[int | None] = [None] * len(match)
         shared: set[Load] = set()
         try:
@@ -117,15 +118,16 @@ class Admitter:
             # a load's destinations: the fewest runs of free blocks, ascending in table order; with
             # the host side in chain order (copies.chain_order) each run on both sides is one copy
             num_load = sum(hi - lo for tier, lo, hi in match.runs if tier is Tier.HOST)
-            dest = iter(self.policy.allocate_extents(num_load, lossy_ok) if num_load else ())
+            blocks, spans = self.policy.allocate_extents(num_load, lossy_ok) if num_load else ([], None)
+            dest = iter(blocks)  # in table order, so the host links' blocks are `blocks` as they are
             for tier, lo, hi in match.runs:
                 if tier is Tier.HOST:
-                    table[lo:hi] = list(islice(dest, hi - lo))
+                    table[lo:hi] = blocks if hi - lo == len(blocks) else list(islice(dest, hi - lo))
             table.extend(self.policy.allocate(lossy_ok) for _ in range(need - num_load))
         except BaseException:
             self._release(table)
             raise
-        return table, shared
+        return table, shared, spans
 
     def _release(self, table: list[int | None]) -> None:
         for b in table:

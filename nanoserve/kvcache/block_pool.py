@@ -27,9 +27,11 @@ from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from collections.abc import Callable
-from itertools import compress, repeat
+from itertools import chain, compress, repeat
 from operator import not_
 from typing import NamedTuple, Protocol
+
+import numpy as np
 
 BlockHash = bytes
 
@@ -162,32 +164,21 @@ class BlockPool:
             self.num_held += 1
         self.pins[block] += 1
 
-    def pin_many(self, blocks: list[int]) -> None:
+    def pin_many(self, blocks: list[int], spans: list[tuple[int, int]] | None = None) -> None:
         """`pin` each of `blocks` (distinct), in a few passes when none is pinned yet (a load's blocks:
-        its sources cached-free on host, its destinations just allocated), else one by one."""
-        pins, refs = self.pins, self.ref_count
-        if any(map(pins.__getitem__, blocks)):
-            done: list[int] = []
-            try:
-                for b in blocks:
-                    self.pin(b)
-                    done.append(b)
-            except BaseException:
-                for b in done:
-                    self.unpin(b)
-                raise
+        its sources cached-free on host, its destinations just allocated), else one by one. `spans`:
+        the blocks as runs [start, stop), in order, if the caller knows them."""
+        if pin_fresh(self, blocks, spans):
             return
-        unref = (list(compress(blocks, map((0).__eq__, map(refs.__getitem__, blocks))))
-                 if any(map(refs.__getitem__, blocks)) else blocks)
-        flags = list(map(self.is_clean.__getitem__, unref))
-        clean = unref if all(flags) else list(compress(unref, flags)) if any(flags) else []
-        dirty = [] if clean is unref else unref if not clean else list(compress(unref, map(not_, flags)))
-        assert all(map(self.clean.__contains__, clean)) and all(map(self.dirty.__contains__, dirty)), (
-            "pinning a free block (nothing to copy)")
-        deque(map(self.clean.pop, clean), maxlen=0)
-        deque(map(self.dirty.pop, dirty), maxlen=0)
-        self.num_held += len(unref)
-        deque(map(pins.__setitem__, blocks, repeat(1)), maxlen=0)
+        done: list[int] = []
+        try:
+            for b in blocks:
+                self.pin(b)
+                done.append(b)
+        except BaseException:
+            for b in done:
+                self.unpin(b)
+            raise
 
     def unpin(self, block: int) -> None:
         """End a copy's hold; an unreferenced cached block rejoins its LRU as most recently used
@@ -303,3 +294,71 @@ class BlockPool:
             "free map is stale"
         for h, b in self.index.items():
             assert self.block_hash[b] == h, f"index points at block {b} whose hash changed"
+
+
+def spans_of(blocks: list[int], most: int) -> list[tuple[int, int]] | None:
+    """`blocks` as the maximal runs of consecutive ascending ids, [start, stop) in list order; None if
+    there are more than `most`."""
+    a = np.array(blocks, dtype=np.int64)
+    cuts = ((a[1:] - a[:-1]) != 1).nonzero()[0]
+    if len(cuts) >= most:
+        return None
+    bounds = [0, *(cuts + 1).tolist(), len(blocks)]
+    return [(blocks[lo], blocks[hi - 1] + 1) for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+
+def pin_fresh(pool: BlockPool, blocks: list[int], spans: list[tuple[int, int]] | None = None) -> bool:
+    """`pool.pin_many` when no block is pinned yet (else False, nothing done). A load's blocks are mostly
+    a few runs of consecutive ids (extents.py, copies.chain_order): then each pass is per run, on list
+    slices, and only taking unreferenced blocks out of their LRU is per block."""
+    if not blocks:
+        return True
+    spans = spans or spans_of(blocks, len(blocks) // 8 + 1)
+    if spans is None:  # scattered: per-run slices would cost more than per-block passes
+        return _pin_scattered(pool, blocks)
+    pins, refs = pool.pins, pool.ref_count
+    if any(any(pins[s:e]) for s, e in spans):
+        return False
+    # the unreferenced ones, as whole runs where a run is (clean/dirty flags then come as slices too)
+    unref: list[range | list[int]] = []
+    for s, e in spans:
+        r = refs[s:e]
+        if not any(r):
+            unref.append(range(s, e))
+        elif not all(r):
+            unref.append(list(compress(range(s, e), map(not_, r))))
+    flags: list[bool] = []
+    for part in unref:
+        flags += (pool.is_clean[part.start:part.stop] if isinstance(part, range)
+                  else map(pool.is_clean.__getitem__, part))
+    # unreferenced and unpinned: in an LRU unless free (the invariants), so this is `pin`'s assertion
+    assert not any(pool.free_map.find(1, p.start, p.stop) >= 0 if isinstance(p, range)
+                   else any(map(pool.free_map.__getitem__, p)) for p in unref), (
+        "pinning a free block (nothing to copy)")
+    _unpark_all(pool, list(chain.from_iterable(unref)) if len(unref) != 1 else unref[0], flags)
+    for s, e in spans:
+        pins[s:e] = [1] * (e - s)
+    return True
+
+
+def _pin_scattered(pool: BlockPool, blocks: list[int]) -> bool:
+    """`pin_fresh` over blocks in no particular order: a few whole-list passes."""
+    pins, refs = pool.pins, pool.ref_count
+    if any(map(pins.__getitem__, blocks)):
+        return False
+    unref = (list(compress(blocks, map((0).__eq__, map(refs.__getitem__, blocks))))
+             if any(map(refs.__getitem__, blocks)) else blocks)
+    assert not any(map(pool.free_map.__getitem__, unref)), "pinning a free block (nothing to copy)"
+    _unpark_all(pool, unref, list(map(pool.is_clean.__getitem__, unref)))
+    deque(map(pins.__setitem__, blocks, repeat(1)), maxlen=0)
+    return True
+
+
+def _unpark_all(pool: BlockPool, unref, flags: list[bool]) -> None:
+    """Take unreferenced, unpinned, cached-free blocks (`flags`: their clean flags) out of their LRUs:
+    they are held now."""
+    clean = unref if all(flags) else list(compress(unref, flags)) if any(flags) else ()
+    dirty = () if clean is unref else unref if not clean else list(compress(unref, map(not_, flags)))
+    deque(map(pool.clean.pop, clean), maxlen=0)
+    deque(map(pool.dirty.pop, dirty), maxlen=0)
+    pool.num_held += len(unref)

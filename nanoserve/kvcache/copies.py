@@ -15,11 +15,13 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from nanoserve.kvcache.block_pool import BlockHash, BlockKey, BlockPool
 from nanoserve.kvcache.host_tier import HostCopy, HostTier
@@ -39,8 +41,17 @@ class LoadState(enum.Enum):
 @dataclass(eq=False)
 class Load:
     copy: HostCopy
-    keys: list[tuple[BlockHash, BlockKey]]
+    hashes: list[BlockHash]  # per link (as copy.dev_ids): the chain digest and key it loads
+    keys: list[BlockKey]
     waiters: set[int] = field(default_factory=set)  # seq ids holding its destination blocks
+    # digest -> link, built only when a match first hits the load in flight (a second request on the
+    # same prefix): the first admission, on the step path, records the load once per digest and no more
+    _links: dict[BlockHash, int] | None = field(default=None, repr=False)
+
+    def links(self) -> dict[BlockHash, int]:
+        if self._links is None:
+            self._links = dict(zip(self.hashes, range(len(self.hashes))))
+        return self._links
 
 
 def chain_order(blocks: list[int], pool: BlockPool) -> list[int]:
@@ -66,12 +77,47 @@ def chain_order(blocks: list[int], pool: BlockPool) -> list[int]:
     return out
 
 
+def loading_links(loading: dict[BlockHash, Load],
+                  hashes: list[BlockHash]) -> tuple[np.ndarray, list[BlockKey | None]]:
+    """Per digest: the device block a load in flight fills with it (-1: none), and its stored key. In
+    passes per load (a digest is in one load at most), not per link: a second request on a prefix in
+    flight matches thousands of links here."""
+    n = len(hashes)
+    blocks = np.full(n, -1, np.int64)
+    keys: list[BlockKey | None] = [None] * n
+    per_link = list(map(loading.get, hashes))
+    lds = set(per_link) - {None}
+    if len(lds) == 1 and _one_piece(per_link, hashes, lds.pop(), blocks, keys):
+        return blocks, keys
+    for ld in set(per_link) - {None}:
+        pos = np.fromiter(map(ld.links().get, hashes, repeat(-1)), np.int64, n)
+        at = (pos >= 0).nonzero()[0]
+        src = pos[at]
+        blocks[at] = np.array(ld.copy.dev_ids, np.int64)[src]
+        deque(map(keys.__setitem__, at.tolist(), map(ld.keys.__getitem__, src.tolist())), maxlen=0)
+    return blocks, keys
+
+
+def _one_piece(per_link: list[Load | None], hashes: list[BlockHash], ld: Load, blocks: np.ndarray,
+               keys: list[BlockKey | None]) -> bool:
+    """`loading_links` when the links `ld` loads are one piece of both chains, contiguous on each side
+    (the usual: a request on the prefix another one is loading), as slices; False if they are not."""
+    lo = per_link.index(ld)
+    m = per_link.count(ld)
+    j = ld.hashes.index(hashes[lo])
+    if per_link[lo:lo + m].count(ld) != m or ld.hashes[j:j + m] != hashes[lo:lo + m]:
+        return False
+    blocks[lo:lo + m] = ld.copy.dev_ids[j:j + m]
+    keys[lo:lo + m] = ld.keys[j:j + m]
+    return True
+
+
 class TierCopies:
     def __init__(self, pool: BlockPool, host: HostTier, disk: DiskTier | None = None) -> None:
         self.pool, self.host, self.disk = pool, host, disk
         self.saves: list[HostCopy] = []
         self.loads: list[Load] = []
-        self.loading: dict[BlockHash, tuple[int, BlockKey, Load]] = {}  # device block being loaded
+        self.loading: dict[BlockHash, Load] = {}  # the load in flight filling a device block with a chain
         self.waiting_on: dict[int, set[Load]] = {}  # seq id -> loads it still needs
         self.failed: set[int] = set()                # seq ids whose load failed
         self.save_failures_in_row = 0  # failed submits/copies since the last save that landed
@@ -168,18 +214,22 @@ class TierCopies:
     # ---- loads --------------------------------------------------------------------------------------
     def loading_block(self, h: BlockHash, key: BlockKey) -> int | None:
         """The device block a load in flight is filling with this chain's KV."""
-        entry = self.loading.get(h)
-        return entry[0] if entry is not None and entry[1] == key else None
+        ld = self.loading.get(h)
+        if ld is None:
+            return None
+        i = ld.links()[h]
+        return ld.copy.dev_ids[i] if ld.keys[i] == key else None
 
     def begin_load(self, hashes: list[BlockHash], keys: list[BlockKey], host_ids: list[int],
-                   dev_ids: list[int]) -> Load:
+                   dev_ids: list[int], dev_spans: list[tuple[int, int]] | None = None) -> Load:
         """Start copying host blocks into device blocks, link i being (hashes[i], keys[i], host_ids[i],
         dev_ids[i]); the device blocks are pinned until the copy ends (they survive their sequence
-        being freed meanwhile). In whole-list passes: a load can be thousands of blocks."""
+        being freed meanwhile). In whole-list passes: a load can be thousands of blocks. `dev_spans`:
+        `dev_ids` as runs [start, stop), in order, when the caller has them (extents.allocate_spans)."""
         copy = self.host.begin_load(host_ids, dev_ids)
-        ld = Load(copy, list(zip(hashes, keys)))
-        self.pool.pin_many(copy.dev_ids)
-        self.loading.update(zip(hashes, zip(copy.dev_ids, keys, repeat(ld))))
+        ld = Load(copy, list(hashes), list(keys))
+        self.pool.pin_many(copy.dev_ids, dev_spans)
+        self.loading.update(dict.fromkeys(ld.hashes, ld))  # one entry per digest, no tuple per link
         self.loads.append(ld)
         return ld
 
@@ -189,7 +239,7 @@ class TierCopies:
         self.waiting_on[seq_id] = loads
 
     def load_of(self, h: BlockHash) -> Load:
-        return self.loading[h][2]
+        return self.loading[h]
 
     def state(self, seq_id: int) -> LoadState:
         if seq_id in self.failed:
@@ -206,7 +256,7 @@ class TierCopies:
         ok = self.host.end_load(ld.copy)
         if ok:
             ld.copy.handle.order_compute_after()
-        for db, (h, key) in zip(ld.copy.dev_ids, ld.keys):
+        for db, h, key in zip(ld.copy.dev_ids, ld.hashes, ld.keys):
             del self.loading[h]
             if ok and self.pool.publish(db, h, key):  # the KV is on device only now: findable from here on
                 self.twin(db)
@@ -277,7 +327,8 @@ class TierCopies:
         dev_pins.update(b for ld in self.loads for b in ld.copy.dev_ids)
         assert all(dev.pins[b] == dev_pins[b] for b in range(dev.num_blocks)), (
             "device block pinned without a copy in flight (or the reverse)")
-        assert {db for db, _, _ in self.loading.values()} == {b for ld in self.loads for b in ld.copy.dev_ids}
+        assert len(self.loading) == sum(len(ld.hashes) for ld in self.loads) and all(
+            self.loading.get(h) is ld for ld in self.loads for h in ld.hashes), "loading index is stale"
         assert all(ld in self.loads for lds in self.waiting_on.values() for ld in lds), (
             "waiting on an ended load")
         host.check_invariants()

@@ -21,13 +21,18 @@ import numpy as np
 from nanoserve.kvcache.block_pool import BlockPool
 
 Extent = tuple[int, int]  # (first block, number of blocks)
+Span = tuple[int, int]    # [first block, stop)
 
 
 def free_runs(free_map: bytearray) -> tuple[np.ndarray, np.ndarray]:
-    """(starts, lengths) of the maximal runs of free blocks (`free_map[b]` is 1 when b is free)."""
-    edges = np.diff(np.frombuffer(free_map, dtype=np.int8), prepend=0, append=0)
-    starts = np.flatnonzero(edges == 1)
-    return starts, np.flatnonzero(edges == -1) - starts
+    """(starts, lengths) of the maximal runs of free blocks (`free_map[b]` is 1 when b is free). Array
+    methods and ufuncs, not numpy's Python-level wrappers (diff, flatnonzero): on the step path, once per
+    load, the wrappers' own code cost more than the arrays' work."""
+    edges = np.zeros(len(free_map) + 2, np.int8)
+    edges[1:-1] = np.frombuffer(free_map, dtype=np.int8)
+    step = edges[1:] - edges[:-1]
+    starts = (step == 1).nonzero()[0]
+    return starts, (step == -1).nonzero()[0] - starts
 
 
 def choose_extents(starts: np.ndarray, lengths: np.ndarray, n: int) -> list[Extent]:
@@ -35,10 +40,11 @@ def choose_extents(starts: np.ndarray, lengths: np.ndarray, n: int) -> list[Exte
     then the rest from the start of the smallest run that holds it. Ascending by first block."""
     if n <= 0 or not len(starts):
         return []
-    order = np.argsort(-lengths, kind="stable")
-    cum = np.cumsum(lengths[order])
-    whole = int(np.searchsorted(cum, n))  # runs taken whole: the first `whole` of `order`
-    chosen = [(int(starts[i]), int(lengths[i])) for i in order[:min(whole, len(order))]]
+    order = (-lengths).argsort(kind="stable")
+    cum = lengths[order].cumsum()
+    whole = int(cum.searchsorted(n))  # runs taken whole: the first `whole` of `order`
+    taken = order[:min(whole, len(order))]
+    chosen = list(zip(starts[taken].tolist(), lengths[taken].tolist()))
     rest = n - (int(cum[whole - 1]) if whole else 0)
     if whole < len(order) and rest > 0:
         # every run from `whole` on is no longer than order[whole], which holds `rest`: the last
@@ -67,6 +73,12 @@ def extents_of(blocks: list[int]) -> list[Extent]:
 def allocate_extents(pool: BlockPool, n: int, lossy_ok: bool = True) -> list[int]:
     """`n` blocks of `pool` with ref count 1, ascending: its free ones as the fewest runs, then the
     cached ones `pool.allocate` would evict, as many as it would. All or nothing."""
+    return allocate_spans(pool, n, lossy_ok)[0]
+
+
+def allocate_spans(pool: BlockPool, n: int, lossy_ok: bool = True) -> tuple[list[int], list[Span] | None]:
+    """`allocate_extents`, and its blocks as runs [start, stop) when they are whole extents (no eviction):
+    pinning the blocks then goes run by run without finding the runs again (block_pool.pin_fresh)."""
     if n > pool.num_available(lossless=not lossy_ok):
         raise RuntimeError("BlockPool exhausted: the caller must check num_available() first")
     extents = choose_extents(*free_runs(pool.free_map), min(n, len(pool.free)))
@@ -76,5 +88,5 @@ def allocate_extents(pool: BlockPool, n: int, lossy_ok: bool = True) -> list[int
         pool.free_map[s:s + k] = bytes(k)
         pool.ref_count[s:s + k] = [1] * k
     if len(blocks) < n:  # every free block is taken: the rest are LRU evictions, as ever
-        blocks = sorted(blocks + [pool.allocate(lossy_ok) for _ in range(n - len(blocks))])
-    return blocks
+        return sorted(blocks + [pool.allocate(lossy_ok) for _ in range(n - len(blocks))]), None
+    return blocks, [(s, s + k) for s, k in extents]

@@ -19,7 +19,7 @@ from collections.abc import Collection
 
 from nanoserve.kvcache.block_pool import BlockPool
 from nanoserve.kvcache.copies import TierCopies
-from nanoserve.kvcache.extents import allocate_extents
+from nanoserve.kvcache.extents import Span, allocate_spans
 
 log = logging.getLogger("nanoserve")
 
@@ -49,10 +49,11 @@ class TierPolicy:
         self._allocs += 1
         return self.pool.allocate(lossy_ok)
 
-    def allocate_extents(self, n: int, lossy_ok: bool) -> list[int]:
-        """A load's destinations: `n` blocks, ascending, as few runs as the free blocks allow."""
+    def allocate_extents(self, n: int, lossy_ok: bool) -> tuple[list[int], list[Span] | None]:
+        """A load's destinations: `n` blocks, ascending, as few runs as the free blocks allow (and those
+        runs, unless an eviction made some: extents.allocate_spans)."""
         self._allocs += n
-        return allocate_extents(self.pool, n, lossy_ok)
+        return allocate_spans(self.pool, n, lossy_ok)
 
     def host_room(self) -> int:
         return self.copies.host.room() if self.copies is not None else 0

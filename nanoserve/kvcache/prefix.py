@@ -15,12 +15,11 @@ import hashlib
 import os
 from dataclasses import dataclass
 from itertools import chain, repeat
-from operator import itemgetter
 
 import numpy as np
 
 from nanoserve.kvcache.block_pool import BlockHash, BlockKey, BlockPool, chain_hash
-from nanoserve.kvcache.copies import TierCopies
+from nanoserve.kvcache.copies import TierCopies, loading_links
 from nanoserve.sequence import Sequence
 
 
@@ -47,10 +46,13 @@ class PrefixMatch:
 
     def of(self, tier: Tier) -> list[int]:
         """The blocks of one tier, in chain order."""
-        return list(chain.from_iterable(self.blocks[lo:hi] for t, lo, hi in self.runs if t is tier))
+        return self.links(tier, self.blocks)
 
     def links(self, tier: Tier, per_link: list) -> list:
         """`per_link` (a list indexed by link) at the links of one tier, in chain order."""
+        mine = [(lo, hi) for t, lo, hi in self.runs if t is tier]
+        if len(mine) == 1:  # the usual case: one slice, no chaining
+            return per_link[mine[0][0]:mine[0][1]]
         return list(chain.from_iterable(per_link[lo:hi] for t, lo, hi in self.runs if t is tier))
 
     def hits(self) -> list[PrefixHit]:
@@ -68,7 +70,6 @@ class PrefixMatch:
 
 
 _TIERS = (Tier.DEVICE, Tier.LOADING, Tier.HOST)
-_NOT_LOADING = (-1, None, None)
 
 
 class PrefixChains:
@@ -114,14 +115,50 @@ class PrefixChains:
             # prompt logprobs need logits at every prompt position: compute them all
             return PrefixMatch([], [])
         hashes = self.hashes(seq, (seq.num_tokens - 1) // self.block_size)
-        n, copies = len(hashes), self.copies
+        copies = self.copies
         host = copies.host if copies is not None and use_host else None
+        loading = copies.loading if copies is not None and copies.loading else None
+        loading_keys = None
+        found = self._match_plain(hashes, host, loading)
+        if found is None:
+            found, loading_keys = self._match_tiers(hashes, host)
+        if self._verified(seq, found, host, loading_keys):
+            return found
+        return PrefixMatch.of_hits(self._walk(seq, use_host))
+
+    def _match_plain(self, hashes: list[BlockHash], host, loading: dict | None) -> PrefixMatch | None:
+        """The usual shape in list passes: device hits, then host hits, then a miss, with no load in
+        flight among the links past the device ones. None when the chain is shaped otherwise."""
+        index, n = self.pool.index, len(hashes)
+        # none on device (a host hit's usual case): one membership pass, no list; a device hit at the
+        # start (the other usual case) ends this pass at once
+        dev = [] if index.keys().isdisjoint(hashes) else list(map(index.get, hashes))
+        p = dev.index(None) if None in dev else len(dev)
+        if p == n:
+            return PrefixMatch(dev, [(Tier.DEVICE, 0, n)] if n else [])
+        if dev.count(None) != len(dev) - p:  # a device hit past a miss
+            return None
+        if loading is not None and not loading.keys().isdisjoint(hashes[p:]):
+            return None
+        runs = [(Tier.DEVICE, 0, p)] if p else []
+        del dev[p:]
+        if host is not None:
+            on_host = list(map(host.pool.index.get, hashes[p:]))
+            q = on_host.index(None) if None in on_host else len(on_host)
+            if q:
+                dev += on_host[:q]
+                runs.append((Tier.HOST, p, p + q))
+        return PrefixMatch(dev, runs)
+
+    def _match_tiers(self, hashes: list[BlockHash], host) -> tuple[PrefixMatch, list | None]:
+        """Any shape: a tier code per link (numpy), then the runs; and the loads' keys per link."""
+        n, copies = len(hashes), self.copies
         # per link: 0 device, 1 loading, 2 host, 3 miss; the first index holding it wins
         block = np.fromiter(map(self.pool.index.get, hashes, repeat(-1)), np.int64, n)
         tier = np.where(block >= 0, 0, 3)
+        loading_keys = None
         if copies is not None and copies.loading:
-            loading = np.fromiter(map(itemgetter(0), map(copies.loading.get, hashes, repeat(_NOT_LOADING))),
-                                  np.int64, n)
+            loading, loading_keys = loading_links(copies.loading, hashes)
             block, tier = self._fill(block, tier, loading, 1)
         if host is not None and (tier == 3).any():
             on_host = np.fromiter(map(host.pool.index.get, hashes, repeat(-1)), np.int64, n)
@@ -130,8 +167,7 @@ class PrefixChains:
         cuts = np.flatnonzero(np.diff(tier[:end])) + 1
         bounds = [0, *cuts.tolist(), end] if end else [0]
         runs = [(_TIERS[int(tier[lo])], lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
-        found = PrefixMatch(block[:end].tolist(), runs)
-        return found if self._verified(seq, found, host) else PrefixMatch.of_hits(self._walk(seq, use_host))
+        return PrefixMatch(block[:end].tolist(), runs), loading_keys
 
     @staticmethod
     def _fill(block: np.ndarray, tier: np.ndarray, found: np.ndarray,
@@ -139,7 +175,7 @@ class PrefixChains:
         take = (tier == 3) & (found >= 0)
         return np.where(take, found, block), np.where(take, code, tier)
 
-    def _verified(self, seq: Sequence, found: PrefixMatch, host) -> bool:
+    def _verified(self, seq: Sequence, found: PrefixMatch, host, loading_keys: list | None) -> bool:
         """Every link's stored key is the sequence's: parent digest and tokens (one list comparison per run,
         by identity first)."""
         keys = seq.block_keys
@@ -147,8 +183,7 @@ class PrefixChains:
             if t is Tier.DEVICE:
                 stored = list(map(self.pool.block_key.__getitem__, found.blocks[lo:hi]))
             elif t is Tier.LOADING:
-                loading = map(self.copies.loading.__getitem__, seq.block_hashes[lo:hi])
-                stored = list(map(itemgetter(1), loading))
+                stored = loading_keys[lo:hi]
             else:
                 stored = list(map(host.pool.block_key.__getitem__, found.blocks[lo:hi]))
             if stored != keys[lo:hi]:

@@ -85,13 +85,15 @@ def runs(src_ids: Sequence[int], dst_ids: Sequence[int], span: int = 0) -> list[
     n = len(src_ids)
     if not n:
         return []
-    s, d = np.fromiter(src_ids, np.int64, n), np.fromiter(dst_ids, np.int64, n)
-    cut = (np.diff(s) != 1) | (np.diff(d) != 1)
+    # ufuncs and array methods only: numpy's Python-level wrappers (diff, flatnonzero) cost more than
+    # the arrays' work here, a few runs of a few thousand blocks
+    s, d = np.array(src_ids, np.int64), np.array(dst_ids, np.int64)
+    cut = (s[1:] - s[:-1] != 1) | (d[1:] - d[:-1] != 1)
     if span:
         cut |= (s[1:] % span == 0) | (d[1:] % span == 0)
-    starts = np.flatnonzero(np.concatenate(([True], cut)))
-    lengths = np.diff(np.append(starts, n))
-    return list(zip(s[starts].tolist(), d[starts].tolist(), lengths.tolist()))
+    starts = [0, *(cut.nonzero()[0] + 1).tolist()]
+    lengths = [b - a for a, b in zip(starts, starts[1:] + [n])]
+    return list(zip(s[starts].tolist(), d[starts].tolist(), lengths))
 
 
 def copy_or_error(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor, dst_ids: Sequence[int],

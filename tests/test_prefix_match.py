@@ -1,0 +1,76 @@
+"""The whole-tier match (`PrefixChains.match_runs`: list passes for the usual shape, numpy for any other)
+finds what the link-by-link walk finds, whatever mix of device hits, loads in flight and host hits."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from nanoserve import SamplingParams
+from nanoserve.kvcache.host_tier import HostTier
+from nanoserve.kvcache.manager import KVCacheManager
+from nanoserve.kvcache.prefix import PrefixMatch
+from nanoserve.kvcache.transfer import Copier, Transfer
+from nanoserve.sequence import Sequence
+
+BS = 2
+
+
+class Pending(Transfer):
+    def done(self) -> bool:
+        return False
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return False
+
+
+class NeverCopier(Copier):
+    """Loads stay in flight: the match must find them as loading."""
+
+    def _open_lane(self, name: str) -> None:
+        return None
+
+    def submit(self, lane, src, src_ids, dst, dst_ids) -> Transfer:
+        return Pending()
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_match_runs_is_the_walk(seed: int) -> None:
+    rng = random.Random(seed)
+    n = 24
+    host = HostTier(64, torch.zeros(64, 1, 2, 1, BS, 1), NeverCopier())
+    kv = KVCacheManager(64, BS, host=host)
+    seq = Sequence(1, "1", 0, [rng.randrange(100) for _ in range((n + 1) * BS)], SamplingParams(), 4,
+                   frozenset())
+    kv.hash_prompt(seq)
+    states = [rng.choice("DLHH-" if seed % 3 else "DH-") for _ in range(n)]
+    if seed % 2:  # the usual shape: device hits, then host hits (the list-pass path), then misses
+        states.sort(key="DLH-".index)
+    loads: list[list[int]] = []
+    for i, s in enumerate(states):
+        h, key = seq.block_hashes[i], seq.block_keys[i]
+        if s in "DH" or s == "L":
+            hb = host.pool.allocate_pinned()
+            host.pool.publish(hb, h, key)
+            host.pool.unpin(hb)
+        if s == "D":
+            db = kv.pool.allocate()
+            kv.pool.publish(db, h, key)
+            kv.pool.release(db)
+        if s == "L":  # consecutive loading links share a load, as a request's would
+            if loads and loads[-1][-1] == i - 1 and rng.random() < 0.7:
+                loads[-1].append(i)
+            else:
+                loads.append([i])
+    for links in loads:
+        hashes = [seq.block_hashes[i] for i in links]
+        kv.copies.begin_load(hashes, [seq.block_keys[i] for i in links],
+                             [host.pool.index[h] for h in hashes], [kv.pool.allocate() for _ in links])
+    for h in seq.block_hashes:
+        kv.copies._refresh(h)  # the clean flags, as the tiers keep them
+    kv.check_invariants()
+    for use_host in (True, False):
+        want = PrefixMatch.of_hits(kv.chains._walk(seq, use_host))
+        got = kv.chains.match_runs(seq, use_host)
+        assert (got.blocks, got.runs) == (want.blocks, want.runs), states
