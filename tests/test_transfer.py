@@ -537,3 +537,15 @@ def test_failed_load_recomputes_with_identical_output(one_tiny):
     assert eng.kv.host.transfers.failed == 1
     eng.kv.drain_transfers()
     eng.check_invariants()
+
+
+def test_cpu_copies_are_exact_split_or_not():
+    """The CPU copier's memmoves: below and above the size split over two threads (an odd size, so the
+    halves are uneven), into a slab of a bigger pool, touching nothing outside it."""
+    from nanoserve.kvcache.transfer import SPLIT_COPY_BYTES, copy_block_memmove
+    for blocks in (3, SPLIT_COPY_BYTES // (2 * 4099) + 7):
+        src = torch.randn(blocks + 4, 4099).to(torch.bfloat16)
+        dst = torch.zeros_like(src)
+        copy_block_memmove(src[1:blocks + 1], dst[2:blocks + 2])
+        assert torch.equal(dst[2:blocks + 2], src[1:blocks + 1])
+        assert not dst[:2].any() and not dst[blocks + 2:].any()
