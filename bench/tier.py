@@ -146,6 +146,15 @@ def cli_flags(cfg: dict) -> list[str]:
     return flags
 
 
+def metric(url: str, name: str, tier: str) -> float | None:
+    """One per-tier sample of a nanoserve server's /metrics (None if it has none)."""
+    import httpx
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(f"nanoserve:{name}{{") and f'tier="{tier}"' in line:
+            return float(line.split()[-1])
+    return None
+
+
 class ServerTarget:
     def __init__(self, args, cfg: dict) -> None:
         self.args = args
@@ -161,11 +170,8 @@ class ServerTarget:
         self.model = httpx.get(self.server.base_url + "/models").json()["data"][0]["id"]
 
     def lossy(self) -> int | None:
-        import httpx
-        for line in httpx.get(self.server.url + "/metrics").text.splitlines():
-            if line.startswith('nanoserve:kv_lossy_evictions_total{') and 'tier="device"' in line:
-                return int(float(line.split()[-1]))
-        return None
+        value = metric(self.server.url, "kv_lossy_evictions_total", "device")
+        return None if value is None else int(value)
 
     def round(self, rnd: int, prompts) -> list[RequestResult]:
         import httpx

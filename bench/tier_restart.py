@@ -27,17 +27,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--runs", type=int, default=3, help="--restart: runs per side (fresh documents each)")
 
 
-def _metric(url: str, name: str, tier: str) -> float:
-    import httpx
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith(f"nanoserve:{name}{{") and f'tier="{tier}"' in line:
-            return float(line.split()[-1])
-    return 0.0
-
-
 def _side(args, cfg: dict, first_dir: Path, second_dir: Path, wl, run: int) -> dict:
     """Round 1 on a server writing `first_dir`, SIGTERM, round 2 on a server reading `second_dir`."""
-    from tier import ServerTarget, summarize
+    from tier import ServerTarget, metric, summarize
 
     def server(directory: Path) -> tuple[ServerTarget, float]:
         t0 = time.perf_counter()
@@ -60,7 +52,8 @@ def _side(args, cfg: dict, first_dir: Path, second_dir: Path, wl, run: int) -> d
         done = target.round(1, prompts)
         row = summarize(f"run {run}", 1, done, time.perf_counter() - t0, 0, None)
         prompt_tokens = sum(d.prompt_tokens for d in done)
-        row["disk_hit"] = _metric(target.server.url, "prefix_cache_hits_total", "disk") / prompt_tokens
+        disk_hits = metric(target.server.url, "prefix_cache_hits_total", "disk") or 0.0
+        row["disk_hit"] = disk_hits / prompt_tokens
     finally:
         target.close()
     row.update(stop_s=stop_s, start_s=start_s, cores=target.cores)

@@ -58,9 +58,7 @@ class Admitter:
         if supply is Supply.SHORT or supply is Supply.DEFER:
             return Admission.NO_ROOM if supply is Supply.SHORT else Admission.WAIT_FOR_SAVES
         # host room for saves, not counting this request's own host hits; read only if lossy, taken before
-        room = (self.policy.host_room() - sum(1 for b in host_hits if b in self.copies.host.pool.dirty
-                                              or self.copies.host.backed and b in self.copies.host.pool.clean)
-                if supply is Supply.LOSSY and self.copies is not None else 0)
+        room = self.policy.host_room(host_hits) if supply is Supply.LOSSY else 0
         lossy_before = self.pool.num_lossy_evictions
         table, shared, spans = self._take_blocks(seq, match, need, supply is Supply.LOSSY)
         if host_hits:
@@ -84,8 +82,7 @@ class Admitter:
         seq.num_published_blocks = match.runs[0][2] if match.runs and match.runs[0][0] is Tier.DEVICE else 0
         from_disk = 0
         if self.disk is not None:
-            from_disk = min(self.disk.take_fetched(seq.seq_id), len(host_hits))
-            self.disk.forget(seq.seq_id)  # after begin_load: its loads hold what they copy
+            from_disk = min(self.disk.forget(seq.seq_id), len(host_hits))  # after begin_load: it pins them
         self.hits.admitted(seq, num_cached, len(host_hits) * self.block_size, loading=bool(shared),
                            disk_tokens=from_disk * self.block_size)
         return Admission.ADMITTED

@@ -209,10 +209,14 @@ class BlockPool:
         """A block for a copy to write: pinned, unreferenced, unpublished (the caller publishes it
         once the copy is complete)."""
         block = self.allocate(lossy_ok=True, keep_clean=keep_clean)
-        self.ref_count[block] = 0
-        self.pins[block] = 1
-        self.num_held += 1
+        self.hold_allocated([block])
         return block
+
+    def hold_allocated(self, blocks: list[int]) -> None:
+        """Blocks just allocated (ref count 1) become held by a copy instead: pinned, unreferenced."""
+        for b in blocks:
+            self.ref_count[b], self.pins[b] = 0, 1
+        self.num_held += len(blocks)
 
     def publish(self, block: int, h: BlockHash, key: BlockKey, clean: bool = False) -> bool:
         """Make a written, full block findable. False if an equal block is already indexed

@@ -122,8 +122,8 @@ class TierCopies:
         self.failed: set[int] = set()                # seq ids whose load failed
         self.save_failures_in_row = 0  # failed submits/copies since the last save that landed
         self.num_save_submit_failures = 0   # optional saves that could not start (skipped)
-        pool.on_unpublish = self._device_dropped
-        host.pool.on_unpublish = self._host_dropped
+        # a chain dropped from one tier: its twins' flags follow
+        pool.on_unpublish = host.pool.on_unpublish = lambda h, evicted: self._refresh(h)
         if disk is not None:  # host blocks written through to disk; reads from it publish on host
             disk.on_change = self._refresh
 
@@ -142,12 +142,6 @@ class TierCopies:
             self.pool.mark_clean(dev, on_host is not None or on_disk)
         if on_host is not None:  # (a disk whose writes failed takes no more: the host keeps its own rule)
             self.host.pool.mark_clean(on_host, on_disk if self.host.backed else dev is not None)
-
-    def _device_dropped(self, h: BlockHash, evicted: bool) -> None:
-        self._refresh(h)
-
-    def _host_dropped(self, h: BlockHash, evicted: bool) -> None:
-        self._refresh(h)
 
     # ---- saves --------------------------------------------------------------------------------------
     def pending_saves(self, exclude: Collection[int] = ()) -> int:

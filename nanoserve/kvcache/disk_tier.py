@@ -113,9 +113,7 @@ class DiskTier:
         """`n` slots for a write, pinned, as few runs as the free slots allow (large sequential writes);
         the disk LRU gives up its oldest when none is free."""
         slots = allocate_extents(self.pool, n, lossy_ok=True)
-        for s in slots:
-            self.pool.ref_count[s], self.pool.pins[s] = 0, 1
-        self.pool.num_held += len(slots)
+        self.pool.hold_allocated(slots)
         return slots
 
     # ---- writes -------------------------------------------------------------------------------------
@@ -250,25 +248,18 @@ class DiskTier:
             kept = []
         elif kept:
             self.staged.setdefault(c.seq_id, []).extend(kept)
-        self._release([hb for hb in c.host_ids if hb not in set(kept)], c.slots)
+        held = set(kept)
+        self._release([hb for hb in c.host_ids if hb not in held], c.slots)
 
-    def unstage(self, seq_id: int) -> None:
-        """The request was admitted (its loads pin what they copy) or is gone: its read blocks are the
-        host LRU's again."""
+    def forget(self, seq_id: int) -> int:
+        """The request was admitted (its loads pin what they copy) or is gone: its staged blocks go back to
+        the host LRU, and a read still in flight for it publishes its blocks without holding them. Returns
+        the blocks read and verified for it (its first admission counts them as disk hits)."""
         for hb in self.staged.pop(seq_id, ()):
             self.host.pool.unpin(hb)
-
-    def forget(self, seq_id: int) -> None:
-        """The request is gone (finished, aborted, preempted): its staged blocks go back to the host LRU,
-        and a read still in flight for it publishes its blocks without holding them."""
-        self.fetched.pop(seq_id, None)
-        self.unstage(seq_id)
         for c in self.reads:
             if c.seq_id == seq_id:
                 c.seq_id = -1
-
-    def take_fetched(self, seq_id: int) -> int:
-        """Blocks read from disk for this sequence since it last asked (its first admission counts them)."""
         return self.fetched.pop(seq_id, 0)
 
     # ---- ending copies ----------------------------------------------------------------------------

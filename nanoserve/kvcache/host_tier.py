@@ -14,7 +14,7 @@ import os
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -164,11 +164,15 @@ class HostTier:
         self.copier.drain()
         self._release()
 
-    def room(self) -> int:
+    def room(self, exclude: Collection[int] = ()) -> int:
         """Blocks a save can take: free ones, and cached ones whose KV is on host only (the host
         LRU drops those). Blocks whose twin is on device are kept: evicting one gains nothing. With a
-        disk below, every unpinned block: clean ones (on disk) go first."""
-        return len(self.pool.free) + len(self.pool.dirty) + (len(self.pool.clean) if self.backed else 0)
+        disk below, every unpinned block: clean ones (on disk) go first. `exclude`: cached blocks not
+        to count (a request's own host hits)."""
+        pool = self.pool
+        lrus = (pool.dirty, pool.clean) if self.backed else (pool.dirty,)
+        return (len(pool.free) + sum(map(len, lrus))
+                - sum(1 for b in exclude if any(b in lru for lru in lrus)))
 
     def begin_save(self, dev_ids: list[int], keys: list[tuple[BlockHash, BlockKey]]) -> HostCopy | None:
         """Start copying device blocks to host, as many as the host has room for. The caller keeps

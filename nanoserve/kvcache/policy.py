@@ -55,8 +55,8 @@ class TierPolicy:
         self._allocs += n
         return allocate_spans(self.pool, n, lossy_ok)
 
-    def host_room(self) -> int:
-        return self.copies.host.room() if self.copies is not None else 0
+    def host_room(self, exclude: Collection[int] = ()) -> int:
+        return self.copies.host.room(exclude) if self.copies is not None else 0
 
     def note_lossy(self, before: int, room: int) -> None:
         """Count lossy evictions made while the host had `room` (measured before allocating), and
