@@ -46,10 +46,10 @@ def _noop_copier():
         def _open_lane(self, name: str) -> None:
             return None
 
-        def submit(self, lane, src, src_ids, dst, dst_ids) -> Transfer:
+        def submit(self, lane, src, src_ids, dst, dst_ids, pairs=None) -> Transfer:
             def count(s, d) -> None:
                 NoopCopier.copies += 1
-            copy_blocks(src, src_ids, dst, dst_ids, count, self.max_copy_bytes)
+            copy_blocks(src, src_ids, dst, dst_ids, count, self.max_copy_bytes, pairs)
             return Done()
     return NoopCopier()
 
@@ -83,7 +83,8 @@ def _fragment(kv, rng: random.Random, num_free: int) -> None:
 
 
 def _setup(args, seed: int):
-    """A manager over a fragmented device pool, and a sequence whose whole prefix is on host."""
+    """A manager over a fragmented device pool, a sequence whose whole prefix is on host, and another
+    request with the same prompt, not hashed yet (the one admitted)."""
     import torch
 
     from nanoserve.kvcache.host_tier import HostTier
@@ -135,15 +136,15 @@ def measure(args) -> dict:
         t0 = time.thread_time()
         kv.hash_prompt(fresh)
         t1 = time.thread_time()
-        admitted = kv.admit(seq, args.block_size * 4)
+        admitted = kv.admit(fresh, args.block_size * 4)  # its digests and keys are its own objects
         t2 = time.thread_time()
         gc.unfreeze()
-        assert admitted and kv.load_state(seq).value == "loading", "the prefix did not start loading"
+        assert admitted and kv.load_state(fresh).value == "loading", "the prefix did not start loading"
         copies.append(type(kv.host.copier).copies)
         for label, v in {"hash prompt": t1 - t0, "admit": t2 - t1, **sink}.items():
             rows.setdefault(label, []).append(v * 1e3)
         kv.poll_transfers()
-        kv.free(seq)
+        kv.free(fresh)
         kv.check_invariants()
     return {"ms": {k: statistics.median(v) for k, v in rows.items()},
             "ms_min": {k: min(v) for k, v in rows.items()}, "copies": statistics.median(copies)}

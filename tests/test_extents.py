@@ -36,7 +36,7 @@ def _fragment(pool: BlockPool, rng: random.Random, num_free: int) -> None:
     rng.shuffle(free)
     for j, b in enumerate(keep):
         if j % 2:
-            pool.publish(b, rng.randbytes(32), BlockKey(None, (j,)))
+            pool.publish(b, rng.randbytes(32), BlockKey.of(None, (j,)))
             pool.release(b)
     for b in free:
         pool.release(b)
@@ -58,7 +58,7 @@ def test_a_2048_block_load_into_a_fragmented_pool_is_at_most_16_copies():
     kv = KVCacheManager(8192, BS, host=host)
     rng = random.Random(0)
     _fragment(kv.pool, rng, 4096)
-    runs_before = len(free_runs(kv.pool.free_map)[0])
+    runs_before = len(free_runs(kv.pool.where)[0])
     cached_before = set(kv.pool.lru())
     prompt = [rng.randrange(32000) for _ in range((n + 1) * BS)]
     seq = Sequence(1, "1", 0, prompt, SamplingParams(), 16, frozenset())
@@ -94,7 +94,7 @@ def test_extent_allocation_takes_fewest_runs_and_evicts_what_per_block_allocatio
         random.Random(len(layout)).shuffle(order)
         for b in order:
             if layout[b] == "c":
-                pool.publish(b, bytes([b % 256, b // 256]) * 16, BlockKey(None, (b,)))
+                pool.publish(b, bytes([b % 256, b // 256]) * 16, BlockKey.of(None, (b,)))
                 if b % 3 == 0:
                     pool.mark_clean(b, True)
                 pool.release(b)
@@ -110,7 +110,7 @@ def test_extent_allocation_takes_fewest_runs_and_evicts_what_per_block_allocatio
             b.check_invariants()
             assert b.stats() == a.stats()  # all or nothing
             return
-    runs = free_runs(b.free_map)
+    runs = free_runs(b.where)
     per_block = sorted(a.allocate(lossy_ok) for _ in range(n))
     ext = allocate_extents(b, n, lossy_ok)
     assert ext == sorted(set(ext)) and len(ext) == n

@@ -31,11 +31,11 @@ def test_block_pool_accounting(script):
             pool.release(held.pop(x % len(held)))
         elif op == "publish" and held:
             b = held[x % len(held)]
-            pool.publish(b, chain_hash(None, (x % 5,)), BlockKey(None, (x % 5,)))
+            pool.publish(b, chain_hash(None, (x % 5,)), BlockKey.of(None, (x % 5,)))
         elif op == "lookup":
-            b = pool.lookup(chain_hash(None, (x % 5,)), BlockKey(None, (x % 5,)))
+            b = pool.lookup(chain_hash(None, (x % 5,)), BlockKey.of(None, (x % 5,)))
             if b is not None:
-                assert pool.block_key[b] == BlockKey(None, (x % 5,))
+                assert pool.block_key[b] == BlockKey.of(None, (x % 5,))
                 pool.acquire(b)
                 held.append(b)
         pool.check_invariants()
@@ -50,24 +50,24 @@ def test_lru_evicts_oldest_and_cached_blocks_stay_findable():
     pool = BlockPool(3)
     blocks = [pool.allocate() for _ in range(3)]
     for i, b in enumerate(blocks):
-        pool.publish(b, chain_hash(None, (i,)), BlockKey(None, (i,)))
+        pool.publish(b, chain_hash(None, (i,)), BlockKey.of(None, (i,)))
     for b in blocks:  # released in order: blocks[0] is the least recently used
         pool.release(b)
-    assert pool.lookup(chain_hash(None, (0,)), BlockKey(None, (0,))) == blocks[0]
+    assert pool.lookup(chain_hash(None, (0,)), BlockKey.of(None, (0,))) == blocks[0]
     assert pool.allocate() == blocks[0]  # evicted first ...
-    assert pool.lookup(chain_hash(None, (0,)), BlockKey(None, (0,))) is None  # ... and no longer findable
-    assert pool.lookup(chain_hash(None, (1,)), BlockKey(None, (1,))) == blocks[1]
+    assert pool.lookup(chain_hash(None, (0,)), BlockKey.of(None, (0,))) is None  # ... and no longer findable
+    assert pool.lookup(chain_hash(None, (1,)), BlockKey.of(None, (1,))) == blocks[1]
 
 
 def test_digest_collision_is_caught_by_parent_and_token_check():
     pool = BlockPool(2)
     b = pool.allocate()
     forged = b"x" * 32  # pretend two different chain links produced the same digest
-    pool.publish(b, forged, BlockKey(b"p" * 32, (1, 2)))
-    assert pool.lookup(forged, BlockKey(b"p" * 32, (1, 2))) == b
-    assert pool.lookup(forged, BlockKey(b"p" * 32, (3, 4))) is None   # other tokens
-    assert pool.lookup(forged, BlockKey(b"q" * 32, (1, 2))) is None   # same tokens, other parent
-    assert pool.lookup(forged, BlockKey(None, (1, 2))) is None
+    pool.publish(b, forged, BlockKey.of(b"p" * 32, (1, 2)))
+    assert pool.lookup(forged, BlockKey.of(b"p" * 32, (1, 2))) == b
+    assert pool.lookup(forged, BlockKey.of(b"p" * 32, (3, 4))) is None   # other tokens
+    assert pool.lookup(forged, BlockKey.of(b"q" * 32, (1, 2))) is None   # same tokens, other parent
+    assert pool.lookup(forged, BlockKey.of(None, (1, 2))) is None
 
 
 def test_chain_digest_depends_on_parent_tokens_and_salt():
@@ -89,7 +89,7 @@ def test_prefix_matching_reuses_only_equal_prefixes(prompts):
         assert cached < len(prompt)  # at least one token is always computed
         # every reused block holds exactly this prompt's tokens at that position
         for j in range(cached // 2):
-            assert kv.pool.block_key[s.block_table[j]].tokens == tuple(prompt[2 * j:2 * j + 2])
+            assert kv.pool.block_key[s.block_table[j]].token_ids == tuple(prompt[2 * j:2 * j + 2])
         s.num_computed_tokens = len(prompt)
         kv.publish_computed(s)
         kv.free(s)
@@ -101,7 +101,12 @@ def test_forced_digest_collision_never_shares_kv(monkeypatch):
     """Even if every block digest collided, two chains whose blocks hold equal tokens under
     different parents never share a block: the stored parent is compared on lookup."""
     from nanoserve.kvcache import prefix as prefix_mod
-    monkeypatch.setattr(prefix_mod, "chain_hash", lambda parent, tokens, salt=b"": b"\0" * 32)
+    real = prefix_mod.chain_links
+
+    def colliding(parent, tokens, block_size, salt):
+        keys, digests = real(parent, tokens, block_size, salt)
+        return keys, [b"\0" * 32] * len(digests)
+    monkeypatch.setattr(prefix_mod, "chain_links", colliding)
     kv = KVCacheManager(num_blocks=16, block_size=2)
     victim = Sequence(0, "v", 0, [1, 2, 3, 4, 9], SP(), 4, frozenset())
     assert kv.admit(victim, 5)
@@ -197,7 +202,7 @@ def test_block_pool_pins_keep_blocks_from_reuse(script):
             pool.release(held.pop(x % len(held)))
         elif op == "publish" and held:
             b = held[x % len(held)]
-            pool.publish(b, chain_hash(None, (x % 5,)), BlockKey(None, (x % 5,)))
+            pool.publish(b, chain_hash(None, (x % 5,)), BlockKey.of(None, (x % 5,)))
         elif op == "pin":
             cands = [b for b in set(held) | set(pool.lru()) | pool.held]
             if cands:
@@ -207,7 +212,7 @@ def test_block_pool_pins_keep_blocks_from_reuse(script):
         elif op == "unpin" and pinned:
             pool.unpin(pinned.pop(x % len(pinned)))
         elif op == "lookup":
-            b = pool.lookup(chain_hash(None, (x % 5,)), BlockKey(None, (x % 5,)))
+            b = pool.lookup(chain_hash(None, (x % 5,)), BlockKey.of(None, (x % 5,)))
             if b is not None:
                 pool.acquire(b)
                 held.append(b)

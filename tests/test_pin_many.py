@@ -16,7 +16,7 @@ def _pool(rng: random.Random, n: int) -> BlockPool:
     blocks = [pool.allocate() for _ in range(n)]
     for b in blocks:
         if rng.random() < 0.7:
-            pool.publish(b, rng.randbytes(32), BlockKey(None, (b,)), clean=rng.random() < 0.5)
+            pool.publish(b, rng.randbytes(32), BlockKey.of(None, (b,)), clean=rng.random() < 0.5)
     rng.shuffle(blocks)
     for b in blocks:
         if rng.random() < 0.8:
@@ -69,7 +69,7 @@ def _split(blocks: list[int]) -> list[list[int]]:
 def test_pin_many_of_a_free_block_raises_and_changes_nothing() -> None:
     pool = BlockPool(16)
     for b in range(8):
-        pool.publish(pool.allocate(), bytes([b]) * 32, BlockKey(None, (b,)))
+        pool.publish(pool.allocate(), bytes([b]) * 32, BlockKey.of(None, (b,)))
     for b in range(8):
         pool.release(b)
     before = _state(pool)

@@ -31,7 +31,7 @@ class NeverCopier(Copier):
     def _open_lane(self, name: str) -> None:
         return None
 
-    def submit(self, lane, src, src_ids, dst, dst_ids) -> Transfer:
+    def submit(self, lane, src, src_ids, dst, dst_ids, pairs=None) -> Transfer:
         return Pending()
 
 

@@ -125,7 +125,7 @@ def test_a_failing_copy_holds_its_blocks_until_the_started_part_has_finished():
             raise RuntimeError("CUDA error: invalid argument")
     device = torch.randn(8, 1, 2, 1, BS, 1)
     tier = HostTier(8, device, ThreadCopier(copy))
-    keys = [(chain_hash(None, (i,)), BlockKey(None, (i,))) for i in range(3)]
+    keys = [(chain_hash(None, (i,)), BlockKey.of(None, (i,))) for i in range(3)]
     save = tier.begin_save([0, 1, 5], keys)  # runs: blocks 0-1, then block 5
     assert started.wait(60)
     assert not save.handle.done() and all(tier.pool.pins[b] == 1 for b in save.host_ids)

@@ -26,7 +26,7 @@ from tests.test_transfer import ADD, FakeEngine, ManualCopier, run_ops
 
 
 def _key(i: int) -> tuple[bytes, BlockKey]:
-    return chain_hash(None, (i,)), BlockKey(None, (i,))
+    return chain_hash(None, (i,)), BlockKey.of(None, (i,))
 
 
 # ---- the pool: two LRUs ------------------------------------------------------------------------

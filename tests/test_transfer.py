@@ -92,7 +92,7 @@ class ManualCopier(Copier):
     def _open_lane(self, name: str) -> None:
         return None  # copies run when the test completes them, in any order: no lanes
 
-    def submit(self, lane, src, src_ids, dst, dst_ids) -> Transfer:
+    def submit(self, lane, src, src_ids, dst, dst_ids, pairs=None) -> Transfer:
         if self.fail_next_submit:
             self.fail_next_submit = False
             raise RuntimeError("injected submit failure")

@@ -111,7 +111,7 @@ class Admitter:
                         self.pool.acquire(match.blocks[i])
                         table[i] = match.blocks[i]
                     if tier is Tier.LOADING:
-                        shared.update(map(self.copies.load_of, seq.block_hashes[lo:hi]))
+                        shared.update(self.copies.loads_of(seq.block_hashes[lo:hi]))
             # a load's destinations: the fewest runs of free blocks, ascending in table order; with
             # the host side in chain order (copies.chain_order) each run on both sides is one copy
             num_load = sum(hi - lo for tier, lo, hi in match.runs if tier is Tier.HOST)

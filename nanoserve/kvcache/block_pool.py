@@ -18,34 +18,46 @@ Sequences hold references; copies hold pins. A block can be both referenced and 
 `allocate` takes a free block, else the least recently used clean one, and a dirty one (dropping
 KV that exists nowhere else: a lossy eviction, counted) only when the caller allows it. Both are
 O(1): pinned blocks are never in the two LRUs. A load's destinations come from extents.py instead:
-the free blocks as the fewest runs, and the evictions `allocate` would make.
+the free blocks as the fewest runs, and the evictions `allocate` would make. The three lists
+(block_lists.py) let a load take its blocks out of them a run at a time, not a block at a time.
 """
 from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass
-from collections.abc import Callable
-from itertools import chain, compress, repeat
-from operator import not_
+from collections.abc import Callable, Collection, Iterable
+from itertools import repeat
 from typing import NamedTuple, Protocol
 
 import numpy as np
+
+from nanoserve.kvcache.block_lists import CLEAN, DIRTY, FREE, NONE, BlockList
 
 BlockHash = bytes
 
 
 class BlockKey(NamedTuple):
-    """What a cached block's KV is a function of: the prefix before it (as its digest) and its tokens."""
+    """What a cached block's KV is a function of: the prefix before it (as its digest) and its tokens, as
+    int64 in native byte order (one bytes object: compared with one memcmp, a fifth of a tuple's memory)."""
     parent: BlockHash | None
-    tokens: tuple[int, ...]
+    tokens: bytes
+
+    @classmethod
+    def of(cls, parent: BlockHash | None, token_ids: Iterable[int]) -> BlockKey:
+        return cls(parent, array("q", token_ids).tobytes())
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return tuple(array("q", self.tokens))
 
 
-def chain_hash(parent: BlockHash | None, tokens: tuple[int, ...], salt: bytes = b"") -> BlockHash:
+def chain_hash(parent: BlockHash | None, tokens: bytes | Iterable[int], salt: bytes = b"") -> BlockHash:
+    """The keyed digest of a block: its parent's digest and its tokens (BlockKey.tokens, or the ids)."""
     h = hashlib.blake2b(digest_size=32, key=salt[:64])
     h.update(parent if parent is not None else b"\0" * 32)
-    h.update(array("q", tokens).tobytes())
+    h.update(tokens if isinstance(tokens, bytes) else array("q", tokens).tobytes())
     return h.digest()
 
 
@@ -73,14 +85,13 @@ class BlockPool:
         self.block_key: list[BlockKey | None] = [None] * num_blocks
         self.is_clean = [False] * num_blocks  # published, and its KV is also in another tier
         self.index: dict[BlockHash, int] = {}
-        self.clean: OrderedDict[int, None] = OrderedDict()  # cached-free, unpinned, clean; oldest first
-        self.dirty: OrderedDict[int, None] = OrderedDict()  # cached-free, unpinned, dirty; oldest first
-        # never-cached blocks, a stack: the most recently released is reused first (its memory is warm: on
-        # CPU the KV cache's pages are only resident once written, and a queue would fault in a fresh
-        # page run after run until the whole pool had been touched, ~10% of a prefill's time); a dict
-        # (insertion order, popitem takes the last) so that a load can take blocks from anywhere in it
-        self.free: dict[int, None] = dict.fromkeys(range(num_blocks - 1, -1, -1))
-        self.free_map = bytearray(b"\1" * num_blocks)  # 1 where free: the runs a load is cut from
+        self.where = bytearray(num_blocks)  # which list holds each block (block_lists.py)
+        self.clean = BlockList(self.where, CLEAN)  # cached-free, unpinned, clean; oldest first
+        self.dirty = BlockList(self.where, DIRTY)  # cached-free, unpinned, dirty; oldest first
+        # never-cached blocks, used as a stack: the most recently released is reused first (its memory is
+        # warm: on CPU the KV cache's pages are only resident once written, and a queue would fault in a
+        # fresh page run after run until the whole pool had been touched, ~10% of a prefill's time)
+        self.free = BlockList(self.where, FREE, range(num_blocks - 1, -1, -1))
         self.pins = [0] * num_blocks
         # unreferenced and pinned (a count: a load pins thousands at once; `held` lists them)
         self.num_held = 0
@@ -96,7 +107,12 @@ class BlockPool:
         return len(self.free) + len(self.clean) + (0 if lossless else len(self.dirty))
 
     def is_cached_free(self, block: int) -> bool:
-        return block in self.clean or block in self.dirty
+        return self.where[block] >= CLEAN
+
+    def count_cached_free(self, blocks: Collection[int]) -> tuple[int, int]:
+        """How many of `blocks` are in the clean LRU, and in the dirty one."""
+        codes = bytes(map(self.where.__getitem__, blocks))
+        return codes.count(CLEAN), codes.count(DIRTY)
 
     def lru(self) -> list[int]:
         """Cached-free blocks, oldest first within each LRU (clean ones first: evicted first)."""
@@ -114,7 +130,7 @@ class BlockPool:
         if self.pins[block]:
             self.num_held -= 1
         else:
-            (self.clean if self.is_clean[block] else self.dirty).pop(block)
+            (self.clean if self.is_clean[block] else self.dirty).remove(block)
 
     def acquire(self, block: int) -> None:
         if self.ref_count[block] == 0:
@@ -127,13 +143,12 @@ class BlockPool:
         candidate. `keep_clean` (the host tier taking a save): never a clean block, since evicting
         one only moves the lack of a copy to its twin in the other tier."""
         if self.free:
-            block, _ = self.free.popitem()
-            self.free_map[block] = 0
+            block = self.free.pop(oldest=False)
         else:
             lru = self.dirty if keep_clean else self.clean or (self.dirty if lossy_ok else None)
             if not lru:
                 raise RuntimeError("BlockPool exhausted: the caller must check num_available() first")
-            block, _ = lru.popitem(last=False)
+            block = lru.pop(oldest=True)
             self.num_evictions += 1
             self.num_lossy_evictions += lru is self.dirty
             self._unpublish(block, evicted=True)
@@ -151,10 +166,9 @@ class BlockPool:
         if self.pins[block]:
             self.num_held += 1
         elif self.block_hash[block] is not None:
-            (self.clean if self.is_clean[block] else self.dirty)[block] = None
+            (self.clean if self.is_clean[block] else self.dirty).add(block)
         else:
-            self.free[block] = None
-            self.free_map[block] = 1
+            self.free.add(block)
 
     def pin(self, block: int) -> None:
         """Hold a block for a copy: it cannot be reused (evicted or allocated) until unpinned."""
@@ -196,14 +210,13 @@ class BlockPool:
         src, dst = (self.dirty, self.clean) if clean else (self.clean, self.dirty)
         self.is_clean[block] = clean
         if block in src:
-            del src[block]
-            dst[block] = None
+            src.remove(block)
+            dst.add(block)
 
     def touch(self, block: int) -> None:
         """Mark a cached-free block most recently used."""
-        for lru in (self.clean, self.dirty):
-            if block in lru:
-                lru.move_to_end(block)
+        if self.where[block] >= CLEAN:
+            (self.clean if self.where[block] == CLEAN else self.dirty).move_to_end(block)
 
     def allocate_pinned(self, keep_clean: bool = False) -> int:
         """A block for a copy to write: pinned, unreferenced, unpublished (the caller publishes it
@@ -235,8 +248,7 @@ class BlockPool:
         """Publish free `block` as cached-free, most recently used (a tier's index read back at start)."""
         if block not in self.free or h in self.index:
             return False
-        del self.free[block]
-        self.free_map[block] = 0
+        self.free.remove(block)
         self.publish(block, h, key)
         self._park(block)
         return True
@@ -294,8 +306,10 @@ class BlockPool:
         assert not any(self.is_clean[b] for b in range(self.num_blocks) if self.block_hash[b] is None), (
             "unpublished block marked clean")
         assert all(self.block_hash[b] is None for b in self.free), "hashed block on the free list"
-        assert [b for b in range(self.num_blocks) if self.free_map[b]] == sorted(self.free), \
-            "free map is stale"
+        for lst in (self.free, self.clean, self.dirty):
+            live = list(lst)
+            assert len(live) == len(set(live)) == len(lst), "a block list's count is stale"
+            assert self.where.count(lst.code) == len(lst), "a block list disagrees with `where`"
         for h, b in self.index.items():
             assert self.block_hash[b] == h, f"index points at block {b} whose hash changed"
 
@@ -313,56 +327,43 @@ def spans_of(blocks: list[int], most: int) -> list[tuple[int, int]] | None:
 
 def pin_fresh(pool: BlockPool, blocks: list[int], spans: list[tuple[int, int]] | None = None) -> bool:
     """`pool.pin_many` when no block is pinned yet (else False, nothing done). A load's blocks are mostly
-    a few runs of consecutive ids (extents.py, copies.chain_order): then each pass is per run, on list
-    slices, and only taking unreferenced blocks out of their LRU is per block."""
+    a few runs of consecutive ids (extents.py, copies.chain_order): then each pass is a slice per run,
+    and the unreferenced blocks leave their LRU through `where` (block_lists.py), a slice per run too."""
     if not blocks:
         return True
     spans = spans or spans_of(blocks, len(blocks) // 8 + 1)
     if spans is None:  # scattered: per-run slices would cost more than per-block passes
         return _pin_scattered(pool, blocks)
-    pins, refs = pool.pins, pool.ref_count
+    pins, where = pool.pins, pool.where
     if any(any(pins[s:e]) for s, e in spans):
         return False
-    # the unreferenced ones, as whole runs where a run is (clean/dirty flags then come as slices too)
-    unref: list[range | list[int]] = []
-    for s, e in spans:
-        r = refs[s:e]
-        if not any(r):
-            unref.append(range(s, e))
-        elif not all(r):
-            unref.append(list(compress(range(s, e), map(not_, r))))
-    flags: list[bool] = []
-    for part in unref:
-        flags += (pool.is_clean[part.start:part.stop] if isinstance(part, range)
-                  else map(pool.is_clean.__getitem__, part))
     # unreferenced and unpinned: in an LRU unless free (the invariants), so this is `pin`'s assertion
-    assert not any(pool.free_map.find(1, p.start, p.stop) >= 0 if isinstance(p, range)
-                   else any(map(pool.free_map.__getitem__, p)) for p in unref), (
-        "pinning a free block (nothing to copy)")
-    _unpark_all(pool, list(chain.from_iterable(unref)) if len(unref) != 1 else unref[0], flags)
+    assert not any(where.count(FREE, s, e) for s, e in spans), "pinning a free block (nothing to copy)"
+    clean = dirty = 0
     for s, e in spans:
+        clean += where.count(CLEAN, s, e)
+        dirty += where.count(DIRTY, s, e)
+        where[s:e] = bytes(e - s)  # (the referenced ones are on no list already)
         pins[s:e] = [1] * (e - s)
+    _unparked(pool, clean, dirty)
     return True
 
 
 def _pin_scattered(pool: BlockPool, blocks: list[int]) -> bool:
     """`pin_fresh` over blocks in no particular order: a few whole-list passes."""
-    pins, refs = pool.pins, pool.ref_count
+    pins, where = pool.pins, pool.where
     if any(map(pins.__getitem__, blocks)):
         return False
-    unref = (list(compress(blocks, map((0).__eq__, map(refs.__getitem__, blocks))))
-             if any(map(refs.__getitem__, blocks)) else blocks)
-    assert not any(map(pool.free_map.__getitem__, unref)), "pinning a free block (nothing to copy)"
-    _unpark_all(pool, unref, list(map(pool.is_clean.__getitem__, unref)))
+    codes = bytes(map(where.__getitem__, blocks))
+    assert FREE not in codes, "pinning a free block (nothing to copy)"
+    deque(map(where.__setitem__, blocks, repeat(NONE)), maxlen=0)
     deque(map(pins.__setitem__, blocks, repeat(1)), maxlen=0)
+    _unparked(pool, codes.count(CLEAN), codes.count(DIRTY))
     return True
 
 
-def _unpark_all(pool: BlockPool, unref, flags: list[bool]) -> None:
-    """Take unreferenced, unpinned, cached-free blocks (`flags`: their clean flags) out of their LRUs:
-    they are held now."""
-    clean = unref if all(flags) else list(compress(unref, flags)) if any(flags) else ()
-    dirty = () if clean is unref else unref if not clean else list(compress(unref, map(not_, flags)))
-    deque(map(pool.clean.pop, clean), maxlen=0)
-    deque(map(pool.dirty.pop, dirty), maxlen=0)
-    pool.num_held += len(unref)
+def _unparked(pool: BlockPool, clean: int, dirty: int) -> None:
+    """That many blocks left the clean and dirty LRUs through `where`: they are held now."""
+    pool.clean.dropped(clean)
+    pool.dirty.dropped(dirty)
+    pool.num_held += clean + dirty

@@ -44,8 +44,8 @@ class Load:
     hashes: list[BlockHash]  # per link (as copy.dev_ids): the chain digest and key it loads
     keys: list[BlockKey]
     waiters: set[int] = field(default_factory=set)  # seq ids holding its destination blocks
-    # digest -> link, built only when a match first hits the load in flight (a second request on the
-    # same prefix): the first admission, on the step path, records the load once per digest and no more
+    # digest -> link, built only when a match first meets the load in flight (another request while it
+    # runs): the admission that starts it, on the step path, does no per-link work for it
     _links: dict[BlockHash, int] | None = field(default=None, repr=False)
 
     def links(self) -> dict[BlockHash, int]:
@@ -77,7 +77,7 @@ def chain_order(blocks: list[int], pool: BlockPool) -> list[int]:
     return out
 
 
-def loading_links(loading: dict[BlockHash, Load],
+def loading_links(loads: list[Load],
                   hashes: list[BlockHash]) -> tuple[np.ndarray, list[BlockKey | None]]:
     """Per digest: the device block a load in flight fills with it (-1: none), and its stored key. In
     passes per load (a digest is in one load at most), not per link: a second request on a prefix in
@@ -85,12 +85,14 @@ def loading_links(loading: dict[BlockHash, Load],
     n = len(hashes)
     blocks = np.full(n, -1, np.int64)
     keys: list[BlockKey | None] = [None] * n
-    per_link = list(map(loading.get, hashes))
-    lds = set(per_link) - {None}
-    if len(lds) == 1 and _one_piece(per_link, hashes, lds.pop(), blocks, keys):
-        return blocks, keys
-    for ld in set(per_link) - {None}:
-        pos = np.fromiter(map(ld.links().get, hashes, repeat(-1)), np.int64, n)
+    for ld in loads:
+        links = ld.links()
+        if links.keys().isdisjoint(hashes):
+            continue
+        per_link = list(map(links.get, hashes))
+        if _one_piece(per_link, hashes, ld, blocks, keys):
+            continue
+        pos = np.fromiter(map(links.get, hashes, repeat(-1)), np.int64, n)
         at = (pos >= 0).nonzero()[0]
         src = pos[at]
         blocks[at] = np.array(ld.copy.dev_ids, np.int64)[src]
@@ -98,14 +100,14 @@ def loading_links(loading: dict[BlockHash, Load],
     return blocks, keys
 
 
-def _one_piece(per_link: list[Load | None], hashes: list[BlockHash], ld: Load, blocks: np.ndarray,
+def _one_piece(per_link: list[int | None], hashes: list[BlockHash], ld: Load, blocks: np.ndarray,
                keys: list[BlockKey | None]) -> bool:
-    """`loading_links` when the links `ld` loads are one piece of both chains, contiguous on each side
-    (the usual: a request on the prefix another one is loading), as slices; False if they are not."""
-    lo = per_link.index(ld)
-    m = per_link.count(ld)
-    j = ld.hashes.index(hashes[lo])
-    if per_link[lo:lo + m].count(ld) != m or ld.hashes[j:j + m] != hashes[lo:lo + m]:
+    """`loading_links` for one load when the links it loads are one piece of both chains, contiguous on
+    each side (the usual: a request on the prefix another one is loading), as slices; False if not."""
+    lo = next(i for i, p in enumerate(per_link) if p is not None)
+    m = len(per_link) - per_link.count(None)
+    j = per_link[lo]
+    if ld.hashes[j:j + m] != hashes[lo:lo + m]:
         return False
     blocks[lo:lo + m] = ld.copy.dev_ids[j:j + m]
     keys[lo:lo + m] = ld.keys[j:j + m]
@@ -116,8 +118,7 @@ class TierCopies:
     def __init__(self, pool: BlockPool, host: HostTier, disk: DiskTier | None = None) -> None:
         self.pool, self.host, self.disk = pool, host, disk
         self.saves: list[HostCopy] = []
-        self.loads: list[Load] = []
-        self.loading: dict[BlockHash, Load] = {}  # the load in flight filling a device block with a chain
+        self.loads: list[Load] = []  # in flight, each filling device blocks with chain links
         self.waiting_on: dict[int, set[Load]] = {}  # seq id -> loads it still needs
         self.failed: set[int] = set()                # seq ids whose load failed
         self.save_failures_in_row = 0  # failed submits/copies since the last save that landed
@@ -208,7 +209,7 @@ class TierCopies:
     # ---- loads --------------------------------------------------------------------------------------
     def loading_block(self, h: BlockHash, key: BlockKey) -> int | None:
         """The device block a load in flight is filling with this chain's KV."""
-        ld = self.loading.get(h)
+        ld = self.load_of(h)
         if ld is None:
             return None
         i = ld.links()[h]
@@ -220,10 +221,9 @@ class TierCopies:
         dev_ids[i]); the device blocks are pinned until the copy ends (they survive their sequence
         being freed meanwhile). In whole-list passes: a load can be thousands of blocks. `dev_spans`:
         `dev_ids` as runs [start, stop), in order, when the caller has them (extents.allocate_spans)."""
-        copy = self.host.begin_load(host_ids, dev_ids)
+        copy = self.host.begin_load(host_ids, dev_ids, dev_spans)
         ld = Load(copy, list(hashes), list(keys))
         self.pool.pin_many(copy.dev_ids, dev_spans)
-        self.loading.update(dict.fromkeys(ld.hashes, ld))  # one entry per digest, no tuple per link
         self.loads.append(ld)
         return ld
 
@@ -232,8 +232,13 @@ class TierCopies:
             ld.waiters.add(seq_id)
         self.waiting_on[seq_id] = loads
 
-    def load_of(self, h: BlockHash) -> Load:
-        return self.loading[h]
+    def load_of(self, h: BlockHash) -> Load | None:
+        """The load in flight filling a device block with chain `h`."""
+        return next((ld for ld in self.loads if h in ld.links()), None)
+
+    def loads_of(self, hashes: list[BlockHash]) -> set[Load]:
+        """The loads in flight that fill device blocks with any of these chains."""
+        return {ld for ld in self.loads if not ld.links().keys().isdisjoint(hashes)}
 
     def state(self, seq_id: int) -> LoadState:
         if seq_id in self.failed:
@@ -251,7 +256,6 @@ class TierCopies:
         if ok:
             ld.copy.handle.order_compute_after()
         for db, h, key in zip(ld.copy.dev_ids, ld.hashes, ld.keys):
-            del self.loading[h]
             if ok and self.pool.publish(db, h, key):  # the KV is on device only now: findable from here on
                 self.twin(db)
             self.pool.unpin(db)
@@ -321,8 +325,10 @@ class TierCopies:
         dev_pins.update(b for ld in self.loads for b in ld.copy.dev_ids)
         assert all(dev.pins[b] == dev_pins[b] for b in range(dev.num_blocks)), (
             "device block pinned without a copy in flight (or the reverse)")
-        assert len(self.loading) == sum(len(ld.hashes) for ld in self.loads) and all(
-            self.loading.get(h) is ld for ld in self.loads for h in ld.hashes), "loading index is stale"
+        loading = [h for ld in self.loads for h in ld.hashes]
+        assert len(loading) == len(set(loading)), "a chain link is loaded by two loads at once"
+        assert all(ld.links() == {h: i for i, h in enumerate(ld.hashes)} for ld in self.loads), (
+            "a load's link index is stale")
         assert all(ld in self.loads for lds in self.waiting_on.values() for ld in lds), (
             "waiting on an ended load")
         host.check_invariants()

@@ -278,7 +278,7 @@ class DiskTier:
     def restore(self) -> int:
         """Read the index a previous run saved (if its fingerprint matches): its blocks are cached on disk."""
         for e in self.store.load_index(self.fingerprint) or ():
-            if self.pool.restore(e.slot, e.chain, BlockKey(e.parent, e.tokens)):
+            if self.pool.restore(e.slot, e.chain, BlockKey.of(e.parent, e.tokens)):
                 self.checksums[e.slot] = e.checksum
                 self.stats.restored += 1
         if self.stats.restored:
@@ -292,7 +292,7 @@ class DiskTier:
         self.write_back([b for b in range(hp.num_blocks) if hp.block_hash[b] is not None])
         self.drain()
         entries = [IndexEntry(s, self.pool.block_hash[s], self.pool.block_key[s].parent,
-                              self.pool.block_key[s].tokens, self.checksums[s]) for s in self.pool.lru()]
+                              self.pool.block_key[s].token_ids, self.checksums[s]) for s in self.pool.lru()]
         self.store.save_index(entries, self.fingerprint)
         log.info("disk KV cache: %d blocks saved in %s", len(entries), self.store.directory)
         return len(entries)

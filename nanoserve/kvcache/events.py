@@ -70,9 +70,9 @@ class KVEventLog:
         parent, last = key.parent, self._events[-1] if self._events else None
         if isinstance(last, BlockStored) and last.medium == medium and last.block_hashes[-1] == parent:
             last.block_hashes.append(h)
-            last.token_ids.extend(key.tokens)
+            last.token_ids.extend(key.token_ids)
             return
-        self._events.append(BlockStored([h], parent, list(key.tokens), self.block_size, None, medium))
+        self._events.append(BlockStored([h], parent, list(key.token_ids), self.block_size, None, medium))
 
     def removed(self, h: BlockHash, medium: str) -> None:
         last = self._events[-1] if self._events else None

@@ -13,23 +13,23 @@ loses nothing to contiguity; when free space is scattered, the load is as many c
 """
 from __future__ import annotations
 
-from collections import deque
 from itertools import chain
 
 import numpy as np
 
+from nanoserve.kvcache.block_lists import FREE
 from nanoserve.kvcache.block_pool import BlockPool
 
 Extent = tuple[int, int]  # (first block, number of blocks)
 Span = tuple[int, int]    # [first block, stop)
 
 
-def free_runs(free_map: bytearray) -> tuple[np.ndarray, np.ndarray]:
-    """(starts, lengths) of the maximal runs of free blocks (`free_map[b]` is 1 when b is free). Array
+def free_runs(where: bytearray) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, lengths) of the maximal runs of free blocks (`where[b]` is FREE when b is free). Array
     methods and ufuncs, not numpy's Python-level wrappers (diff, flatnonzero): on the step path, once per
     load, the wrappers' own code cost more than the arrays' work."""
-    edges = np.zeros(len(free_map) + 2, np.int8)
-    edges[1:-1] = np.frombuffer(free_map, dtype=np.int8)
+    edges = np.zeros(len(where) + 2, np.int8)
+    edges[1:-1] = np.frombuffer(where, dtype=np.int8) == FREE
     step = edges[1:] - edges[:-1]
     starts = (step == 1).nonzero()[0]
     return starts, (step == -1).nonzero()[0] - starts
@@ -81,12 +81,14 @@ def allocate_spans(pool: BlockPool, n: int, lossy_ok: bool = True) -> tuple[list
     pinning the blocks then goes run by run without finding the runs again (block_pool.pin_fresh)."""
     if n > pool.num_available(lossless=not lossy_ok):
         raise RuntimeError("BlockPool exhausted: the caller must check num_available() first")
-    extents = choose_extents(*free_runs(pool.free_map), min(n, len(pool.free)))
+    extents = choose_extents(*free_runs(pool.where), min(n, len(pool.free)))
+    spans = [(s, s + k) for s, k in extents]
+    for s, e in spans:  # free runs become blocks in use, a slice per run
+        assert pool.where.count(FREE, s, e) == e - s, "taking a block that is not free"
+        pool.where[s:e] = bytes(e - s)
+        pool.ref_count[s:e] = [1] * (e - s)
+        pool.free.dropped(e - s)
     blocks = extent_blocks(extents)
-    deque(map(pool.free.pop, blocks), maxlen=0)
-    for s, k in extents:
-        pool.free_map[s:s + k] = bytes(k)
-        pool.ref_count[s:s + k] = [1] * k
     if len(blocks) < n:  # every free block is taken: the rest are LRU evictions, as ever
         return sorted(blocks + [pool.allocate(lossy_ok) for _ in range(n - len(blocks))]), None
-    return blocks, [(s, s + k) for s, k in extents]
+    return blocks, spans

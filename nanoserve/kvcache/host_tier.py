@@ -21,8 +21,8 @@ from typing import NamedTuple
 
 import torch
 
-from nanoserve.kvcache.block_pool import BlockHash, BlockKey, BlockPool
-from nanoserve.kvcache.transfer import MAX_COPY_BYTES, Copier, Transfer, copy_span, make_copier
+from nanoserve.kvcache.block_pool import BlockHash, BlockKey, BlockPool, spans_of
+from nanoserve.kvcache.transfer import MAX_COPY_BYTES, Copier, Transfer, copy_span, make_copier, paired_runs
 
 log = logging.getLogger("nanoserve")
 GiB = 1 << 30
@@ -170,9 +170,10 @@ class HostTier:
         disk below, every unpinned block: clean ones (on disk) go first. `exclude`: cached blocks not
         to count (a request's own host hits)."""
         pool = self.pool
-        lrus = (pool.dirty, pool.clean) if self.backed else (pool.dirty,)
-        return (len(pool.free) + sum(map(len, lrus))
-                - sum(1 for b in exclude if any(b in lru for lru in lrus)))
+        clean, dirty = pool.count_cached_free(exclude) if exclude else (0, 0)
+        if self.backed:
+            return len(pool.free) + len(pool.dirty) + len(pool.clean) - dirty - clean
+        return len(pool.free) + len(pool.dirty) - dirty
 
     def begin_save(self, dev_ids: list[int], keys: list[tuple[BlockHash, BlockKey]]) -> HostCopy | None:
         """Start copying device blocks to host, as many as the host has room for. The caller keeps
@@ -214,12 +215,16 @@ class HostTier:
                       exc_info=copy.handle.error)
         return ok
 
-    def begin_load(self, host_ids: list[int], dev_ids: list[int]) -> HostCopy:
+    def begin_load(self, host_ids: list[int], dev_ids: list[int],
+                   dev_spans: list[tuple[int, int]] | None = None) -> HostCopy:
         """Start copying host blocks into device blocks the caller holds and keeps unread until
-        the copy ends. The host blocks are pinned meanwhile."""
-        self.pool.pin_many(host_ids)  # all or none
+        the copy ends. The host blocks are pinned meanwhile. `dev_spans`: `dev_ids` as runs [start,
+        stop) in order, when known: the copies are then cut per run, not per block."""
+        host_spans = spans_of(host_ids, len(host_ids) // 8 + 1) if host_ids else None
+        self.pool.pin_many(host_ids, host_spans)  # all or none
+        pairs = paired_runs(host_spans, dev_spans) if host_spans and dev_spans else None
         try:
-            handle = self.copier.submit("load", self.cache, host_ids, self.device_cache, dev_ids)
+            handle = self.copier.submit("load", self.cache, host_ids, self.device_cache, dev_ids, pairs)
         except BaseException:
             for hb in host_ids:
                 self.pool.unpin(hb)

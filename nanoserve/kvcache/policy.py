@@ -82,8 +82,9 @@ class TierPolicy:
 
     def _supply(self, need: int, reserve: int, hits: Collection[int], protect: Collection[int]) -> Supply:
         pool, copies = self.pool, self.copies
-        lossless = pool.num_available(lossless=True) - sum(1 for b in hits if b in pool.clean)
-        total = lossless + len(pool.dirty) - sum(1 for b in hits if b in pool.dirty)
+        clean_hits, dirty_hits = pool.count_cached_free(hits)
+        lossless = pool.num_available(lossless=True) - clean_hits
+        total = lossless + len(pool.dirty) - dirty_hits
         if need + reserve <= lossless:
             return Supply.LOSSLESS
         if copies is None:  # a single tier: dropping the oldest cached KV is the only way
@@ -95,7 +96,7 @@ class TierPolicy:
         # after 3 failed saves in a row only the cleaner tries again (a success re-enables this)
         if need + reserve > lossless + pending and copies.save_failures_in_row < 3:
             started = copies.save_dirty(need + reserve - lossless - pending, protect)
-            lossless = pool.num_available(lossless=True) - sum(1 for b in hits if b in pool.clean)
+            lossless = pool.num_available(lossless=True) - pool.count_cached_free(hits)[0]
         if need <= lossless:
             return Supply.LOSSLESS  # only the reserve is short: its saves (if any) are under way
         if started or pending or copies.host_blocks_being_written():

@@ -13,12 +13,14 @@ from __future__ import annotations
 import enum
 import hashlib
 import os
+from array import array
+from collections import deque
 from dataclasses import dataclass
 from itertools import chain, repeat
 
 import numpy as np
 
-from nanoserve.kvcache.block_pool import BlockHash, BlockKey, BlockPool, chain_hash
+from nanoserve.kvcache.block_pool import BlockHash, BlockKey, BlockPool
 from nanoserve.kvcache.copies import TierCopies, loading_links
 from nanoserve.sequence import Sequence
 
@@ -70,6 +72,29 @@ class PrefixMatch:
 
 
 _TIERS = (Tier.DEVICE, Tier.LOADING, Tier.HOST)
+_NO_PARENT = b"\0" * 32
+
+
+def chain_links(parent: BlockHash | None, token_ids: list[int], block_size: int,
+                salt: bytes) -> tuple[list[BlockKey], list[BlockHash]]:
+    """The keys and digests (`chain_hash`) of the full blocks of `token_ids`, the first one's parent being
+    `parent`. The tokens are converted once and sliced per block; the keyed hash state is copied, not
+    keyed again per block; each digest's `hash()` is taken here, where a request arrives, not in the
+    step's first index lookup."""
+    data, step = array("q", token_ids).tobytes(), 8 * block_size
+    keyed = hashlib.blake2b(digest_size=32, key=salt[:64])
+    keys: list[BlockKey] = []
+    digests: list[BlockHash] = []
+    for off in range(0, len(data) - step + 1, step):
+        tokens = data[off:off + step]
+        h = keyed.copy()
+        h.update(parent if parent is not None else _NO_PARENT)
+        h.update(tokens)
+        keys.append(BlockKey(parent, tokens))
+        parent = h.digest()
+        digests.append(parent)
+    deque(map(hash, digests), maxlen=0)
+    return keys, digests
 
 
 class PrefixChains:
@@ -82,13 +107,13 @@ class PrefixChains:
     def hashes(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
         """Chain digests of the first `num_blocks` full blocks, extending the sequence's memo of
         digests and keys (`seq.block_keys`)."""
-        hashes, keys, bs = seq.block_hashes, seq.block_keys, self.block_size
-        while len(hashes) < num_blocks:
-            i = len(hashes)
-            key = BlockKey(hashes[-1] if hashes else self._root(seq),
-                           tuple(seq.token_ids[i * bs:(i + 1) * bs]))
-            hashes.append(chain_hash(key.parent, key.tokens, self.hash_salt))
-            keys.append(key)
+        hashes, bs = seq.block_hashes, self.block_size
+        if len(hashes) < num_blocks:
+            start = len(hashes)
+            keys, digests = chain_links(hashes[-1] if hashes else self._root(seq),
+                                        seq.token_ids[start * bs:num_blocks * bs], bs, self.hash_salt)
+            seq.block_keys += keys
+            hashes += digests
         return hashes if len(hashes) == num_blocks else hashes[:num_blocks]  # no copy each step
 
     def _root(self, seq: Sequence) -> BlockHash | None:
@@ -117,7 +142,7 @@ class PrefixChains:
         hashes = self.hashes(seq, (seq.num_tokens - 1) // self.block_size)
         copies = self.copies
         host = copies.host if copies is not None and use_host else None
-        loading = copies.loading if copies is not None and copies.loading else None
+        loading = copies if copies is not None and copies.loads else None
         loading_keys = None
         found = self._match_plain(hashes, host, loading)
         if found is None:
@@ -126,7 +151,7 @@ class PrefixChains:
             return found
         return PrefixMatch.of_hits(self._walk(seq, use_host))
 
-    def _match_plain(self, hashes: list[BlockHash], host, loading: dict | None) -> PrefixMatch | None:
+    def _match_plain(self, hashes: list[BlockHash], host, loading: TierCopies | None) -> PrefixMatch | None:
         """The usual shape in list passes: device hits, then host hits, then a miss, with no load in
         flight among the links past the device ones. None when the chain is shaped otherwise."""
         index, n = self.pool.index, len(hashes)
@@ -138,7 +163,7 @@ class PrefixChains:
             return PrefixMatch(dev, [(Tier.DEVICE, 0, n)] if n else [])
         if dev.count(None) != len(dev) - p:  # a device hit past a miss
             return None
-        if loading is not None and not loading.keys().isdisjoint(hashes[p:]):
+        if loading is not None and loading.loads_of(hashes[p:]):
             return None
         runs = [(Tier.DEVICE, 0, p)] if p else []
         del dev[p:]
@@ -157,8 +182,8 @@ class PrefixChains:
         block = np.fromiter(map(self.pool.index.get, hashes, repeat(-1)), np.int64, n)
         tier = np.where(block >= 0, 0, 3)
         loading_keys = None
-        if copies is not None and copies.loading:
-            loading, loading_keys = loading_links(copies.loading, hashes)
+        if copies is not None and copies.loads:
+            loading, loading_keys = loading_links(copies.loads, hashes)
             block, tier = self._fill(block, tier, loading, 1)
         if host is not None and (tier == 3).any():
             on_host = np.fromiter(map(host.pool.index.get, hashes, repeat(-1)), np.int64, n)

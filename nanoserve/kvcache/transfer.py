@@ -34,6 +34,8 @@ import numpy as np
 import torch
 
 BlockCopy = Callable[[torch.Tensor, torch.Tensor], None]
+Run = tuple[int, int, int]  # (src start, dst start, number of blocks)
+Span = tuple[int, int]      # blocks [start, stop)
 # one DMA at most: multi-MiB copies already run at full PCIe/NVLink-C2C bandwidth (vLLM's offloading
 # moves whole multi-MiB blocks per copy), and a bounded copy keeps one load from monopolising a lane
 MAX_COPY_BYTES = 64 << 20
@@ -84,12 +86,46 @@ def copy_span(block_bytes: int, max_copy_bytes: int = MAX_COPY_BYTES) -> int:
 
 
 def copy_blocks(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor, dst_ids: Sequence[int],
-                copy: BlockCopy = copy_block, max_copy_bytes: int = MAX_COPY_BYTES) -> None:
+                copy: BlockCopy = copy_block, max_copy_bytes: int = MAX_COPY_BYTES,
+                pairs: list[Run] | None = None) -> None:
     """src[src_ids[i]] -> dst[dst_ids[i]], one `copy` per run consecutive on both sides within a span.
-    Raises at the first failing run (the runs before it are done, or queued on CUDA)."""
+    `pairs`: those runs (uncut by spans) when the caller knows them (`paired_runs`); the ids are then
+    not read. Raises at the first failing run (the runs before it are done, or queued on CUDA)."""
     span = copy_span(src[0].numel() * src.element_size(), max_copy_bytes)
-    for s, d, n in runs(src_ids, dst_ids, span):
+    for s, d, n in (runs(src_ids, dst_ids, span) if pairs is None else cut_runs(pairs, span)):
         copy(src[s:s + n], dst[d:d + n])
+
+
+def paired_runs(src_spans: list[Span], dst_spans: list[Span]) -> list[Run]:
+    """Two cuts of the same blocks in order into runs of consecutive ids, one per side: the runs
+    consecutive on both. Per run, not per block: a load's sides come as runs (extents.py, spans_of)."""
+    out: list[Run] = []
+    i = j = 0
+    (s, s_end), (d, d_end) = src_spans[0], dst_spans[0]
+    while True:
+        n = min(s_end - s, d_end - d)
+        out.append((s, d, n))
+        s, d = s + n, d + n
+        if s == s_end:
+            i += 1
+            if i == len(src_spans):
+                assert d == d_end and j == len(dst_spans) - 1, "the two sides have different lengths"
+                return out
+            s, s_end = src_spans[i]
+        if d == d_end:
+            j += 1
+            d, d_end = dst_spans[j]
+
+
+def cut_runs(pairs: list[Run], span: int) -> list[Run]:
+    """Runs also ended before either side reaches a multiple of `span` (as `runs` cuts them)."""
+    out: list[Run] = []
+    for s, d, n in pairs:
+        while n:
+            k = min(n, span - s % span, span - d % span)
+            out.append((s, d, k))
+            s, d, n = s + k, d + k, n - k
+    return out
 
 
 def runs(src_ids: Sequence[int], dst_ids: Sequence[int], span: int = 0) -> list[tuple[int, int, int]]:
@@ -111,11 +147,11 @@ def runs(src_ids: Sequence[int], dst_ids: Sequence[int], span: int = 0) -> list[
 
 
 def copy_or_error(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor, dst_ids: Sequence[int],
-                  copy: BlockCopy, max_copy_bytes: int) -> BaseException | None:
+                  copy: BlockCopy, max_copy_bytes: int, pairs: list[Run] | None = None) -> BaseException | None:
     """`copy_blocks`, with its failure returned for the handle instead of raised: both copiers then
     complete the handle after whatever part of the batch was started, never before."""
     try:
-        copy_blocks(src, src_ids, dst, dst_ids, copy, max_copy_bytes)
+        copy_blocks(src, src_ids, dst, dst_ids, copy, max_copy_bytes, pairs)
     except Exception as e:
         return e
     return None
@@ -154,9 +190,10 @@ class Copier(ABC):
 
     @abstractmethod
     def submit(self, lane: str, src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor,
-               dst_ids: Sequence[int]) -> Transfer:
+               dst_ids: Sequence[int], pairs: list[Run] | None = None) -> Transfer:
         """Start copying blocks src[src_ids[i]] -> dst[dst_ids[i]]; copies in one lane run in order.
-        A failing copy does not raise here: the handle reports it once the batch has stopped."""
+        `pairs`: the ids as runs, when the caller knows them (`copy_blocks`). A failing copy does not
+        raise here: the handle reports it once the batch has stopped."""
 
     def drain(self) -> None:
         """Block until every copy submitted so far has finished (shutdown)."""
@@ -176,10 +213,10 @@ class ThreadTransfer(Transfer):
 
 def _worker(jobs: queue.SimpleQueue) -> None:
     while (job := jobs.get()) is not None:
-        handle, fn, max_copy_bytes, src, src_ids, dst, dst_ids = job
+        handle, fn, max_copy_bytes, src, src_ids, dst, dst_ids, pairs = job
         t0 = time.perf_counter()
         try:
-            handle.error = copy_or_error(src, src_ids, dst, dst_ids, fn, max_copy_bytes)
+            handle.error = copy_or_error(src, src_ids, dst, dst_ids, fn, max_copy_bytes, pairs)
         except BaseException as e:  # even so the handle completes: the bookkeeping rolls back
             handle.error = e
         handle.seconds = time.perf_counter() - t0
@@ -214,10 +251,10 @@ class ThreadCopier(Copier):
         weakref.finalize(self, _stop_worker, jobs, worker)
         return jobs
 
-    def submit(self, lane, src, src_ids, dst, dst_ids) -> Transfer:
+    def submit(self, lane, src, src_ids, dst, dst_ids, pairs=None) -> Transfer:
         handle = self._last[lane] = ThreadTransfer()
-        self._lane(lane).put((handle, self.block_copy, self.max_copy_bytes, src, list(src_ids), dst,
-                              list(dst_ids)))
+        ids = (list(src_ids), list(dst_ids)) if pairs is None else ((), ())  # (the caller's may change)
+        self._lane(lane).put((handle, self.block_copy, self.max_copy_bytes, src, ids[0], dst, ids[1], pairs))
         return handle
 
 
@@ -265,7 +302,7 @@ class CudaCopier(Copier):
         for stream in self._lanes.values():
             stream.synchronize()
 
-    def submit(self, lane, src, src_ids, dst, dst_ids) -> Transfer:
+    def submit(self, lane, src, src_ids, dst, dst_ids, pairs=None) -> Transfer:
         stream = self._lane(lane)
         # after everything compute has enqueued so far: the step that wrote a saved block, and the
         # last reads of a block that is now a load's destination
@@ -277,7 +314,7 @@ class CudaCopier(Copier):
             start.record(stream)
             # contiguous slabs inside one pinned range each; a failure still records `end` after the
             # runs already queued, so nothing they touch is released before the DMA has finished
-            error = copy_or_error(src, src_ids, dst, dst_ids, copy_block_async, self.max_copy_bytes)
+            error = copy_or_error(src, src_ids, dst, dst_ids, copy_block_async, self.max_copy_bytes, pairs)
             end.record(stream)
         handle = CudaTransfer(self.device, start, end)
         handle.error = error

@@ -115,8 +115,8 @@ class ParallelCopier(Copier):
     def _open_lane(self, name: str):  # pragma: no cover - lanes are the local copier's
         raise NotImplementedError
 
-    def submit(self, lane, src, src_ids, dst, dst_ids) -> Transfer:
-        handle = self.local.submit(lane, src, src_ids, dst, dst_ids)
+    def submit(self, lane, src, src_ids, dst, dst_ids, pairs=None) -> Transfer:
+        handle = self.local.submit(lane, src, src_ids, dst, dst_ids, pairs)
         ack = CopyAck()
         self.followers.pending.append((CopyCommand(lane, list(src_ids), list(dst_ids)), ack))
         return ParallelTransfer(handle, ack, self.followers)
