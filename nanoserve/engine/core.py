@@ -28,10 +28,11 @@ import zmq
 from nanoserve.config import EngineConfig, import_by_name
 from nanoserve.parallel.placement import (CpuPlacement, PlacementRequest, apply_engine_placement,
                                        die_with_parent, engine_placement)
+from nanoserve.engine.intake import Intake, Received
 from nanoserve.engine.requests import Request
 from nanoserve.engine.protocol import (Abort, Add, Batch, DeltaEncoder, EngineDead, EngineSnapshot, FailAll,
                                        Finish, OutputDelta, Ready, RequestError, SnapshotAsk, SnapshotReply,
-                                       StartFailed, StepFailed, StepTime, Stop, ToEngine, decode_to_engine,
+                                       StartFailed, StepFailed, StepTime, Stop, decode_to_engine,
                                        encode)
 from nanoserve.outputs import RequestOutput
 
@@ -57,6 +58,7 @@ class EngineCore:
         self._steps: list[StepTime] = []
         self._snapshots: list[SnapshotReply] = []
         self._sent_counts: tuple[int, int, int] | None = None
+        self.intake = Intake(inp, engine.request_from)  # reads `inp` until the loop ends
 
     def run(self) -> None:
         import torch
@@ -99,30 +101,32 @@ class EngineCore:
             self._flush()
 
     # ---- commands ----------------------------------------------------------------------------
-    def _next(self, block: bool) -> ToEngine | None:
-        while not self.inp.poll(IDLE_POLL_MS if block else 0):
+    def _next(self, block: bool) -> Received | None:
+        while (received := self.intake.next(IDLE_POLL_MS / 1000 if block else 0)) is None:
             if not block:
                 return None
             if self.parent_pid is not None and os.getppid() != self.parent_pid:
                 log.error("the API process is gone; stopping")
-                return Stop()
+                return Received(Stop())
             self.engine.check_workers()  # a tensor-parallel worker died while idle: ParallelFault
-        return decode_to_engine(self.inp.recv())
+        if received.msg is None:  # reading the socket failed
+            raise received.built
+        return received
 
     def _drain(self, block: bool) -> bool:
         """Apply queued commands. Returns False on Stop."""
         eng = self.engine
-        while (msg := self._next(block)) is not None:
+        while (received := self._next(block)) is not None:
             block = False
-            match msg:
+            match received.msg:
                 case Stop():
                     return False
-                case Add(request=preq):
+                case Add(request=preq):  # built on the intake thread (intake.py)
                     self.adds_seen += 1
-                    try:  # validated by the API already; a mismatch is reported, not dropped
-                        self.compiling[preq.request_id] = eng.request_from(preq)
-                    except Exception as e:
-                        self._errors.append(RequestError.of(preq.request_id, e))
+                    if isinstance(received.built, Request):
+                        self.compiling[preq.request_id] = received.built
+                    else:
+                        self._errors.append(RequestError.of(preq.request_id, received.built))
                 case Abort(request_id=rid) if rid in self.compiling:
                     del self.compiling[rid]
                 case Abort(request_id=rid):
@@ -223,7 +227,10 @@ class EngineCore:
     def _shutdown(self) -> None:
         """Answer whatever is still queued, fail what is still running, end the KV copies."""
         err = EngineDead("the server is shutting down")
-        while (msg := self._next(False)) is not None:
+        left = [r.msg for r in self.intake.close()]
+        while self.inp.poll(0):  # the intake has stopped: what it had not read yet
+            left.append(decode_to_engine(self.inp.recv()))
+        for msg in left:
             if isinstance(msg, Add):
                 self._errors.append(RequestError.of(msg.request.request_id, err))
             elif isinstance(msg, SnapshotAsk):

@@ -147,7 +147,8 @@ class LLMEngine:
         self.model_name = self.source.name
         self.info = ModelInfo(self.model_name, str(self.source.path), self.model.vocab_size,
                               self.max_model_len, self.max_token_chars, tuple(sorted(eos_ids)))
-        self.request_builder = RequestBuilder(self.info, self.tokenize, eos_ids, self.grammars, self.device)
+        self.request_builder = RequestBuilder(self.info, self.tokenize, eos_ids, self.grammars, self.device,
+                                              self.kv.chains.prompt_chain)
         trim_heap()  # what reading the tokenizer's files left
         log.info("model %s loaded in %.1fs (%s, %s)", self.model_name, time.monotonic() - t0,
                  self.device, str(self.dtype).removeprefix("torch."))

@@ -45,11 +45,15 @@ def eos_token_ids(tokenizer_eos: int | None, hf_config: Any, model_path: Path) -
     return frozenset(ids)
 
 
+PromptChain = Callable[[list[int], str | None], tuple[list, list] | None]
+
+
 class RequestBuilder:
     def __init__(self, info: ModelInfo, tokenize: Callable[[str, bool], list[int]], eos_ids: frozenset[int],
-                 grammars: GrammarMatchers, device: torch.device) -> None:
+                 grammars: GrammarMatchers, device: torch.device, prompt_chain: PromptChain | None = None) -> None:
         self.info, self.tokenize, self.eos_ids, self.grammars, self.device = (info, tokenize, eos_ids,
                                                                               grammars, device)
+        self.prompt_chain = prompt_chain  # the prefix cache's digests of a prompt (PrefixChains.prompt_chain)
         self._seq_ids = count()
 
     def make(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -64,7 +68,9 @@ class RequestBuilder:
 
     def build(self, preq: PromptRequest) -> Request:
         """The engine's request (one sequence per choice) for a validated one; its grammar's compile is
-        started (on the grammar thread, once per distinct grammar), not waited for."""
+        started (on the grammar thread, once per distinct grammar), not waited for; its prompt's chain of
+        block digests is computed here, once for all its sequences (the engine core builds requests on
+        its intake thread: core.py)."""
         check_prompt_request(self.info, preq)
         params, ids = preq.params, preq.prompt_token_ids
         grammar = self.grammars.prepare(params.structured) if params.structured is not None else None
@@ -74,6 +80,9 @@ class RequestBuilder:
                    if params.seed is not None else None)
             seqs.append(Sequence(next(self._seq_ids), preq.request_id, i, ids, params, preq.max_tokens,
                                  self.eos_ids, generator=gen, parent=seqs[0] if seqs else None))
+        chain = self.prompt_chain(ids, params.cache_salt) if self.prompt_chain is not None else None
+        for seq in seqs if chain is not None else ():
+            seq.block_keys, seq.block_hashes = list(chain[0]), list(chain[1])
         return Request(preq.request_id, preq.prompt, ids, params, seqs, preq.arrival_time, grammar)
 
 

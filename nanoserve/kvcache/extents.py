@@ -13,8 +13,6 @@ loses nothing to contiguity; when free space is scattered, the load is as many c
 """
 from __future__ import annotations
 
-from itertools import chain
-
 import numpy as np
 
 from nanoserve.kvcache.block_lists import FREE
@@ -56,7 +54,10 @@ def choose_extents(starts: np.ndarray, lengths: np.ndarray, n: int) -> list[Exte
 
 
 def extent_blocks(extents: list[Extent]) -> list[int]:
-    return list(chain.from_iterable(range(s, s + n) for s, n in extents))
+    blocks: list[int] = []
+    for s, n in extents:
+        blocks += range(s, s + n)
+    return blocks
 
 
 def extents_of(blocks: list[int]) -> list[Extent]:

@@ -219,7 +219,8 @@ class HostTier:
                    dev_spans: list[tuple[int, int]] | None = None) -> HostCopy:
         """Start copying host blocks into device blocks the caller holds and keeps unread until
         the copy ends. The host blocks are pinned meanwhile. `dev_spans`: `dev_ids` as runs [start,
-        stop) in order, when known: the copies are then cut per run, not per block."""
+        stop) in order, when known: the copies are then cut per run, not per block. The copy keeps both
+        lists: the caller hands them over."""
         host_spans = spans_of(host_ids, len(host_ids) // 8 + 1) if host_ids else None
         self.pool.pin_many(host_ids, host_spans)  # all or none
         pairs = paired_runs(host_spans, dev_spans) if host_spans and dev_spans else None
@@ -229,7 +230,7 @@ class HostTier:
             for hb in host_ids:
                 self.pool.unpin(hb)
             raise
-        return HostCopy(handle, list(host_ids), list(dev_ids))
+        return HostCopy(handle, host_ids, dev_ids)
 
     def end_load(self, copy: HostCopy) -> bool:
         """Release a completed load's host blocks (most recently used now). A failed load also

@@ -110,16 +110,15 @@ class PrefixChains:
         hashes, bs = seq.block_hashes, self.block_size
         if len(hashes) < num_blocks:
             start = len(hashes)
-            keys, digests = chain_links(hashes[-1] if hashes else self._root(seq),
+            keys, digests = chain_links(hashes[-1] if hashes else self._root(seq.params.cache_salt),
                                         seq.token_ids[start * bs:num_blocks * bs], bs, self.hash_salt)
             seq.block_keys += keys
             hashes += digests
         return hashes if len(hashes) == num_blocks else hashes[:num_blocks]  # no copy each step
 
-    def _root(self, seq: Sequence) -> BlockHash | None:
+    def _root(self, salt: str | None) -> BlockHash | None:
         """The parent of a chain's first block: none, or a keyed digest of the request's cache_salt, so
         chains under different salts share no block (lookups compare the parent too, not only digests)."""
-        salt = seq.params.cache_salt
         if salt is None:
             return None
         return hashlib.blake2b(salt.encode(), digest_size=32, key=self.hash_salt[:64],
@@ -128,6 +127,18 @@ class PrefixChains:
     def hash_prompt(self, seq: Sequence) -> None:
         if self.enabled:
             self.hashes(seq, (seq.num_tokens - 1) // self.block_size)
+
+    def prompt_chain(self, token_ids: list[int],
+                     cache_salt: str | None) -> tuple[list[BlockKey], list[BlockHash]] | None:
+        """What `hash_prompt` gives a sequence with this prompt (keys, digests), for a request's sequences
+        to start with (`Sequence.block_keys`, `block_hashes`): safe on any thread (it reads only the key),
+        so the engine core hashes an arriving prompt on its intake thread, not in the loop. None when
+        prefix caching is off."""
+        if not self.enabled:
+            return None
+        n = (len(token_ids) - 1) // self.block_size
+        return chain_links(self._root(cache_salt), token_ids[:n * self.block_size], self.block_size,
+                           self.hash_salt)
 
     def match(self, seq: Sequence, use_host: bool = True) -> list[PrefixHit]:
         """The sequence's leading cached full blocks, link by link (see `match_runs`)."""
