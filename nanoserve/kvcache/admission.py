@@ -67,7 +67,7 @@ class Admitter:
             try:
                 shared.add(self.copies.begin_load(match.links(Tier.HOST, seq.block_hashes),
                                                   match.links(Tier.HOST, seq.block_keys), host_hits,
-                                                  match.links(Tier.HOST, table), spans))
+                                                  match.links(Tier.HOST, table), spans, match.host_spans))
             except Exception:
                 self._release(table)
                 self.num_load_submit_failures += 1

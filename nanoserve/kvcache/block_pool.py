@@ -312,6 +312,8 @@ class BlockPool:
             assert self.where.count(lst.code) == len(lst), "a block list disagrees with `where`"
         for h, b in self.index.items():
             assert self.block_hash[b] == h, f"index points at block {b} whose hash changed"
+        # the converse (chain_runs.stored_runs matches runs by block_hash alone): a digest is in both or neither
+        assert sum(h is not None for h in self.block_hash) == len(self.index), "a digest outside the index"
 
 
 def spans_of(blocks: list[int], most: int) -> list[tuple[int, int]] | None:

@@ -216,13 +216,14 @@ class TierCopies:
         return ld.copy.dev_ids[i] if ld.keys[i] == key else None
 
     def begin_load(self, hashes: list[BlockHash], keys: list[BlockKey], host_ids: list[int],
-                   dev_ids: list[int], dev_spans: list[tuple[int, int]] | None = None) -> Load:
+                   dev_ids: list[int], dev_spans: list[tuple[int, int]] | None = None,
+                   host_spans: list[tuple[int, int]] | None = None) -> Load:
         """Start copying host blocks into device blocks, link i being (hashes[i], keys[i], host_ids[i],
         dev_ids[i]); the device blocks are pinned until the copy ends (they survive their sequence
         being freed meanwhile). In whole-list passes: a load can be thousands of blocks; the lists are
         handed over (kept by the load). `dev_spans`:
         `dev_ids` as runs [start, stop), in order, when the caller has them (extents.allocate_spans)."""
-        copy = self.host.begin_load(host_ids, dev_ids, dev_spans)
+        copy = self.host.begin_load(host_ids, dev_ids, dev_spans, host_spans)
         ld = Load(copy, hashes, keys)  # the caller's lists, handed over
         self.pool.pin_many(copy.dev_ids, dev_spans)
         self.loads.append(ld)

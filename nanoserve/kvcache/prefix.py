@@ -1,10 +1,11 @@
 """A sequence's chain of full blocks and where each link is cached.
 
 Each full block is named by a keyed digest of (parent digest, its tokens), computed once per
-sequence (when the request arrives, for the prompt) and kept with its `BlockKey`, so that matching
-a long prompt in a step costs dictionary lookups, not hashing. A match takes each link from the
-device index, then the loads in flight, then the host index, stopping at the first miss. It is done
-a whole tier at a time (one lookup pass per index, a verifying key comparison per run of one tier)
+sequence (when the request arrives, for the prompt: on the engine core's intake thread) and kept with
+its `BlockKey`, so that matching a long prompt in a step costs dictionary lookups, not hashing. A match
+takes each link from the device index, then the loads in flight, then the host index, stopping at the
+first miss. It is done a whole tier at a time (one lookup pass over the device index; the host's
+links a run of consecutive host blocks at a time, chain_runs.py; a verifying key comparison per run)
 rather than link by link: a 2,048-block prefix is matched in a few C-level passes. A run whose keys
 do not all verify (a digest collision: never seen) sends the match to the link-by-link walk.
 """
@@ -21,6 +22,7 @@ from itertools import chain, repeat
 import numpy as np
 
 from nanoserve.kvcache.block_pool import BlockHash, BlockKey, BlockPool
+from nanoserve.kvcache.chain_runs import canonical, stored_runs
 from nanoserve.kvcache.copies import TierCopies, loading_links
 from nanoserve.sequence import Sequence
 
@@ -42,6 +44,8 @@ class PrefixMatch:
     links as runs of one tier each, (tier, first link, end link) in chain order."""
     blocks: list[int]
     runs: list[tuple[Tier, int, int]]
+    # the host links' blocks as runs [start, stop) of consecutive ids, when the match found them so
+    host_spans: list[tuple[int, int]] | None = None
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -137,8 +141,10 @@ class PrefixChains:
         if not self.enabled:
             return None
         n = (len(token_ids) - 1) // self.block_size
-        return chain_links(self._root(cache_salt), token_ids[:n * self.block_size], self.block_size,
-                           self.hash_salt)
+        keys, digests = chain_links(self._root(cache_salt), token_ids[:n * self.block_size], self.block_size,
+                                    self.hash_salt)
+        canonical([self.pool] + ([self.copies.host.pool] if self.copies is not None else []), keys, digests)
+        return keys, digests
 
     def match(self, seq: Sequence, use_host: bool = True) -> list[PrefixHit]:
         """The sequence's leading cached full blocks, link by link (see `match_runs`)."""
@@ -178,13 +184,14 @@ class PrefixChains:
             return None
         runs = [(Tier.DEVICE, 0, p)] if p else []
         del dev[p:]
+        spans = None
         if host is not None:
-            on_host = list(map(host.pool.index.get, hashes[p:]))
-            q = on_host.index(None) if None in on_host else len(on_host)
-            if q:
-                dev += on_host[:q]
-                runs.append((Tier.HOST, p, p + q))
-        return PrefixMatch(dev, runs)
+            on_host, spans = stored_runs(host.pool, hashes, p)
+            if on_host:
+                dev += on_host
+                runs.append((Tier.HOST, p, p + len(on_host)))
+        # scattered host blocks: per-block passes downstream cost less than a slice per span
+        return PrefixMatch(dev, runs, spans if spans and len(spans) <= len(dev) // 8 + 1 else None)
 
     def _match_tiers(self, hashes: list[BlockHash], host) -> tuple[PrefixMatch, list | None]:
         """Any shape: a tier code per link (numpy), then the runs; and the loads' keys per link."""
@@ -220,6 +227,12 @@ class PrefixChains:
                 stored = list(map(self.pool.block_key.__getitem__, found.blocks[lo:hi]))
             elif t is Tier.LOADING:
                 stored = loading_keys[lo:hi]
+            elif found.host_spans is not None:  # (then this is the one host run) a slice per span
+                for s, e in found.host_spans:
+                    if host.pool.block_key[s:e] != keys[lo:lo + e - s]:
+                        return False
+                    lo += e - s
+                continue
             else:
                 stored = list(map(host.pool.block_key.__getitem__, found.blocks[lo:hi]))
             if stored != keys[lo:hi]:
