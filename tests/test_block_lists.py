@@ -1,7 +1,8 @@
 """The pieces that make admitting a long host prefix cost per run, not per block, against plain models:
 a pool's block lists with lazy removal (block_lists.py) behave as ordered sets; a prompt's chain
 (prefix.chain_links) is `chain_hash` link by link; copy runs paired from two sides' spans
-(transfer.paired_runs, cut_runs) are the runs `transfer.runs` finds from the ids."""
+(transfer.paired_runs, cut_runs) are the runs `transfer.runs` finds from the ids; a chain matched a
+run at a time (chain_runs.stored_runs) is the link-by-link lookup; `canonical` swaps equal objects only."""
 from __future__ import annotations
 
 import random
@@ -9,7 +10,8 @@ import random
 from hypothesis import given, settings, strategies as st
 
 from nanoserve.kvcache.block_lists import CLEAN, DIRTY, FREE, NONE, BlockList
-from nanoserve.kvcache.block_pool import BlockKey, chain_hash, spans_of
+from nanoserve.kvcache.block_pool import BlockKey, BlockPool, chain_hash, spans_of
+from nanoserve.kvcache.chain_runs import canonical, stored_runs
 from nanoserve.kvcache.prefix import chain_links
 from nanoserve.kvcache.transfer import cut_runs, paired_runs, runs
 
@@ -78,3 +80,58 @@ def test_paired_runs_are_the_runs_of_the_ids(data) -> None:
     pairs = paired_runs(src_spans, dst_spans)
     assert pairs == runs(src, dst)
     assert cut_runs(pairs, span or 1 << 30) == runs(src, dst, span)
+
+
+def _chain_pool(rng: random.Random, n: int) -> tuple[BlockPool, list[bytes], list[BlockKey]]:
+    """A pool holding a chain's links in runs of consecutive blocks and scattered ones, with other
+    chains' blocks between; the chain (digests, keys) past what it holds."""
+    pool = BlockPool(n)
+    links = [rng.randbytes(32) for _ in range(n)]
+    keys = [BlockKey.of(links[i - 1] if i else None, (i,)) for i in range(n)]
+    blocks = [pool.allocate() for _ in range(n)]
+    pos, i = rng.sample(range(n), n), 0
+    while i < n * 2 // 3:  # runs of 1-9 links in consecutive blocks from random places
+        k = rng.randint(1, 9)
+        b = pos.pop()
+        for j in range(k):
+            if i + j < n and b + j < n and pool.block_hash[b + j] is None:
+                pool.publish(blocks[b + j], links[i + j], keys[i + j])
+        i += k
+    for b in blocks:
+        if rng.random() < 0.3 and pool.block_hash[b] is None:
+            pool.publish(b, rng.randbytes(32), BlockKey.of(None, (-b,)))  # another chain's
+        pool.release(b)
+    pool.check_invariants()
+    return pool, [bytes(h) for h in links], [BlockKey(k.parent, bytes(k.tokens)) for k in keys]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 10_000), st.integers(0, 30))
+def test_stored_runs_are_the_link_by_link_lookups(seed, start) -> None:
+    pool, hashes, _ = _chain_pool(random.Random(seed), 60)
+    walk = []
+    for h in hashes[start:]:
+        if (b := pool.index.get(h)) is None:
+            break
+        walk.append(b)
+    blocks, spans = stored_runs(pool, hashes, start)
+    assert blocks == walk
+    assert [b for s, e in spans for b in range(s, e)] == walk
+    assert all(e > s for s, e in spans) and all(a[1] != b[0] for a, b in zip(spans, spans[1:]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10_000))
+def test_canonical_swaps_equal_objects_only(seed) -> None:
+    rng = random.Random(seed)
+    pool, hashes, keys = _chain_pool(rng, 40)
+    forged = rng.choice([i for i, h in enumerate(hashes) if h in pool.index] or [None])
+    if forged is not None:  # a request whose link has the stored digest but other tokens
+        keys[forged] = BlockKey(keys[forged].parent, bytes(8))
+    before_keys, before_hashes = list(keys), list(hashes)
+    canonical([BlockPool(4), pool], keys, hashes)
+    assert keys == before_keys and hashes == before_hashes  # equal values, whatever was swapped
+    for i, h in enumerate(hashes):
+        b = pool.index.get(h)
+        same = b is not None and i != forged
+        assert (keys[i] is pool.block_key[b] and h is pool.block_hash[b]) if same else keys[i] is before_keys[i]
