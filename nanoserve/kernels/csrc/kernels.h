@@ -3,6 +3,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
 #include <c10/util/string_view.h>
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -39,3 +40,11 @@ at::Tensor quant_pack(at::Tensor w, int64_t qtype);
 bool quant_packs();       // whether packed matrices have kernels here (AVX-512)
 bool int8_activations();  // whether bf16 activations meet packed weights as int8 (AVX512_VNNI)
 std::string isa();
+
+// chain_hash.cpp: a prompt's chain of block digests, keyed BLAKE2b-256 as Python's hashlib computes it. Block
+// i's digest (out + 32 i) is over the previous one (block 0: parent, or 32 zero bytes where parent is null)
+// and its block_bytes of tokens; the key is its first kChainKeyBytes (none: unkeyed). Raw buffers only: the
+// caller may hold no GIL.
+constexpr size_t kChainDigestBytes = 32, kChainKeyBytes = 64;
+void chain_digests(const uint8_t* tokens, size_t n_blocks, size_t block_bytes, const uint8_t* parent,
+                   const uint8_t* key, size_t key_len, uint8_t* out);

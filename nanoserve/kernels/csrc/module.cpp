@@ -134,6 +134,44 @@ StepArgs read_step(const py::handle& step) {
           field<std::vector<int64_t>>(step, "windows")};
 }
 
+// below this many token bytes a call keeps the GIL: releasing it where another thread waits for it hands
+// that thread the GIL, and taking it back can wait out its switch interval (5 ms), far more than the hash
+constexpr size_t kChainReleaseBytes = 16 << 10;
+
+// chain_digests(tokens, block_size, parent, key): the GIL held to read the arguments and make the result,
+// released to hash (the bytes are immutable, and held by the call, so their buffers are read in place)
+py::bytes chain_digests_bytes(const py::bytes& tokens, int64_t block_size, const py::object& parent,
+                              const py::bytes& key) {
+  if (block_size < 1) throw py::value_error("chain_digests: block_size must be >= 1, got " +
+                                            std::to_string(block_size));
+  const uint8_t* parent_digest = nullptr;
+  if (!parent.is_none()) {
+    if (!PyBytes_Check(parent.ptr()))
+      throw py::type_error("chain_digests: parent must be bytes or None, not " +
+                           py::str(py::type::handle_of(parent).attr("__name__")).cast<std::string>());
+    if (PyBytes_GET_SIZE(parent.ptr()) != static_cast<Py_ssize_t>(kChainDigestBytes))
+      throw py::value_error("chain_digests: parent must be a 32-byte digest, got " +
+                            std::to_string(PyBytes_GET_SIZE(parent.ptr())) + " bytes");
+    parent_digest = reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(parent.ptr()));
+  }
+  const auto* data = reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(tokens.ptr()));
+  const auto* key_data = reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(key.ptr()));
+  const size_t key_len = static_cast<size_t>(PyBytes_GET_SIZE(key.ptr()));
+  // one digest per full block: a trailing partial block (or token) is not hashed
+  const size_t block_tokens = static_cast<size_t>(block_size);
+  const size_t n_blocks = static_cast<size_t>(PyBytes_GET_SIZE(tokens.ptr())) / 8 / block_tokens;
+  const size_t block_bytes = 8 * block_tokens;  // only used where n_blocks > 0 (no overflow then)
+  py::bytes out(nullptr, n_blocks * kChainDigestBytes);  // uninitialized, written before anyone sees it
+  auto* digests = reinterpret_cast<uint8_t*>(PyBytes_AS_STRING(out.ptr()));
+  if (n_blocks * block_bytes < kChainReleaseBytes) {
+    chain_digests(data, n_blocks, block_bytes, parent_digest, key_data, key_len, digests);
+  } else {
+    py::gil_scoped_release release;
+    chain_digests(data, n_blocks, block_bytes, parent_digest, key_data, key_len, digests);
+  }
+  return out;
+}
+
 void define_attention(py::module_& m) {
 #if defined(NS_PHASE_TIMES)
   m.def("phase_times", []() {  // {phase: seconds} since the last call, summed over threads
@@ -180,11 +218,20 @@ void define_quant(py::module_& m) {
   m.def("isa", &isa);
 }
 
+void define_hashing(py::module_& m) {
+  m.def("chain_digests", &chain_digests_bytes, py::arg("tokens"), py::arg("block_size"), py::arg("parent"),
+        py::arg("key"),
+        "The concatenated 32-byte digests of the full blocks of `tokens` (int64 ids, native order): keyed "
+        "BLAKE2b-256 (key[:64]) of the previous digest (block 0: parent, or 32 zero bytes for None) and "
+        "the block's bytes, as kvcache's chain_hash computes them one by one.");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   define_attention(m);
   define_quant(m);
+  define_hashing(m);
   py::class_<DecoderStack>(m, "DecoderStack")
       .def(py::init(&read_stack), py::arg("plan"))
       .def(
