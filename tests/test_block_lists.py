@@ -9,6 +9,7 @@ import random
 
 from hypothesis import given, settings, strategies as st
 
+from nanoserve.kernels import cpu_kernels
 from nanoserve.kvcache.block_lists import CLEAN, DIRTY, FREE, NONE, BlockList
 from nanoserve.kvcache.block_pool import BlockKey, BlockPool, chain_hash, spans_of
 from nanoserve.kvcache.chain_runs import canonical, stored_runs
@@ -60,7 +61,11 @@ def test_block_lists_are_ordered_sets_with_lazy_removal(ops) -> None:
 @given(st.lists(st.integers(0, 1 << 40), max_size=70), st.sampled_from([1, 4, 16]),
        st.one_of(st.none(), st.binary(min_size=32, max_size=32)), st.binary(max_size=64))
 def test_chain_links_are_chain_hash_link_by_link(tokens, block_size, parent, salt) -> None:
+    """In Python, and through the C++ kernel where it is built: the same keys and digests."""
     keys, digests = chain_links(parent, tokens, block_size, salt)
+    kernels = cpu_kernels.built()
+    if kernels is not None:
+        assert chain_links(parent, tokens, block_size, salt, kernels.chain_digests) == (keys, digests)
     assert len(keys) == len(digests) == len(tokens) // block_size
     for i, (key, h) in enumerate(zip(keys, digests)):
         ids = tuple(tokens[i * block_size:(i + 1) * block_size])
@@ -127,7 +132,7 @@ def test_canonical_swaps_equal_objects_only(seed) -> None:
     pool, hashes, keys = _chain_pool(rng, 40)
     forged = rng.choice([i for i, h in enumerate(hashes) if h in pool.index] or [None])
     if forged is not None:  # a request whose link has the stored digest but other tokens
-        keys[forged] = BlockKey(keys[forged].parent, bytes(8))
+        keys[forged] = BlockKey(keys[forged].parent, b"\xff" * 8)  # (no link has token -1)
     before_keys, before_hashes = list(keys), list(hashes)
     canonical([BlockPool(4), pool], keys, hashes)
     assert keys == before_keys and hashes == before_hashes  # equal values, whatever was swapped

@@ -25,9 +25,9 @@ def recording_engine(config: EngineConfig) -> LLMEngine:
     """An LLMEngine whose prefix chains record which thread hashed how many blocks."""
     real = prefix.chain_links
 
-    def recorded(parent, token_ids, block_size, salt):
+    def recorded(parent, token_ids, block_size, salt, digests_of=None):
         HASHED.append((threading.current_thread().name, len(token_ids) // block_size))
-        return real(parent, token_ids, block_size, salt)
+        return real(parent, token_ids, block_size, salt, digests_of)
     prefix.chain_links = recorded  # this engine runs in the test's process (in_process below)
     engine = LLMEngine(config)
     engine.close = _restoring(engine.close, real)

@@ -103,8 +103,8 @@ def test_forced_digest_collision_never_shares_kv(monkeypatch):
     from nanoserve.kvcache import prefix as prefix_mod
     real = prefix_mod.chain_links
 
-    def colliding(parent, tokens, block_size, salt):
-        keys, digests = real(parent, tokens, block_size, salt)
+    def colliding(parent, tokens, block_size, salt, digests_of=None):
+        keys, digests = real(parent, tokens, block_size, salt, digests_of)
         return keys, [b"\0" * 32] * len(digests)
     monkeypatch.setattr(prefix_mod, "chain_links", colliding)
     kv = KVCacheManager(num_blocks=16, block_size=2)

@@ -22,6 +22,7 @@ from nanoserve.engine.request_table import RequestTable
 from nanoserve.engine.requests import Request, RequestBuilder, eos_token_ids
 from nanoserve.engine.step_pipeline import Collected, Launched, StepPipeline
 from nanoserve.heap import trim_heap
+from nanoserve.kernels import cpu_kernels
 from nanoserve.parallel.ranks import Ranks
 from nanoserve.parallel.shard import build_shard, check_memory, host_blocks, startup_phase
 from nanoserve.kvcache.disk_store import DiskStore, load_or_create_key, slot_size
@@ -125,8 +126,10 @@ class LLMEngine:
         host = host_tier(config, self.layout, self.ranks, self.runner.kv_cache, self.device)
         disk = disk_tier(config, self.source, self.layout, host)
         # the cleaner sizes its target from demand; a watermark only overrides it
+        kernels = cpu_kernels.built()  # the prompt hashing's C++ kernel, where built (else Python's hashlib)
         self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching, host,
-                                 config.host_offload_watermark, disk.hash_key if disk else None, disk)
+                                 config.host_offload_watermark, disk.hash_key if disk else None, disk,
+                                 kernels.chain_digests if kernels is not None else None)
         self.kv_events = kv_event_publisher(config.kv_events_endpoint, self.kv)
         if disk is not None:
             disk.restore()  # with the events publisher watching: routers hear what the disk holds

@@ -103,6 +103,19 @@ def load():
 
 
 @functools.cache
+def built():
+    """`load()` where this install has the module for this CPU, else None without building it (a CUDA
+    engine does not build the CPU kernels; it uses one that `make install` built, for its prompt
+    hashing)."""
+    if os.environ.get("NANOSERVE_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        return None if build.missing(MODULE, _target()) else load()
+    except Exception:  # noqa: BLE001 - the same problem as load() would log: the Python path runs
+        return None
+
+
+@functools.cache
 def quant() -> QuantKernels | None:
     """The GGUF quantized-weight kernels, or None like `load()`."""
     module = load()

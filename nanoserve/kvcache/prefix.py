@@ -16,6 +16,7 @@ import hashlib
 import os
 from array import array
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain, repeat
 
@@ -79,32 +80,38 @@ _TIERS = (Tier.DEVICE, Tier.LOADING, Tier.HOST)
 _NO_PARENT = b"\0" * 32
 
 
-def chain_links(parent: BlockHash | None, token_ids: list[int], block_size: int,
-                salt: bytes) -> tuple[list[BlockKey], list[BlockHash]]:
+ChainDigests = Callable[[bytes, int, "BlockHash | None", bytes], bytes]
+
+
+def chain_links(parent: BlockHash | None, token_ids: list[int], block_size: int, salt: bytes,
+                digests_of: ChainDigests | None = None) -> tuple[list[BlockKey], list[BlockHash]]:
     """The keys and digests (`chain_hash`) of the full blocks of `token_ids`, the first one's parent being
-    `parent`. The tokens are converted once and sliced per block; the keyed hash state is copied, not
-    keyed again per block; each digest's `hash()` is taken here, where a request arrives, not in the
-    step's first index lookup."""
+    `parent`. The tokens are converted once and sliced per block. `digests_of`: the C++ kernel
+    (cpu_kernels' chain_digests: the same digests, the GIL released); else the keyed hash state is copied,
+    not keyed again, per block. Each digest's `hash()` is taken here, where a request arrives, not in
+    the step's first index lookup."""
     data, step = array("q", token_ids).tobytes(), 8 * block_size
-    keyed = hashlib.blake2b(digest_size=32, key=salt[:64])
-    keys: list[BlockKey] = []
-    digests: list[BlockHash] = []
-    for off in range(0, len(data) - step + 1, step):
-        tokens = data[off:off + step]
-        h = keyed.copy()
-        h.update(parent if parent is not None else _NO_PARENT)
-        h.update(tokens)
-        keys.append(BlockKey(parent, tokens))
-        parent = h.digest()
-        digests.append(parent)
+    ends = range(step, len(data) + 1, step)
+    if digests_of is not None:
+        joined = digests_of(data, block_size, parent, salt[:64])
+        digests = [joined[i:i + 32] for i in range(0, len(joined), 32)]
+    else:
+        keyed, digests = hashlib.blake2b(digest_size=32, key=salt[:64]), []
+        for end in ends:
+            h = keyed.copy()
+            h.update(digests[-1] if digests else parent if parent is not None else _NO_PARENT)
+            h.update(data[end - step:end])
+            digests.append(h.digest())
+    keys = [BlockKey(p, data[end - step:end]) for p, end in zip([parent, *digests], ends)]
     deque(map(hash, digests), maxlen=0)
     return keys, digests
 
 
 class PrefixChains:
     def __init__(self, block_size: int, pool: BlockPool, copies: TierCopies | None, enabled: bool = True,
-                 hash_salt: bytes | None = None) -> None:
+                 hash_salt: bytes | None = None, digests_of: ChainDigests | None = None) -> None:
         self.block_size, self.pool, self.copies, self.enabled = block_size, pool, copies, enabled
+        self.digests_of = digests_of  # the C++ chain hashing, where the kernels are built
         # per-process random key for block digests: clients cannot predict or collide them offline
         self.hash_salt = os.urandom(32) if hash_salt is None else hash_salt
 
@@ -115,7 +122,8 @@ class PrefixChains:
         if len(hashes) < num_blocks:
             start = len(hashes)
             keys, digests = chain_links(hashes[-1] if hashes else self._root(seq.params.cache_salt),
-                                        seq.token_ids[start * bs:num_blocks * bs], bs, self.hash_salt)
+                                        seq.token_ids[start * bs:num_blocks * bs], bs, self.hash_salt,
+                                        self.digests_of)
             seq.block_keys += keys
             hashes += digests
         return hashes if len(hashes) == num_blocks else hashes[:num_blocks]  # no copy each step
@@ -142,7 +150,7 @@ class PrefixChains:
             return None
         n = (len(token_ids) - 1) // self.block_size
         keys, digests = chain_links(self._root(cache_salt), token_ids[:n * self.block_size], self.block_size,
-                                    self.hash_salt)
+                                    self.hash_salt, self.digests_of)
         canonical([self.pool] + ([self.copies.host.pool] if self.copies is not None else []), keys, digests)
         return keys, digests
 
