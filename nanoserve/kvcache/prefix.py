@@ -18,6 +18,7 @@ from array import array
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from itertools import chain, repeat
 
 import numpy as np
@@ -102,7 +103,8 @@ def chain_links(parent: BlockHash | None, token_ids: list[int], block_size: int,
             h.update(digests[-1] if digests else parent if parent is not None else _NO_PARENT)
             h.update(data[end - step:end])
             digests.append(h.digest())
-    keys = [BlockKey(p, data[end - step:end]) for p, end in zip([parent, *digests], ends)]
+    # (tuple.__new__ through C: a NamedTuple's own __new__ is a Python call per key)
+    keys = list(map(partial(tuple.__new__, BlockKey), zip([parent, *digests], [data[e - step:e] for e in ends])))
     deque(map(hash, digests), maxlen=0)
     return keys, digests
 
