@@ -50,7 +50,9 @@ def _noop_copier():
         def submit(self, lane, src, src_ids, dst, dst_ids, pairs=None) -> Transfer:
             def count(s, d) -> None:
                 NoopCopier.copies += 1
-            copy_blocks(src, src_ids, dst, dst_ids, count, self.max_copy_bytes, pairs)
+            # (an older checkout's copy_blocks takes no pairs, and is never given any)
+            copy_blocks(src, src_ids, dst, dst_ids, count, self.max_copy_bytes,
+                        **({"pairs": pairs} if pairs is not None else {}))
             return Done()
     return NoopCopier()
 
@@ -96,6 +98,10 @@ def _setup(args, seed: int):
     device = torch.zeros(args.pool_blocks, 1, 2, 1, bs, 1)  # tiny blocks: no copy is cut at a span
     host = HostTier(n + 64, device, _noop_copier())
     kv = KVCacheManager(args.pool_blocks, bs, host=host)
+    if hasattr(kv.chains, "digests_of"):  # the prompt hashing the engine uses: C++ where it is built
+        from nanoserve.kernels import cpu_kernels
+        kernels = cpu_kernels.built()
+        kv.chains.digests_of = kernels.chain_digests if kernels is not None else None
     rng = random.Random(seed)
     _fragment(kv, rng, args.free_blocks)
     prompt = [rng.randrange(32000) for _ in range((n + 1) * bs)]

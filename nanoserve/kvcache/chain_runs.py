@@ -57,17 +57,19 @@ def _common(stored: list, b: int, hashes: list[BlockHash], i: int, most: int) ->
 def canonical(pools: list[BlockPool], keys: list[BlockKey], hashes: list[BlockHash]) -> None:
     """Swap, in place, each link's key and digest for the objects the first of `pools` holding that
     chain stores, where they are equal (checked here, by value). Safe on a thread beside the engine's:
-    a pool changing meanwhile only leaves a link unswapped."""
-    left = range(len(hashes))
+    a pool changing meanwhile only leaves a link unswapped. In list passes: a pool holding none of the
+    links costs one lookup pass."""
+    todo = list(range(len(hashes)))
     for pool in pools:
-        index, stored_key, stored_hash = pool.index, pool.block_key, pool.block_hash
+        found = list(map(pool.index.get, map(hashes.__getitem__, todo)))
+        if found.count(None) == len(found):
+            continue
         rest = []
-        for i in left:
-            b = index.get(hashes[i])
+        for i, b in zip(todo, found):
             if b is None:
                 rest.append(i)
                 continue
-            key, h = stored_key[b], stored_hash[b]
+            key, h = pool.block_key[b], pool.block_hash[b]
             if key == keys[i] and h == hashes[i]:
                 keys[i], hashes[i] = key, h
-        left = rest
+        todo = rest
