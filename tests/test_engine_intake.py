@@ -1,6 +1,6 @@
 """The engine core builds each arriving request on its intake thread (engine/intake.py): a prompt's chain
 of block digests is computed there, not in the loop, and the loop's scheduler finds it done; the chain
-is the one the cache publishes under (a repeated prompt hits), and commands keep their order."""
+is the one the cache publishes under (a repeated prompt hits)."""
 from __future__ import annotations
 
 import asyncio
@@ -29,7 +29,11 @@ def recording_engine(config: EngineConfig) -> LLMEngine:
         HASHED.append((threading.current_thread().name, len(token_ids) // block_size))
         return real(parent, token_ids, block_size, salt, digests_of)
     prefix.chain_links = recorded  # this engine runs in the test's process (in_process below)
-    engine = LLMEngine(config)
+    try:
+        engine = LLMEngine(config)
+    except BaseException:
+        prefix.chain_links = real
+        raise
     engine.close = _restoring(engine.close, real)
     return engine
 
@@ -44,8 +48,9 @@ def _restoring(close, real):
 @pytest.fixture
 def aengine(tiny_path):
     importlib.import_module(RECORDER).HASHED.clear()
-    client = EngineClient(EngineConfig(model=str(tiny_path("llama-gqa-tied")), dtype="float32", num_kv_blocks=64,
-                                       block_size=16), ServerMetrics("tiny"), in_process=True,
+    config = EngineConfig(model=str(tiny_path("llama-gqa-tied")), dtype="float32", num_kv_blocks=64,
+                          block_size=16)
+    client = EngineClient(config, ServerMetrics("tiny"), in_process=True,
                           make_engine="tests.test_engine_intake:recording_engine")
     client.start()
     yield client
@@ -53,7 +58,8 @@ def aengine(tiny_path):
 
 
 async def _run(aengine, rid: str, prompt: list[int]):
-    req = aengine.frontend.make_request(rid, prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    req = aengine.frontend.make_request(rid, prompt, params)
     return [out async for out in aengine.generate(req)][-1]
 
 

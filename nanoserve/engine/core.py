@@ -227,7 +227,11 @@ class EngineCore:
     def _shutdown(self) -> None:
         """Answer whatever is still queued, fail what is still running, end the KV copies."""
         err = EngineDead("the server is shutting down")
-        left = [r.msg for r in self.intake.close()]
+        left = []
+        for r in self.intake.close():
+            if r.msg is None:
+                log.error("reading the engine's input failed", exc_info=r.built)
+            left.append(r.msg)
         while self.inp.poll(0):  # the intake has stopped: what it had not read yet
             left.append(decode_to_engine(self.inp.recv()))
         for msg in left:

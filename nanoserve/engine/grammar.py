@@ -18,6 +18,7 @@ Measured: a template of a realistic schema costs ~1.5 ms, a copy ~1 us."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -56,6 +57,8 @@ class GrammarMatchers:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-grammar")
         self._tokenizer: Future | None = None   # llguidance's view of the vocabulary
         self._templates: OrderedDict[str, Compile] = OrderedDict()
+        # the engine core's intake thread builds requests (prepare) while the loop adds them (prepare too)
+        self._lock = threading.RLock()
         self._matchers: dict[int, object] = {}  # seq_id -> LLMatcher
         self._words = (vocab_size + 31) // 32
         self._bitmask = torch.empty(0, self._words, dtype=torch.int32)
@@ -65,10 +68,11 @@ class GrammarMatchers:
 
     def start(self) -> Future:
         """Build llguidance's tokenizer on the worker thread (once; the first compile waits for it)."""
-        if self._tokenizer is None:
-            self._vocab_started = time.monotonic()
-            self._tokenizer = self._pool.submit(self._build_tokenizer)
-        return self._tokenizer
+        with self._lock:
+            if self._tokenizer is None:
+                self._vocab_started = time.monotonic()
+                self._tokenizer = self._pool.submit(self._build_tokenizer)
+            return self._tokenizer
 
     def _build_tokenizer(self):
         t0 = time.perf_counter()
@@ -99,15 +103,16 @@ class GrammarMatchers:
     def prepare(self, spec: StructuredSpec) -> Compile:
         """The compile of this grammar: found in the cache, or started on the worker thread."""
         grammar = spec.grammar()
-        c = self._templates.get(grammar)
-        if c is not None:
-            self._templates.move_to_end(grammar)
+        with self._lock:
+            c = self._templates.get(grammar)
+            if c is not None:
+                self._templates.move_to_end(grammar)
+                return c
+            self.start()
+            c = self._templates[grammar] = Compile(spec, self._pool.submit(self._compile, spec, grammar))
+            if len(self._templates) > CACHE_SIZE:
+                self._templates.popitem(last=False)
             return c
-        self.start()
-        c = self._templates[grammar] = Compile(spec, self._pool.submit(self._compile, spec, grammar))
-        if len(self._templates) > CACHE_SIZE:
-            self._templates.popitem(last=False)
-        return c
 
     def ready(self, c: Compile) -> bool:
         """Whether the grammar is compiled; raises InvalidRequest if it failed or is taking too long."""

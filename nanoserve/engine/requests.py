@@ -50,7 +50,8 @@ PromptChain = Callable[[list[int], str | None], tuple[list, list] | None]
 
 class RequestBuilder:
     def __init__(self, info: ModelInfo, tokenize: Callable[[str, bool], list[int]], eos_ids: frozenset[int],
-                 grammars: GrammarMatchers, device: torch.device, prompt_chain: PromptChain | None = None) -> None:
+                 grammars: GrammarMatchers, device: torch.device,
+                 prompt_chain: PromptChain | None = None) -> None:
         self.info, self.tokenize, self.eos_ids, self.grammars, self.device = (info, tokenize, eos_ids,
                                                                               grammars, device)
         self.prompt_chain = prompt_chain  # the prefix cache's digests of a prompt (PrefixChains.prompt_chain)

@@ -102,17 +102,19 @@ def load():
     return _build(MODULE)
 
 
-@functools.cache
 def built():
-    """`load()` where this install has the module for this CPU, else None without building it (a CUDA
-    engine does not build the CPU kernels; it uses one that `make install` built, for its prompt
-    hashing)."""
+    """`load()` where this install has built the module for this CPU, else None, quietly and without
+    building it: a CUDA engine builds no CPU kernels, but uses the ones `make install` built for its
+    prompt hashing (without them, Python's hashlib hashes)."""
     if os.environ.get("NANOSERVE_CPU_KERNELS", "1") == "0":
         return None
     try:
-        return None if build.missing(MODULE, _target()) else load()
-    except Exception:  # noqa: BLE001 - the same problem as load() would log: the Python path runs
+        spot = build.find(MODULE, _target())
+        ready = (spot is not None and spot[2].requires <= build.cpu_flags()
+                 and (spot[0] / build.MANIFEST).exists())
+    except Exception:  # noqa: BLE001 - nothing usable here: the Python path runs
         return None
+    return load() if ready else None
 
 
 @functools.cache

@@ -3,9 +3,10 @@
 One byte per block, `where[b]`, says which list holds block b (0: none: in use or held by a copy).
 Each list keeps its order in an OrderedDict whose entries may be stale: an entry is live only while
 `where` still names that list. So a load takes thousands of blocks out of their lists with one slice
-assignment of `where` per run of consecutive blocks (`BlockPool.take_spans`) instead of a dict deletion
-per block; a stale entry is dropped when the list's end reaches it, or replaced when its block rejoins
-the list. Each list has at most one entry per block, so stale ones never outnumber the pool.
+assignment of `where` per run of consecutive blocks (extents.allocate_spans, block_pool.pin_fresh)
+instead of a dict deletion per block; a stale entry is dropped when the list's end reaches it, or
+replaced when its block rejoins the list. Each list has at most one entry per block, so stale ones
+never outnumber the pool.
 """
 from __future__ import annotations
 

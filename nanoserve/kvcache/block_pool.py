@@ -204,7 +204,8 @@ class BlockPool:
             self._park(block)
 
     def mark_clean(self, block: int, clean: bool) -> None:
-        """Record whether another tier holds this published block's KV too (keeps its LRU place)."""
+        """Record whether another tier holds this published block's KV too (a cached-free one moves to
+        the other LRU, as its newest)."""
         if self.block_hash[block] is None or self.is_clean[block] == clean:
             return
         src, dst = (self.dirty, self.clean) if clean else (self.clean, self.dirty)
@@ -312,7 +313,7 @@ class BlockPool:
             assert self.where.count(lst.code) == len(lst), "a block list disagrees with `where`"
         for h, b in self.index.items():
             assert self.block_hash[b] == h, f"index points at block {b} whose hash changed"
-        # the converse (chain_runs.stored_runs matches runs by block_hash alone): a digest is in both or neither
+        # the converse (chain_runs.stored_runs matches by block_hash alone): a digest is in both or neither
         assert sum(h is not None for h in self.block_hash) == len(self.index), "a digest outside the index"
 
 

@@ -77,7 +77,7 @@ def chain_order(blocks: list[int], pool: BlockPool) -> list[int]:
     return out
 
 
-def loading_links(loads: list[Load],
+def loading_links(loading: dict[BlockHash, Load],
                   hashes: list[BlockHash]) -> tuple[np.ndarray, list[BlockKey | None]]:
     """Per digest: the device block a load in flight fills with it (-1: none), and its stored key. In
     passes per load (a digest is in one load at most), not per link: a second request on a prefix in
@@ -85,14 +85,12 @@ def loading_links(loads: list[Load],
     n = len(hashes)
     blocks = np.full(n, -1, np.int64)
     keys: list[BlockKey | None] = [None] * n
-    for ld in loads:
-        links = ld.links()
-        if links.keys().isdisjoint(hashes):
-            continue
-        per_link = list(map(links.get, hashes))
-        if _one_piece(per_link, hashes, ld, blocks, keys):
-            continue
-        pos = np.fromiter(map(links.get, hashes, repeat(-1)), np.int64, n)
+    per_link = list(map(loading.get, hashes))
+    lds = set(per_link) - {None}
+    if len(lds) == 1 and _one_piece(per_link, hashes, lds.pop(), blocks, keys):
+        return blocks, keys
+    for ld in set(per_link) - {None}:
+        pos = np.fromiter(map(ld.links().get, hashes, repeat(-1)), np.int64, n)
         at = (pos >= 0).nonzero()[0]
         src = pos[at]
         blocks[at] = np.array(ld.copy.dev_ids, np.int64)[src]
@@ -100,14 +98,14 @@ def loading_links(loads: list[Load],
     return blocks, keys
 
 
-def _one_piece(per_link: list[int | None], hashes: list[BlockHash], ld: Load, blocks: np.ndarray,
+def _one_piece(per_link: list[Load | None], hashes: list[BlockHash], ld: Load, blocks: np.ndarray,
                keys: list[BlockKey | None]) -> bool:
-    """`loading_links` for one load when the links it loads are one piece of both chains, contiguous on
-    each side (the usual: a request on the prefix another one is loading), as slices; False if not."""
-    lo = next(i for i, p in enumerate(per_link) if p is not None)
-    m = len(per_link) - per_link.count(None)
-    j = per_link[lo]
-    if ld.hashes[j:j + m] != hashes[lo:lo + m]:
+    """`loading_links` when the links `ld` loads are one piece of both chains, contiguous on each side
+    (the usual: a request on the prefix another one is loading), as slices; False if they are not."""
+    lo = per_link.index(ld)
+    m = per_link.count(ld)
+    j = ld.hashes.index(hashes[lo])
+    if per_link[lo:lo + m].count(ld) != m or ld.hashes[j:j + m] != hashes[lo:lo + m]:
         return False
     blocks[lo:lo + m] = ld.copy.dev_ids[j:j + m]
     keys[lo:lo + m] = ld.keys[j:j + m]
@@ -119,6 +117,8 @@ class TierCopies:
         self.pool, self.host, self.disk = pool, host, disk
         self.saves: list[HostCopy] = []
         self.loads: list[Load] = []  # in flight, each filling device blocks with chain links
+        self._loading: dict[BlockHash, Load] = {}  # see `loading`; `_unindexed`: loads not in it yet
+        self._unindexed: list[Load] = []
         self.waiting_on: dict[int, set[Load]] = {}  # seq id -> loads it still needs
         self.failed: set[int] = set()                # seq ids whose load failed
         self.save_failures_in_row = 0  # failed submits/copies since the last save that landed
@@ -164,12 +164,9 @@ class TierCopies:
         for block in pool.dirty:  # oldest first: the next to be evicted
             if len(dev_ids) + len(already) >= n:
                 break
-            if host.lookup(pool.block_hash[block], pool.block_key[block]) is not None or (
-                    self.disk is not None and self.disk.pool.lookup(pool.block_hash[block],
-                                                                   pool.block_key[block]) is not None):
-                already.append(block)
-            else:
-                dev_ids.append(block)
+            h, key = pool.block_hash[block], pool.block_key[block]
+            on_disk = self.disk is not None and self.disk.pool.lookup(h, key) is not None
+            (already if host.lookup(h, key) is not None or on_disk else dev_ids).append(block)
         for block in already:
             self.twin(block)
         if not dev_ids or not host.room():
@@ -209,7 +206,7 @@ class TierCopies:
     # ---- loads --------------------------------------------------------------------------------------
     def loading_block(self, h: BlockHash, key: BlockKey) -> int | None:
         """The device block a load in flight is filling with this chain's KV."""
-        ld = self.load_of(h)
+        ld = self.loading().get(h)
         if ld is None:
             return None
         i = ld.links()[h]
@@ -221,12 +218,13 @@ class TierCopies:
         """Start copying host blocks into device blocks, link i being (hashes[i], keys[i], host_ids[i],
         dev_ids[i]); the device blocks are pinned until the copy ends (they survive their sequence
         being freed meanwhile). In whole-list passes: a load can be thousands of blocks; the lists are
-        handed over (kept by the load). `dev_spans`:
-        `dev_ids` as runs [start, stop), in order, when the caller has them (extents.allocate_spans)."""
+        handed over (kept by the load). `dev_spans`, `host_spans`: the blocks as runs [start, stop), in
+        order, when the caller has them (extents.allocate_spans, chain_runs.stored_runs)."""
         copy = self.host.begin_load(host_ids, dev_ids, dev_spans, host_spans)
         ld = Load(copy, hashes, keys)  # the caller's lists, handed over
         self.pool.pin_many(copy.dev_ids, dev_spans)
         self.loads.append(ld)
+        self._unindexed.append(ld)
         return ld
 
     def wait_on(self, seq_id: int, loads: set[Load]) -> None:
@@ -234,13 +232,17 @@ class TierCopies:
             ld.waiters.add(seq_id)
         self.waiting_on[seq_id] = loads
 
-    def load_of(self, h: BlockHash) -> Load | None:
-        """The load in flight filling a device block with chain `h`."""
-        return next((ld for ld in self.loads if h in ld.links()), None)
+    def loading(self) -> dict[BlockHash, Load]:
+        """Digest -> the load in flight filling a device block with that chain. A load joins when a match
+        first asks, not when it starts: its admission registers no link, nor ever does one ending first."""
+        for ld in self._unindexed:
+            self._loading.update(dict.fromkeys(ld.hashes, ld))  # one entry per digest, no tuple per link
+        self._unindexed.clear()
+        return self._loading
 
     def loads_of(self, hashes: list[BlockHash]) -> set[Load]:
         """The loads in flight that fill device blocks with any of these chains."""
-        return {ld for ld in self.loads if not ld.links().keys().isdisjoint(hashes)}
+        return set(map(self.loading().get, hashes)) - {None}
 
     def state(self, seq_id: int) -> LoadState:
         if seq_id in self.failed:
@@ -254,6 +256,10 @@ class TierCopies:
 
     def _end_load(self, ld: Load) -> list[int]:
         self.loads.remove(ld)
+        if ld in self._unindexed:
+            self._unindexed.remove(ld)
+        else:
+            deque(map(self._loading.pop, ld.hashes), maxlen=0)
         ok = self.host.end_load(ld.copy)
         if ok:
             ld.copy.handle.order_compute_after()
@@ -284,16 +290,11 @@ class TierCopies:
             self.disk.poll()
         return settled
 
-    def wait_for(self, seq_id: int, timeout: float) -> None:
-        """Wait (up to `timeout` in all) for the loads `seq_id` waits on; the caller polls after."""
+    def wait_for(self, seq_id: int | None, timeout: float) -> None:
+        """Wait (up to `timeout` in all) for the loads `seq_id` waits on (None: every save); then poll."""
         deadline = time.monotonic() + timeout
-        for ld in list(self.waiting_on.get(seq_id, ())):
-            ld.copy.handle.wait(max(0.0, deadline - time.monotonic()))
-
-    def wait_saves(self, timeout: float) -> None:
-        """Wait (up to `timeout` in all) for every save in flight; the caller polls after."""
-        deadline = time.monotonic() + timeout
-        for c in list(self.saves):
+        copies = list(self.saves) if seq_id is None else [ld.copy for ld in self.waiting_on.get(seq_id, ())]
+        for c in copies:
             c.handle.wait(max(0.0, deadline - time.monotonic()))
 
     def wait_oldest(self, timeout: float | None = None) -> None:
@@ -327,10 +328,9 @@ class TierCopies:
         dev_pins.update(b for ld in self.loads for b in ld.copy.dev_ids)
         assert all(dev.pins[b] == dev_pins[b] for b in range(dev.num_blocks)), (
             "device block pinned without a copy in flight (or the reverse)")
-        loading = [h for ld in self.loads for h in ld.hashes]
-        assert len(loading) == len(set(loading)), "a chain link is loaded by two loads at once"
-        assert all(ld.links() == {h: i for i, h in enumerate(ld.hashes)} for ld in self.loads), (
-            "a load's link index is stale")
+        loading = self.loading()
+        assert len(loading) == sum(len(ld.hashes) for ld in self.loads) and all(
+            loading.get(h) is ld for ld in self.loads for h in ld.hashes), "loading index is stale"
         assert all(ld in self.loads for lds in self.waiting_on.values() for ld in lds), (
             "waiting on an ended load")
         host.check_invariants()

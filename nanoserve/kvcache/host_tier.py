@@ -215,7 +215,8 @@ class HostTier:
                       exc_info=copy.handle.error)
         return ok
 
-    def begin_load(self, host_ids: list[int], dev_ids: list[int], dev_spans: list[tuple[int, int]] | None = None,
+    def begin_load(self, host_ids: list[int], dev_ids: list[int],
+                   dev_spans: list[tuple[int, int]] | None = None,
                    host_spans: list[tuple[int, int]] | None = None) -> HostCopy:
         """Start copying host blocks into device blocks the caller holds and keeps unread until
         the copy ends. The host blocks are pinned meanwhile. `dev_spans`: `dev_ids` as runs [start,
@@ -224,8 +225,8 @@ class HostTier:
         if host_spans is None and host_ids:
             host_spans = spans_of(host_ids, len(host_ids) // 8 + 1)
         self.pool.pin_many(host_ids, host_spans)  # all or none
-        pairs = paired_runs(host_spans, dev_spans) if host_spans and dev_spans else None
         try:
+            pairs = paired_runs(host_spans, dev_spans) if host_spans and dev_spans else None
             handle = self.copier.submit("load", self.cache, host_ids, self.device_cache, dev_ids, pairs)
         except BaseException:
             for hb in host_ids:

@@ -143,7 +143,7 @@ class KVCacheManager:
     def complete_saves(self, timeout: float) -> None:
         """Wait (up to `timeout` in all) for the saves in flight, then end what is done."""
         if self.copies is not None:
-            self.copies.wait_saves(timeout)
+            self.copies.wait_for(None, timeout)  # the saves
             self.poll_transfers()
 
     def wait_for_transfer(self, timeout: float | None = None) -> None:

@@ -104,7 +104,8 @@ def chain_links(parent: BlockHash | None, token_ids: list[int], block_size: int,
             h.update(data[end - step:end])
             digests.append(h.digest())
     # (tuple.__new__ through C: a NamedTuple's own __new__ is a Python call per key)
-    keys = list(map(partial(tuple.__new__, BlockKey), zip([parent, *digests], [data[e - step:e] for e in ends])))
+    tokens = [data[e - step:e] for e in ends]
+    keys = list(map(partial(tuple.__new__, BlockKey), zip([parent, *digests], tokens)))
     deque(map(hash, digests), maxlen=0)
     return keys, digests
 
@@ -145,9 +146,10 @@ class PrefixChains:
     def prompt_chain(self, token_ids: list[int],
                      cache_salt: str | None) -> tuple[list[BlockKey], list[BlockHash]] | None:
         """What `hash_prompt` gives a sequence with this prompt (keys, digests), for a request's sequences
-        to start with (`Sequence.block_keys`, `block_hashes`): safe on any thread (it reads only the key),
-        so the engine core hashes an arriving prompt on its intake thread, not in the loop. None when
-        prefix caching is off."""
+        to start with (`Sequence.block_keys`, `block_hashes`), their objects swapped for the equal ones the
+        tiers hold (chain_runs.canonical). Safe on a thread beside the engine's (it reads the key, and
+        the pools only to swap equal objects), so the engine core hashes an arriving prompt on its
+        intake thread, not in the loop. None when prefix caching is off."""
         if not self.enabled:
             return None
         n = (len(token_ids) - 1) // self.block_size
@@ -190,7 +192,7 @@ class PrefixChains:
             return PrefixMatch(dev, [(Tier.DEVICE, 0, n)] if n else [])
         if dev.count(None) != len(dev) - p:  # a device hit past a miss
             return None
-        if loading is not None and loading.loads_of(hashes[p:]):
+        if loading is not None and not loading.loading().keys().isdisjoint(hashes[p:]):
             return None
         runs = [(Tier.DEVICE, 0, p)] if p else []
         del dev[p:]
@@ -201,7 +203,7 @@ class PrefixChains:
                 dev += on_host
                 runs.append((Tier.HOST, p, p + len(on_host)))
         # scattered host blocks: per-block passes downstream cost less than a slice per span
-        return PrefixMatch(dev, runs, spans if spans and len(spans) <= len(dev) // 8 + 1 else None)
+        return PrefixMatch(dev, runs, spans if spans and len(spans) <= len(on_host) // 8 + 1 else None)
 
     def _match_tiers(self, hashes: list[BlockHash], host) -> tuple[PrefixMatch, list | None]:
         """Any shape: a tier code per link (numpy), then the runs; and the loads' keys per link."""
@@ -211,7 +213,7 @@ class PrefixChains:
         tier = np.where(block >= 0, 0, 3)
         loading_keys = None
         if copies is not None and copies.loads:
-            loading, loading_keys = loading_links(copies.loads, hashes)
+            loading, loading_keys = loading_links(copies.loading(), hashes)
             block, tier = self._fill(block, tier, loading, 1)
         if host is not None and (tier == 3).any():
             on_host = np.fromiter(map(host.pool.index.get, hashes, repeat(-1)), np.int64, n)

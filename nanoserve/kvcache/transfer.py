@@ -109,11 +109,14 @@ def paired_runs(src_spans: list[Span], dst_spans: list[Span]) -> list[Run]:
         if s == s_end:
             i += 1
             if i == len(src_spans):
-                assert d == d_end and j == len(dst_spans) - 1, "the two sides have different lengths"
+                if d != d_end or j != len(dst_spans) - 1:
+                    raise ValueError("paired_runs: the destination has more blocks than the source")
                 return out
             s, s_end = src_spans[i]
         if d == d_end:
             j += 1
+            if j == len(dst_spans):
+                raise ValueError("paired_runs: the source has more blocks than the destination")
             d, d_end = dst_spans[j]
 
 
@@ -147,7 +150,8 @@ def runs(src_ids: Sequence[int], dst_ids: Sequence[int], span: int = 0) -> list[
 
 
 def copy_or_error(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor, dst_ids: Sequence[int],
-                  copy: BlockCopy, max_copy_bytes: int, pairs: list[Run] | None = None) -> BaseException | None:
+                  copy: BlockCopy, max_copy_bytes: int,
+                  pairs: list[Run] | None = None) -> BaseException | None:
     """`copy_blocks`, with its failure returned for the handle instead of raised: both copiers then
     complete the handle after whatever part of the batch was started, never before."""
     try:
