@@ -144,7 +144,7 @@ CPU_SMOKE = Shapes(small=dict(hidden_size=64, intermediate_size=128, num_hidden_
                    big=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, vocab_size=1024,
                             max_position_embeddings=1024),
-                   batches=(1, 2), prompt_len=32, decode_steps=2, prefill_len=64, prefill_seqs=2,
+                   batches=(2,), prompt_len=16, decode_steps=1, prefill_len=32, prefill_seqs=1,
                    kv_cache_gb=0.05, host_cache_gb=0.05, ttft_lens=(64, 256), prompt_lens=(5, 37, 150),
                    max_batched=64, tier_batched=64, bandwidth_blocks=(8, (2, 2, 16, 2, 64)), overlap_loads=2,
                    quiet_steps=4, noreuse=(4, 64, 8), server_kv_gb=1 / 1024, server_host_gb=0.05,

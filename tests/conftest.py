@@ -68,11 +68,14 @@ def _keep_cpu_placement():
 
 
 # The files that take longest, longest first: `make test` hands whole files to its two workers in this
-# order (--dist loadfile --no-loadscope-reorder), so none of them starts last and runs alone.
+# order (--dist loadfile --no-loadscope-reorder), so none of them starts last and runs alone. The
+# tensor-parallel file's rank processes want cores of their own: it starts beside test_gpu_check.py, whose
+# work is one single-threaded subprocess (beside test_correctness.py instead, one run took ~20 s longer).
 HEAVY_FIRST = ["test_gpu_check.py", "test_tensor_parallel.py", "test_flash_attention.py",
-               "test_triton_attention.py", "test_correctness.py", "test_engine_process.py",
-               "test_server_options.py", "test_server_api.py", "test_server_host_tier.py",
-               "test_host_tier.py", "test_transfer.py", "test_kvcache.py", "test_server_faults.py"]
+               "test_triton_attention.py", "test_correctness.py", "test_host_tier.py",
+               "test_server_host_tier.py", "test_kernel_build.py", "test_triton_fused.py",
+               "test_server_options.py", "test_engine_process.py", "test_server_api.py", "test_hub.py",
+               "test_chat_templates.py", "test_kvcache.py"]
 
 
 def pytest_collection_modifyitems(items) -> None:

@@ -40,9 +40,13 @@ def _config(path) -> EngineConfig:
     return EngineConfig(model=str(path), dtype="float32", num_kv_blocks=64, block_size=16)
 
 
+# What the shared engine process reports when it dies: the last test on it kills it
+DIED: list[str] = []
+
+
 @pytest.fixture(scope="module")
 def client(tiny):
-    c = EngineClient(_config(tiny), ServerMetrics("tiny"), log_level="warning")
+    c = EngineClient(_config(tiny), ServerMetrics("tiny"), log_level="warning", on_dead=DIED.append)
     c.start()
     yield c
     c.stop()
@@ -204,29 +208,25 @@ def test_metrics_cross_the_boundary(client):
     assert float(ttft[0].split()[-1]) >= 3
 
 
-def test_killed_engine_fails_requests_and_reports_dead(tiny):
-    died: list[str] = []
-    c = EngineClient(_config(tiny), log_level="warning", on_dead=died.append)
-    c.start()
-    try:
-        async def run():
-            task = asyncio.create_task(_collect(c, "x", "hello",
-                                                SamplingParams(max_tokens=400, ignore_eos=True)))
-            while c.num_running == 0:
-                await asyncio.sleep(0.01)
-            os.kill(c.pid, signal.SIGKILL)
-            with pytest.raises(EngineError, match="engine process died"):
-                await task
-            with pytest.raises(EngineDead):
-                await _collect(c, "y", "hello", SamplingParams(max_tokens=3))
-            return await c.snapshot()  # the last one known, without hanging
-        asyncio.run(run())
-        deadline = time.monotonic() + 10  # on_dead is called on the receiver thread, after the failures
-        while not died and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not c.alive and died and "exit code -9" in died[0]
-    finally:
-        c.stop()
+def test_killed_engine_fails_requests_and_reports_dead(client):
+    """The module's engine process, killed mid-request (the last test on it: one engine start fewer)."""
+    c = client
+
+    async def run():
+        task = asyncio.create_task(_collect(c, "x", "hello", SamplingParams(max_tokens=400, ignore_eos=True)))
+        while c.num_running == 0:
+            await asyncio.sleep(0.01)
+        os.kill(c.pid, signal.SIGKILL)
+        with pytest.raises(EngineError, match="engine process died"):
+            await task
+        with pytest.raises(EngineDead):
+            await _collect(c, "y", "hello", SamplingParams(max_tokens=3))
+        return await c.snapshot()  # the last one known, without hanging
+    asyncio.run(run())
+    deadline = time.monotonic() + 10  # on_dead is called on the receiver thread, after the failures
+    while not DIED and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not c.alive and DIED and "exit code -9" in DIED[0]
 
 
 def test_engine_dies_with_a_sigkilled_api_process(tiny):

@@ -57,6 +57,13 @@ def test_unknown_model_lists_where_it_looked():
     assert e.value.param == "model"
 
 
+# The KV-budget checks below do not depend on the architecture (the budget is in blocks, every tiny model
+# allows 512 positions): one tiny model serves them (every architecture's forward: test_correctness).
+@pytest.fixture(scope="module")
+def tiny_model(tiny_path):
+    return tiny_path("llama-gqa-tied")
+
+
 def test_request_larger_than_kv_budget_is_rejected(tiny_model):
     llm = LLM(str(tiny_model), dtype="float32", block_size=4, num_kv_blocks=8)  # 32 tokens in all
     assert llm.engine.max_model_len == 32

@@ -209,6 +209,10 @@ def test_backend_choice_and_refusals():
 
 
 # ---- the engine against HF --------------------------------------------------------------------
+# greedy tokens per prompt: the short prompts decode beside the long ones' chunks, then pure-decode steps
+FLASH_TOKENS = 4
+
+
 @pytest.fixture(scope="module")
 def flash_case(embedded_dir):
     """HF greedy (fp32, its own KV cache: the prompts are long, recomputing per token is slow)."""
@@ -222,7 +226,7 @@ def flash_case(embedded_dir):
         for p in prompts:
             out = hf(torch.tensor([p]), use_cache=True)
             toks = [int(out.logits[0, -1].argmax())]
-            for _ in range(7):
+            for _ in range(FLASH_TOKENS - 1):
                 out = hf(torch.tensor([toks[-1:]]), past_key_values=out.past_key_values, use_cache=True)
                 toks.append(int(out.logits[0, -1].argmax()))
             expected.append(toks)
@@ -238,7 +242,7 @@ def _flash_llm(**kw):
 def test_engine_flash_matches_hf(flash_case):
     from nanoserve import SamplingParams
     prompts, expected = flash_case
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=FLASH_TOKENS, ignore_eos=True)
     llm = _flash_llm()
     assert llm.engine.layout.block_size == 256 and isinstance(llm.engine.runner.attn, FlashAttention)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
@@ -257,7 +261,7 @@ def test_engine_flash_chunked_and_padded_decode_match_hf(flash_case):
     runner = llm.engine.runner
     runner.opts.padded_decode = True  # what CUDA graph replay runs, eagerly
     runner.buckets = [2, 4]           # 1 -> 2 rows, 3 -> 4 rows: padded
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=FLASH_TOKENS, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert runner.steps_padded > 0 and runner.steps_graphed == 0  # no CUDA here: padded steps ran eager
 

@@ -69,13 +69,34 @@ def _write_metadata(w, arch: str, cfg: dict) -> None:
 
 @functools.cache
 def _tokenizer_fields() -> tuple[tuple, ...]:
-    """The embedded SmolLM2 file's tokenizer.ggml.* fields: (key, value, type, element type). Read once:
-    the gguf package's reader takes seconds over the 49k tokens and merges."""
+    """The embedded SmolLM2 file's tokenizer.ggml.* fields: (key, value, type, element type). The gguf
+    package's reader makes a numpy view per element of the 49k tokens and merges (seconds): WeightsReader
+    finds the fields (scalars read by the stock code) and steps over the arrays, whose elements are read
+    here from the map: each string a u64 length and its bytes, numbers packed."""
     from gguf import GGUFReader, GGUFValueType
+
+    from nanoserve.models.gguf_reader import WeightsReader
     src = embedded_source()
-    return tuple((key, f.contents(), f.types[0], f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None)
-                 for key, f in GGUFReader(str(src.path / src.gguf_file)).fields.items()
-                 if key.startswith("tokenizer.ggml."))
+    reader = WeightsReader(str(src.path / src.gguf_file), "r")
+    out = []
+    for key, f in reader.fields.items():
+        if not key.startswith("tokenizer.ggml."):
+            continue
+        if f.types[0] != GGUFValueType.ARRAY:
+            out.append((key, f.contents(), f.types[0], None))
+            continue
+        sub, count = f.types[-1], int(f.parts[-1][0])
+        at = f.offset + sum(int(p.nbytes) for p in f.parts)  # the elements follow type and count
+        if sub == GGUFValueType.STRING:
+            buf, items = memoryview(reader.data), []
+            for _ in range(count):
+                n = int.from_bytes(buf[at:at + 8], "little")
+                items.append(str(buf[at + 8:at + 8 + n], "utf-8"))
+                at += 8 + n
+        else:
+            items = np.frombuffer(reader.data, GGUFReader.gguf_scalar_to_np[sub], count, at).tolist()
+        out.append((key, items, GGUFValueType.ARRAY, sub))
+    return tuple(out)
 
 
 def _copy_tokenizer(w) -> None:

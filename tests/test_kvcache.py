@@ -150,18 +150,16 @@ def test_reused_blocks_hold_kv_of_the_whole_prefix(requests):
     assert hits >= 2  # the first and last requests share stem 0's two full blocks
 
 
-@pytest.fixture(scope="module")
-def tiny_llm(tiny_model):
-    return LLM(str(tiny_model), dtype="float32", block_size=4, num_kv_blocks=24, max_num_batched_tokens=24)
-
-
-def test_engine_invariants_random_workload_with_aborts(tiny_llm):
-    eng = tiny_llm.engine
+def _random_workload(path, steps: int, arrivals: int) -> None:
+    """Requests arrive at random over the first `arrivals` steps (half sharing a 12-token prefix, some
+    forked n=2, sampled), a tenth of the steps abort a live one; 24 blocks of 4 tokens force preemption.
+    The schedule depends on the random generator alone, not on the model's tokens."""
+    eng = LLM(str(path), dtype="float32", block_size=4, num_kv_blocks=24, max_num_batched_tokens=24).engine
     rng = random.Random(0)
     shared = [rng.randrange(100, 5000) for _ in range(12)]
     live: list[str] = []
-    for step in range(150):
-        if step < 100 and rng.random() < 0.6:
+    for step in range(steps):
+        if step < arrivals and rng.random() < 0.6:
             rid = f"req{step}"
             prompt = (shared if rng.random() < 0.5 else []) + [rng.randrange(100, 5000)
                                                                for _ in range(rng.randint(1, 20))]
@@ -179,6 +177,18 @@ def test_engine_invariants_random_workload_with_aborts(tiny_llm):
         eng.check_invariants()
     assert eng.kv.pool.stats().in_use == 0
     assert eng.scheduler.num_preemptions > 0  # the budget was tight enough to exercise preemption
+
+
+def test_engine_invariants_random_workload_with_aborts(tiny_path):
+    """The long workload (150 steps, ~500 with the drain, ~100 preemptions) on one architecture: block
+    accounting is the same for every one (the schedule does not depend on the tokens)."""
+    _random_workload(tiny_path("llama-gqa-tied"), steps=150, arrivals=100)
+
+
+def test_engine_invariants_short_random_workload_on_every_architecture(tiny_model):
+    """Each architecture's forward under the same kind of workload, shorter: forks, aborts, prefix hits
+    and preemption (7 of them) in ~50 steps."""
+    _random_workload(tiny_model, steps=25, arrivals=15)
 
 
 pin_ops = st.lists(st.tuples(st.sampled_from(["alloc", "release", "publish", "pin", "unpin", "lookup"]),

@@ -8,7 +8,8 @@ import pytest
 from nanoserve.models.loader import EMBEDDED_GGUF, materialize, resolve_model
 
 
-def test_short_name_resolves_from_local_store(tiny_model, tmp_path, monkeypatch):
+def test_short_name_resolves_from_local_store(tiny_path, tmp_path, monkeypatch):
+    tiny_model = tiny_path("llama-gqa-tied")  # any folder: resolution does not read it
     (tmp_path / "registry.json").write_text(json.dumps({"tiny-llama": {"repo": "example-org/tiny-llama"}}))
     (tmp_path / "tiny-llama").symlink_to(tiny_model, target_is_directory=True)
     monkeypatch.setenv("NANOSERVE_MODELS_DIR", str(tmp_path))

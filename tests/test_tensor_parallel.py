@@ -173,14 +173,15 @@ def test_two_ranks_match_one_rank_and_hf(name, collectives, ahead, tiny_path, mo
 
 
 def test_embedded_model_on_three_ranks_matches_one_rank_and_hf(embedded_dir):
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)  # the prefill and 4 decode steps
     with LLM(dtype="float32", tensor_parallel_size=3, num_kv_blocks=32) as llm:
         tok = llm.tokenizer
         prompts = [tok.encode("The capital of France is"), tok.encode("def fibonacci(n):")]
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
         assert llm.engine.model.num_heads == 3 and llm.engine.model.num_kv_heads == 1
     with LLM(dtype="float32", num_kv_blocks=32) as one:
-        single = [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY)]
-    assert got == single == hf_greedy(embedded_dir, prompts, GREEDY.max_tokens)
+        single = [o.outputs[0].token_ids for o in one.generate(prompts, greedy)]
+    assert got == single == hf_greedy(embedded_dir, prompts, greedy.max_tokens)
 
 
 # ---- the host tier -------------------------------------------------------------------------------------

@@ -309,10 +309,12 @@ def test_seeded_policy_workloads_reach_every_path():
 
 
 # ---- the real engine, default flags ---------------------------------------------------------------
-def test_engine_long_documents_concurrently_lose_nothing_with_default_flags(tiny_model):
+def test_engine_long_documents_concurrently_lose_nothing_with_default_flags(tiny_path):
     """16 documents round-robin, 4 at a time, device for a few of them, host for all, no watermark:
     every later round gets its whole reusable prefix from cache, nothing is dropped, and the
-    greedy output matches HF (fp32)."""
+    greedy output matches HF (fp32). One architecture: the policy's work depends on token counts only
+    (each architecture's greedy tokens through the host tier: test_host_tier)."""
+    tiny_model = tiny_path("llama-gqa-tied")
     rng = random.Random(11)
     docs = [[rng.randrange(100, 5000) for _ in range(40)] for _ in range(12)]
     llm = LLM(str(tiny_model), dtype="float32", block_size=4, num_kv_blocks=60, host_cache_gb=0.02,

@@ -39,7 +39,7 @@ def _triton(cache, heads, scale, scratch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=steps(bs=BS, max_done=140))
 def test_triton_backend_matches_torch_backend(dtype, case):
     """bf16: bf16 cache, K/V and output; the interpreter computes the dots in fp32 (on CUDA they
@@ -50,7 +50,7 @@ def test_triton_backend_matches_torch_backend(dtype, case):
         torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(case=steps(bs=BS, max_done=140).filter(lambda c: all(k == "decode" for k, _, _ in c["seqs"])),
        extra=st.integers(0, 3))
 def test_triton_padded_decode_matches_torch_backend(case, extra):
@@ -191,14 +191,14 @@ def test_engine_triton_matches_hf(tiny):
     rng = random.Random(5)
     prompts = [[rng.randrange(100, 40000) for _ in range(n)] for n in (70, 9, 40)]
     prompts[2][:33] = prompts[0][:33]  # two full 16-token blocks shared with prompt 0
-    expected = hf_greedy(tiny, prompts, 6)
+    expected = hf_greedy(tiny, prompts, 3)  # 3 tokens: decodes beside the last chunks, then padded
     llm = LLM(str(tiny), dtype="float32", attention_backend="triton", num_kv_blocks=40, max_num_seqs=4,
               max_num_batched_tokens=32)
     runner = llm.engine.runner
     assert isinstance(runner.attn, TritonAttention) and llm.engine.layout.block_size == BS
     runner.opts.padded_decode = True
     runner.buckets = [2, 4]
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
     outs = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == expected

@@ -173,7 +173,7 @@ def test_engine_fused_loop_gives_the_torch_loops_greedy_tokens(tiny, monkeypatch
     rng = random.Random(5)
     prompts = [[rng.randrange(100, 40000) for _ in range(n)] for n in (70, 9, 40)]
     prompts[2][:33] = prompts[0][:33]
-    expected = hf_greedy(tiny, prompts, 6)
+    expected = hf_greedy(tiny, prompts, 3)  # 3 tokens: decodes beside the last chunks, then padded
     calls = {name: 0 for name in ("add_rms_norm", "silu_mul", "rope_kv")}
     for name in calls:
         def counted(*a, _f=getattr(triton_fused, name), _n=name, **kw):
@@ -182,7 +182,7 @@ def test_engine_fused_loop_gives_the_torch_loops_greedy_tokens(tiny, monkeypatch
         monkeypatch.setattr(triton_fused, name, counted)
     kw = dict(attention_backend="triton", num_kv_blocks=40) if backend == "triton" else dict(
         attention_backend="flash", flash_attn_module="tests.flash_ref:FP32_GRAPH_SAFE", num_kv_blocks=8)
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     monkeypatch.setenv("NANOSERVE_FUSED_OPS", "1")
     llm = LLM(str(tiny), dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, **kw)
     runner = llm.engine.runner
