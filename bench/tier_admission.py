@@ -9,10 +9,13 @@ inside each named stage (inclusive: the load start includes the copier's submit)
 admission's own code. Also timed: digesting the prompt as it arrives (`PrefixChains.prompt_chain`, on the
 engine core's intake thread since the engine has one: not step time; an older checkout: `hash_prompt`).
 Times are the engine thread's CPU time (`time.thread_time`): on a shared machine wall time mostly
-measures who else was scheduled, and this is bookkeeping that never waits.
+measures who else was scheduled, and this is bookkeeping that never waits. A full collection runs just
+before each timed admission, so its caches are cold (a forward ran before it in a server); `--warm` admits
+the same prefix on a twin state first (code and numpy warm, the state's own data not).
 
     python bench/tier.py --admission                       # this checkout
     python bench/tier.py --admission --base /tmp/base      # and another checkout's nanoserve, side by side
+    python bench/tier.py --admission --warm                # after the same admission on a twin state
 """
 from __future__ import annotations
 
@@ -127,6 +130,13 @@ def _timed(owner, name: str, sink: dict[str, float], label: str) -> None:
     setattr(owner, name, wrapper)
 
 
+def _hash(kv, fresh) -> None:
+    if hasattr(kv.chains, "prompt_chain"):  # as the engine core's intake builds the request
+        fresh.block_keys, fresh.block_hashes = kv.chains.prompt_chain(fresh.prompt_token_ids, None)
+    else:
+        kv.hash_prompt(fresh)
+
+
 def measure(args) -> dict:
     rows: dict[str, list[float]] = {}
     copies = []
@@ -137,21 +147,23 @@ def measure(args) -> dict:
             owner = kv.host.copier if attr == "copier" else getattr(kv, attr, None) if attr else kv
             if owner is not None and hasattr(owner, name):  # (an older checkout has no admitter)
                 _timed(owner, name, sink, label)
-        type(kv.host.copier).copies = 0
+        t0 = time.thread_time()
+        _hash(kv, fresh)  # at arrival, before the step: not what warms the admission's caches
+        hashed = time.thread_time() - t0
+        twin = _setup(args, seed=rep % 3) if args.warm else None
         gc.collect()
         gc.freeze()  # a collection walking the whole setup is not admission cost: a server's heap is older
-        t0 = time.thread_time()
-        if hasattr(kv.chains, "prompt_chain"):  # as the engine core's intake builds the request
-            fresh.block_keys, fresh.block_hashes = kv.chains.prompt_chain(fresh.prompt_token_ids, None)
-        else:
-            kv.hash_prompt(fresh)
+        if twin is not None:  # the same admission on a twin state just before: code and numpy warm
+            _hash(twin[0], twin[2])
+            twin[0].admit(twin[2], args.block_size * 4)
+            type(kv.host.copier).copies = 0
         t1 = time.thread_time()
         admitted = kv.admit(fresh, args.block_size * 4)  # its digests and keys are its own objects
         t2 = time.thread_time()
         gc.unfreeze()
         assert admitted and kv.load_state(fresh).value == "loading", "the prefix did not start loading"
         copies.append(type(kv.host.copier).copies)
-        for label, v in {"hash prompt": t1 - t0, "admit": t2 - t1, **sink}.items():
+        for label, v in {"hash prompt": hashed, "admit": t2 - t1, **sink}.items():
             rows.setdefault(label, []).append(v * 1e3)
         kv.poll_transfers()
         kv.free(fresh)
@@ -201,6 +213,9 @@ def add_args(ap) -> None:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--repeat", type=int, default=15)
     g.add_argument("--base", default=None, help="another checkout: its nanoserve, side by side")
+    g.add_argument("--warm", action="store_true",
+                   help="admit the same prefix on a twin state just before each timed admission (no full "
+                        "collection between): code and numpy warm, as in a busy server's scheduling pass")
     g.add_argument("--raw", action="store_true", help=argparse_suppress())
 
 
