@@ -147,6 +147,8 @@ def measure(args) -> dict:
             owner = kv.host.copier if attr == "copier" else getattr(kv, attr, None) if attr else kv
             if owner is not None and hasattr(owner, name):  # (an older checkout has no admitter)
                 _timed(owner, name, sink, label)
+        gc.collect()
+        gc.freeze()  # (nor is a collection of the setup hashing's cost)
         t0 = time.thread_time()
         _hash(kv, fresh)  # at arrival, before the step: not what warms the admission's caches
         hashed = time.thread_time() - t0
