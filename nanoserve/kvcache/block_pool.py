@@ -36,6 +36,7 @@ import numpy as np
 from nanoserve.kvcache.block_lists import CLEAN, DIRTY, FREE, NONE, BlockList
 
 BlockHash = bytes
+Span = tuple[int, int]  # blocks [start, stop)
 
 
 class BlockKey(NamedTuple):
@@ -178,21 +179,16 @@ class BlockPool:
             self.num_held += 1
         self.pins[block] += 1
 
-    def pin_many(self, blocks: list[int], spans: list[tuple[int, int]] | None = None) -> None:
+    def pin_many(self, blocks: list[int], spans: list[Span] | None = None) -> list[Span] | None:
         """`pin` each of `blocks` (distinct), in a few passes when none is pinned yet (a load's blocks:
         its sources cached-free on host, its destinations just allocated), else one by one. `spans`:
-        the blocks as runs [start, stop), in order, if the caller knows them."""
-        if pin_fresh(self, blocks, spans):
-            return
-        done: list[int] = []
-        try:
-            for b in blocks:
-                self.pin(b)
-                done.append(b)
-        except BaseException:
-            for b in done:
-                self.unpin(b)
-            raise
+        the blocks as runs [start, stop), in order, if the caller knows them. Returns those runs (found
+        here if not given; None when the blocks are scattered), for the copies to use too."""
+        if spans is None and blocks:
+            spans = spans_of(blocks, len(blocks) // 8 + 1)
+        if not pin_fresh(self, blocks, spans):
+            _pin_one_by_one(self, blocks)
+        return spans
 
     def unpin(self, block: int) -> None:
         """End a copy's hold; an unreferenced cached block rejoins its LRU as most recently used
@@ -317,7 +313,7 @@ class BlockPool:
         assert sum(h is not None for h in self.block_hash) == len(self.index), "a digest outside the index"
 
 
-def spans_of(blocks: list[int], most: int) -> list[tuple[int, int]] | None:
+def spans_of(blocks: list[int], most: int) -> list[Span] | None:
     """`blocks` as the maximal runs of consecutive ascending ids, [start, stop) in list order; None if
     there are more than `most`."""
     a = np.array(blocks, dtype=np.int64)
@@ -328,13 +324,12 @@ def spans_of(blocks: list[int], most: int) -> list[tuple[int, int]] | None:
     return [(blocks[lo], blocks[hi - 1] + 1) for lo, hi in zip(bounds[:-1], bounds[1:])]
 
 
-def pin_fresh(pool: BlockPool, blocks: list[int], spans: list[tuple[int, int]] | None = None) -> bool:
+def pin_fresh(pool: BlockPool, blocks: list[int], spans: list[Span] | None) -> bool:
     """`pool.pin_many` when no block is pinned yet (else False, nothing done). A load's blocks are mostly
-    a few runs of consecutive ids (extents.py, copies.chain_order): then each pass is a slice per run,
-    and the unreferenced blocks leave their LRU through `where` (block_lists.py), a slice per run too."""
+    a few runs of consecutive ids (`spans`; extents.py, copies.chain_order): then each pass is a slice per
+    run, and the unreferenced blocks leave their LRU through `where` (block_lists.py), a slice per run too."""
     if not blocks:
         return True
-    spans = spans or spans_of(blocks, len(blocks) // 8 + 1)
     if spans is None:  # scattered: per-run slices would cost more than per-block passes
         return _pin_scattered(pool, blocks)
     pins, where = pool.pins, pool.where
@@ -363,6 +358,19 @@ def _pin_scattered(pool: BlockPool, blocks: list[int]) -> bool:
     deque(map(pins.__setitem__, blocks, repeat(1)), maxlen=0)
     _unparked(pool, codes.count(CLEAN), codes.count(DIRTY))
     return True
+
+
+def _pin_one_by_one(pool: BlockPool, blocks: list[int]) -> None:
+    """`pool.pin_many` when some block is pinned already: all or none."""
+    done: list[int] = []
+    try:
+        for b in blocks:
+            pool.pin(b)
+            done.append(b)
+    except BaseException:
+        for b in done:
+            pool.unpin(b)
+        raise
 
 
 def _unparked(pool: BlockPool, clean: int, dirty: int) -> None:

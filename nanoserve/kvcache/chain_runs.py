@@ -15,9 +15,7 @@ way; one whose block was evicted meanwhile is compared by value, as any other.
 """
 from __future__ import annotations
 
-from nanoserve.kvcache.block_pool import BlockHash, BlockKey, BlockPool
-
-Span = tuple[int, int]  # blocks [start, stop)
+from nanoserve.kvcache.block_pool import BlockHash, BlockKey, BlockPool, Span
 
 
 def stored_runs(pool: BlockPool, hashes: list[BlockHash], start: int) -> tuple[list[int], list[Span] | None]:

@@ -16,10 +16,9 @@ from __future__ import annotations
 import numpy as np
 
 from nanoserve.kvcache.block_lists import FREE
-from nanoserve.kvcache.block_pool import BlockPool
+from nanoserve.kvcache.block_pool import BlockPool, Span
 
 Extent = tuple[int, int]  # (first block, number of blocks)
-Span = tuple[int, int]    # [first block, stop)
 
 
 _IS_FREE = bytes.maketrans(bytes(range(256)), bytes(int(i == FREE) for i in range(256)))
@@ -60,17 +59,6 @@ def extent_blocks(extents: list[Extent]) -> list[int]:
     for s, n in extents:
         blocks += range(s, s + n)
     return blocks
-
-
-def extents_of(blocks: list[int]) -> list[Extent]:
-    """Sorted distinct blocks as their maximal runs."""
-    out: list[Extent] = []
-    if not blocks:
-        return out
-    a = np.asarray(blocks, dtype=np.int64)
-    cuts = np.flatnonzero(np.diff(a) != 1) + 1
-    bounds = np.concatenate(([0], cuts, [len(a)]))
-    return [(int(a[lo]), int(hi - lo)) for lo, hi in zip(bounds[:-1], bounds[1:])]
 
 
 def allocate_extents(pool: BlockPool, n: int, lossy_ok: bool = True) -> list[int]:

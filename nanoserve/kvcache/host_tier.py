@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from nanoserve.kvcache.block_pool import BlockHash, BlockKey, BlockPool, spans_of
+from nanoserve.kvcache.block_pool import BlockHash, BlockKey, BlockPool, Span
 from nanoserve.kvcache.transfer import MAX_COPY_BYTES, Copier, Transfer, copy_span, make_copier, paired_runs
 
 log = logging.getLogger("nanoserve")
@@ -216,15 +216,12 @@ class HostTier:
         return ok
 
     def begin_load(self, host_ids: list[int], dev_ids: list[int],
-                   dev_spans: list[tuple[int, int]] | None = None,
-                   host_spans: list[tuple[int, int]] | None = None) -> HostCopy:
+                   dev_spans: list[Span] | None = None, host_spans: list[Span] | None = None) -> HostCopy:
         """Start copying host blocks into device blocks the caller holds and keeps unread until
         the copy ends. The host blocks are pinned meanwhile. `dev_spans`: `dev_ids` as runs [start,
         stop) in order, when known (`host_spans` likewise): the copies are then cut per run, not per
         block. The copy keeps both lists: the caller hands them over."""
-        if host_spans is None and host_ids:
-            host_spans = spans_of(host_ids, len(host_ids) // 8 + 1)
-        self.pool.pin_many(host_ids, host_spans)  # all or none
+        host_spans = self.pool.pin_many(host_ids, host_spans)  # all or none
         try:
             pairs = paired_runs(host_spans, dev_spans) if host_spans and dev_spans else None
             handle = self.copier.submit("load", self.cache, host_ids, self.device_cache, dev_ids, pairs)

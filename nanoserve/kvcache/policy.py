@@ -17,9 +17,9 @@ import logging
 from collections import deque
 from collections.abc import Collection
 
-from nanoserve.kvcache.block_pool import BlockPool
+from nanoserve.kvcache.block_pool import BlockPool, Span
 from nanoserve.kvcache.copies import TierCopies
-from nanoserve.kvcache.extents import Span, allocate_spans
+from nanoserve.kvcache.extents import allocate_spans
 
 log = logging.getLogger("nanoserve")
 

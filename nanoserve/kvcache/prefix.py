@@ -202,8 +202,7 @@ class PrefixChains:
             if on_host:
                 dev += on_host
                 runs.append((Tier.HOST, p, p + len(on_host)))
-        # scattered host blocks: per-block passes downstream cost less than a slice per span
-        return PrefixMatch(dev, runs, spans if spans and len(spans) <= len(on_host) // 8 + 1 else None)
+        return PrefixMatch(dev, runs, spans or None)  # (None for scattered host blocks: stored_runs)
 
     def _match_tiers(self, hashes: list[BlockHash], host) -> tuple[PrefixMatch, list | None]:
         """Any shape: a tier code per link (numpy), then the runs; and the loads' keys per link."""

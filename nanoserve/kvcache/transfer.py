@@ -33,9 +33,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from nanoserve.kvcache.block_pool import Span
+
 BlockCopy = Callable[[torch.Tensor, torch.Tensor], None]
 Run = tuple[int, int, int]  # (src start, dst start, number of blocks)
-Span = tuple[int, int]      # blocks [start, stop)
 # one DMA at most: multi-MiB copies already run at full PCIe/NVLink-C2C bandwidth (vLLM's offloading
 # moves whole multi-MiB blocks per copy), and a bounded copy keeps one load from monopolising a lane
 MAX_COPY_BYTES = 64 << 20
