@@ -79,7 +79,7 @@ def test_prompt_logprobs_match_hf(tiny_case):
 
 @pytest.fixture(scope="module")
 def embedded_llm_fp32(embedded_dir):
-    return LLM(dtype="float32", kv_cache_gb=KV_GB)
+    return LLM(dtype="float32", block_size=16, kv_cache_gb=KV_GB)  # 16 everywhere (CUDA's torch default: 256)
 
 
 def test_embedded_model_matches_hf_from_gguf(embedded_llm_fp32):
@@ -90,11 +90,15 @@ def test_embedded_model_matches_hf_from_gguf(embedded_llm_fp32):
     src = embedded_source()
     ref = AutoModelForCausalLM.from_pretrained(src.path, gguf_file=src.gguf_file, dtype=torch.float32)
     tok = embedded_llm_fp32.tokenizer
-    texts = ["The capital of France is", "def fibonacci(n):",
-             "Once upon a time, in a land far away, there lived", "1, 2, 3, 4,"]
+    texts = ["The capital of France is", "def fibonacci(n):",  # 5 and 6 tokens; the last two 22 and 30:
+             "Once upon a time, in a land far away, there lived a king who had three daughters. The youngest",
+             "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"]  # a full 16-token block each, and tokens after it
     prompts = [tok.encode(t) for t in texts]
+    assert all(len(p) > 16 for p in prompts[2:])
     # 5 tokens: the prefill and 4 decode steps through the file's weights (HF recomputes every token)
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     expected = hf_greedy(ref, prompts, params.max_tokens)
     assert run(embedded_llm_fp32, prompts, params) == expected
-    assert run(embedded_llm_fp32, prompts, params) == expected  # now with prefix-cache hits
+    outs = embedded_llm_fp32.generate(prompts, params)  # now with prefix-cache hits: the blocks just computed
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert all(o.num_cached_tokens > 0 for o in outs[2:])
