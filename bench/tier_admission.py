@@ -33,8 +33,11 @@ STAGES = (("match", "chains", "match"), ("match", "chains", "match_runs"), ("sup
           ("  of it: submit", "copier", "submit"))
 
 
-def _noop_copier():
+def _noop_copier(kernels):
+    from nanoserve.kvcache import transfer
     from nanoserve.kvcache.transfer import Copier, Transfer, copy_blocks
+    # the CUDA copier's C++ batch where this checkout has one and the kernels are built
+    batch = transfer.batch_copy(kernels.copy_runs, True) if hasattr(transfer, "batch_copy") else None
 
     class Done(Transfer):
         def done(self) -> bool:
@@ -44,19 +47,28 @@ def _noop_copier():
             return True
 
     class NoopCopier(Copier):
-        """Cuts each batch into the copies a real copier makes (same code) and only counts them."""
-        copies = 0
+        """On the engine thread, what the CUDA copier's submit does but the driver's enqueue and its events:
+        the batch cut into copies, each a `copy_` (the same code: a Python slice and call per copy, or the
+        C++ batch) of 8-byte blocks, 16 KiB in all. The copies are counted after the timed admission."""
+        submitted: list = []
 
         def _open_lane(self, name: str) -> None:
             return None
 
         def submit(self, lane, src, src_ids, dst, dst_ids, pairs=None) -> Transfer:
-            def count(s, d) -> None:
-                NoopCopier.copies += 1
             # (an older checkout's copy_blocks takes no pairs, and is never given any)
-            copy_blocks(src, src_ids, dst, dst_ids, count, self.max_copy_bytes,
-                        **({"pairs": pairs} if pairs is not None else {}))
+            copy_blocks(src, src_ids, dst, dst_ids, transfer.copy_block_async, self.max_copy_bytes,
+                        **({"pairs": pairs} if pairs is not None else {}),
+                        **({"batch": batch} if batch is not None else {}))
+            NoopCopier.submitted.append((src_ids, dst_ids, pairs))
             return Done()
+
+        @staticmethod
+        def count() -> int:
+            """The copies made since the last count."""
+            made = sum(len(transfer.runs(s, d) if p is None else p) for s, d, p in NoopCopier.submitted)
+            NoopCopier.submitted.clear()
+            return made
     return NoopCopier()
 
 
@@ -98,13 +110,15 @@ def _setup(args, seed: int):
     from nanoserve.sampling_params import SamplingParams
     from nanoserve.sequence import Sequence
     bs, n = args.block_size, args.load_blocks
-    device = torch.zeros(args.pool_blocks, 1, 2, 1, bs, 1)  # tiny blocks: no copy is cut at a span
-    host = HostTier(n + 64, device, _noop_copier())
+    device = torch.zeros(args.pool_blocks, 1, 2, 1, 1, 1)  # 8-byte blocks: little to copy, no span cut
+    kernels = _kernels()
+    host = HostTier(n + 64, device, _noop_copier(kernels))
     kv = KVCacheManager(args.pool_blocks, bs, host=host)
-    if hasattr(kv.chains, "digests_of"):  # the prompt hashing the engine uses: C++ where it is built
-        from nanoserve.kernels import cpu_kernels
-        kernels = cpu_kernels.built()
-        kv.chains.digests_of = kernels.chain_digests if kernels is not None else None
+    # the C++ kernels the engine uses where built (an older checkout: those it has)
+    if hasattr(kv.chains, "digests_of"):
+        kv.chains.digests_of = kernels.chain_digests
+    if hasattr(kv.policy, "free_extents"):
+        kv.policy.free_extents = kernels.free_extents
     rng = random.Random(seed)
     _fragment(kv, rng, args.free_blocks)
     prompt = [rng.randrange(32000) for _ in range((n + 1) * bs)]
@@ -116,6 +130,15 @@ def _setup(args, seed: int):
         host.pool.unpin(hb)
     fresh = Sequence(2, "2", 0, prompt, SamplingParams(), 16, frozenset())  # digests not taken yet
     return kv, seq, fresh
+
+
+def _kernels():
+    """What native.KVKernels.of(cpu_kernels.built()) holds, for any checkout (None where it lacks one)."""
+    from types import SimpleNamespace
+    from nanoserve.kernels import cpu_kernels
+    module = cpu_kernels.built()
+    return SimpleNamespace(**{name: getattr(module, name, None)
+                              for name in ("chain_digests", "free_extents", "copy_runs")})
 
 
 def _timed(owner, name: str, sink: dict[str, float], label: str) -> None:
@@ -158,13 +181,13 @@ def measure(args) -> dict:
         if twin is not None:  # the same admission on a twin state just before: code and numpy warm
             _hash(twin[0], twin[2])
             twin[0].admit(twin[2], args.block_size * 4)
-            type(kv.host.copier).copies = 0
+            twin[0].host.copier.count()
         t1 = time.thread_time()
         admitted = kv.admit(fresh, args.block_size * 4)  # its digests and keys are its own objects
         t2 = time.thread_time()
         gc.unfreeze()
         assert admitted and kv.load_state(fresh).value == "loading", "the prefix did not start loading"
-        copies.append(type(kv.host.copier).copies)
+        copies.append(kv.host.copier.count())
         for label, v in {"hash prompt": hashed, "admit": t2 - t1, **sink}.items():
             rows.setdefault(label, []).append(v * 1e3)
         kv.poll_transfers()

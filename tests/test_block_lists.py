@@ -117,13 +117,17 @@ def _chain_pool(rng: random.Random, n: int,
        st.sampled_from([60, 600]))
 def test_stored_runs_are_the_link_by_link_lookups(seed, start, longest, n) -> None:
     """Short runs (then the rest link by link, no runs) and long ones (galloping, then halving)."""
-    pool, hashes, _ = _chain_pool(random.Random(seed), n, longest)
+    rng = random.Random(seed)
+    pool, hashes, keys = _chain_pool(rng, n, longest)
+    if rng.random() < 0.5:  # a link whose digest is stored under another key (a collision): a miss there
+        forged = rng.randrange(n)
+        keys[forged] = BlockKey(keys[forged].parent, b"\xff" * 8)
     walk = []
-    for h in hashes[start:]:
-        if (b := pool.index.get(h)) is None:
+    for h, key in zip(hashes[start:], keys[start:]):
+        if (b := pool.lookup(h, key)) is None:
             break
         walk.append(b)
-    blocks, spans = stored_runs(pool, hashes, start)
+    blocks, spans = stored_runs(pool, hashes, keys, start)
     assert blocks == walk
     if spans is None:
         return

@@ -12,11 +12,13 @@ import pytest
 from nanoserve.client.engine_client import EngineClient
 from nanoserve.config import EngineConfig
 from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.kernels import cpu_kernels
 from nanoserve.kvcache import prefix
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.metrics import ServerMetrics
 
 HASHED: list[tuple[str, int]] = []  # (thread name, blocks) per chain_links call in the engine below
+KERNELS: list = []  # the engine's bookkeeping kernels (kvcache/native.py)
 # the engine imports this file by name (make_engine), which is another module object than pytest's
 RECORDER = "tests.test_engine_intake"
 
@@ -31,6 +33,7 @@ def recording_engine(config: EngineConfig) -> LLMEngine:
     prefix.chain_links = recorded  # this engine runs in the test's process (in_process below)
     try:
         engine = LLMEngine(config)
+        KERNELS.append((engine.kv.chains.digests_of, engine.kv.policy.free_extents))
     except BaseException:
         prefix.chain_links = real
         raise
@@ -48,6 +51,7 @@ def _restoring(close, real):
 @pytest.fixture
 def aengine(tiny_path):
     importlib.import_module(RECORDER).HASHED.clear()
+    importlib.import_module(RECORDER).KERNELS.clear()
     config = EngineConfig(model=str(tiny_path("llama-gqa-tied")), dtype="float32", num_kv_blocks=64,
                           block_size=16)
     client = EngineClient(config, ServerMetrics("tiny"), in_process=True,
@@ -79,3 +83,7 @@ def test_prompts_are_hashed_on_the_intake_thread_and_hit_the_cache(aengine) -> N
     assert len(prompts) == 5 and {name for name, _ in prompts} == {"nanoserve-intake"}
     # the loop only extends chains by generated tokens' blocks (4 tokens: at most one block each)
     assert all(n <= 1 for name, n in hashed if name != "nanoserve-intake")
+    # the C++ hashing and extent choice where this install built them (make install does)
+    built = cpu_kernels.built()
+    assert importlib.import_module(RECORDER).KERNELS == [
+        (built.chain_digests, built.free_extents) if built is not None else (None, None)]

@@ -29,6 +29,7 @@ from nanoserve.kvcache.disk_store import DiskStore, load_or_create_key, slot_siz
 from nanoserve.kvcache.disk_tier import DiskTier, disk_fingerprint, weights_digest
 from nanoserve.kvcache.host_tier import HostTier
 from nanoserve.kvcache.manager import KVCacheManager
+from nanoserve.kvcache.native import KVKernels
 from nanoserve.kvcache.transfer import make_copier
 from nanoserve.layers.sampler import Sampler
 from nanoserve.models.hub import HubOptions
@@ -58,12 +59,12 @@ def kv_event_publisher(endpoint: str | None, kv: KVCacheManager):
 
 
 def host_tier(config: EngineConfig, layout: KVLayout, ranks: Ranks, kv_cache: torch.Tensor,
-              device: torch.device) -> HostTier | None:
+              device: torch.device, kernels: KVKernels) -> HostTier | None:
     blocks = host_blocks(config, layout, ranks.tp.size)
     if not blocks:
         return None
     with startup_phase("host tier") as phase:
-        host = HostTier(blocks, kv_cache, ranks.copier(make_copier(device)))
+        host = HostTier(blocks, kv_cache, ranks.copier(make_copier(device, kernels.copy_runs)))
         how = f"pinned in {len(host.pinned_ranges)} range(s)" if device.type == "cuda" else "allocated"
         phase.what = (f"{blocks} blocks = {blocks * layout.block_size} tokens, "
                       f"{host.num_bytes * ranks.tp.size / GiB:.2f} GiB {how}")
@@ -123,13 +124,13 @@ class LLMEngine:
         num_blocks, block_size, self.max_model_len = (shard.num_blocks, shard.layout.block_size,
                                                       shard.max_model_len)
         self.runner.listener = self.ranks.followers
-        host = host_tier(config, self.layout, self.ranks, self.runner.kv_cache, self.device)
+        kernels = KVKernels.of(cpu_kernels.built())  # the C++ bookkeeping kernels, where built
+        host = host_tier(config, self.layout, self.ranks, self.runner.kv_cache, self.device, kernels)
         disk = disk_tier(config, self.source, self.layout, host)
         # the cleaner sizes its target from demand; a watermark only overrides it
-        kernels = cpu_kernels.built()  # the prompt hashing's C++ kernel, where built (else Python's hashlib)
         self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching, host,
                                  config.host_offload_watermark, disk.hash_key if disk else None, disk,
-                                 kernels.chain_digests if kernels is not None else None)
+                                 kernels)
         self.kv_events = kv_event_publisher(config.kv_events_endpoint, self.kv)
         if disk is not None:
             disk.restore()  # with the events publisher watching: routers hear what the disk holds

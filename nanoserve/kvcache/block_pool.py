@@ -309,8 +309,11 @@ class BlockPool:
             assert self.where.count(lst.code) == len(lst), "a block list disagrees with `where`"
         for h, b in self.index.items():
             assert self.block_hash[b] == h, f"index points at block {b} whose hash changed"
-        # the converse (chain_runs.stored_runs matches by block_hash alone): a digest is in both or neither
+        # the converse (chain_runs.stored_runs matches by block_key alone): a block has a digest and a key
+        # exactly when the index holds it
         assert sum(h is not None for h in self.block_hash) == len(self.index), "a digest outside the index"
+        assert all((k is None) == (h is None) for k, h in zip(self.block_key, self.block_hash)), (
+            "a key without a digest")
 
 
 def spans_of(blocks: list[int], most: int) -> list[Span] | None:
@@ -345,6 +348,17 @@ def pin_fresh(pool: BlockPool, blocks: list[int], spans: list[Span] | None) -> b
         pins[s:e] = [1] * (e - s)
     _unparked(pool, clean, dirty)
     return True
+
+
+def pin_taken(pool: BlockPool, blocks: list[int], spans: list[Span] | None) -> None:
+    """`pool.pin_many(blocks)`; when given as runs (`spans`), blocks just allocated, in use and pinned by
+    nothing (extents.allocate_spans): on no list, so nothing to move or check, a slice per run
+    (check_invariants holds the rest)."""
+    if spans is None:
+        pool.pin_many(blocks)
+        return
+    for s, e in spans:
+        pool.pins[s:e] = [1] * (e - s)
 
 
 def _pin_scattered(pool: BlockPool, blocks: list[int]) -> bool:

@@ -2,13 +2,15 @@
 tier already stores for it.
 
 A tier that stores a chain in consecutive blocks (the host: saves land in chain order, copies.chain_order)
-holds its digests side by side in `pool.block_hash`. So after one index lookup, the rest of a run is
-found by comparing a slice of `block_hash` with a slice of the prompt's digests: `block_hash[b] == h`
-means what `index[h] == b` means (a pool publishes a digest in both or neither: block_pool.publish).
-A 2,048-link prefix in a few runs is a few lookups and list comparisons, and comes with its runs, which
-the load's pins and copies use as they are.
+holds its keys side by side in `pool.block_key`. So after one index lookup, the rest of a run is found
+by comparing a slice of `block_key` with a slice of the prompt's keys: a block holding a link's key
+(parent digest and tokens) is published under that link's digest, which the key determines (a pool sets
+a block's key only when it publishes the block: block_pool.publish), so `block_key[b] == key` means
+what `pool.lookup(h, key) == b` means, the verified lookup. A 2,048-link prefix in a few runs is a few
+lookups and list comparisons, verified as found, and comes with its runs, which the load's pins and
+copies use as they are.
 
-Those comparisons, and the key comparisons that verify a match, are by identity first: `canonical`,
+Those comparisons are by identity first: `canonical`,
 run where a request arrives (the engine core's intake thread), swaps a prompt's digests and keys for
 the equal objects a tier holds. An object swapped is equal by value, so a match is the same either
 way; one whose block was evicted meanwhile is compared by value, as any other.
@@ -18,40 +20,45 @@ from __future__ import annotations
 from nanoserve.kvcache.block_pool import BlockHash, BlockKey, BlockPool, Span
 
 
-def stored_runs(pool: BlockPool, hashes: list[BlockHash], start: int) -> tuple[list[int], list[Span] | None]:
-    """The blocks of `pool` holding links `start`, `start + 1`, ... of the chain `hashes`, up to the first
-    link it lacks, and those blocks as runs of consecutive ids; None for the runs when they are short
-    (a host tier that had to scatter the chain): a run costs ~3 us of slices and comparisons, a lookup
-    ~30 ns, so past a few runs shorter than 128 on average the rest is looked up link by link."""
-    index, stored, n = pool.index, pool.block_hash, len(hashes)
+def stored_runs(pool: BlockPool, hashes: list[BlockHash], keys: list[BlockKey],
+                start: int) -> tuple[list[int], list[Span] | None]:
+    """The blocks `pool.lookup` finds for links `start`, `start + 1`, ... of the chain (`hashes`, `keys`),
+    up to the first link it does not, and those blocks as runs of consecutive ids; None for the runs
+    when they are short (a host tier that had to scatter the chain): a run costs ~3 us of slices and
+    comparisons, a lookup ~30 ns, so past a few runs shorter than 128 on average the rest is looked up
+    link by link."""
+    index, stored, n = pool.index, pool.block_key, len(hashes)
     blocks: list[int] = []
     spans: list[Span] = []
     i = start
-    while i < n and (b := index.get(hashes[i])) is not None:
+    while i < n and (b := index.get(hashes[i])) is not None and stored[b] == keys[i]:
         if len(spans) >= 4 and i - start < 128 * len(spans):  # runs shorter than 128 on average
             rest = list(map(index.get, hashes[i:]))
-            blocks += rest[:rest.index(None)] if None in rest else rest
-            return blocks, None
-        k = _common(stored, b, hashes, i, min(n - i, pool.num_blocks - b))
+            rest = rest[:rest.index(None)] if None in rest else rest
+            found = list(map(stored.__getitem__, rest))
+            if found != keys[i:i + len(found)]:  # a digest whose key differs: a miss there
+                rest = rest[:next(j for j, (got, key) in enumerate(zip(found, keys[i:])) if got != key)]
+            return blocks + rest, None
+        k = _common(stored, b, keys, i, min(n - i, pool.num_blocks - b))
         blocks += range(b, b + k)
         spans.append((b, b + k))
         i += k
     return blocks, spans
 
 
-def _common(stored: list, b: int, hashes: list[BlockHash], i: int, most: int) -> int:
-    """How many of stored[b:], hashes[i:] are equal from the start (at least one: the lookup found it),
+def _common(stored: list, b: int, links: list, i: int, most: int) -> int:
+    """How many of stored[b:], links[i:] are equal from the start (at least one: the lookup found it),
     at most `most`: slices of doubling length while they match, then halving the one that does not, so
     each element is compared about twice and a short run costs a short comparison."""
     k, step = 1, 16
     while k < most:
         end = min(most, k + step)
-        if stored[b + k:b + end] == hashes[i + k:i + end]:
+        if stored[b + k:b + end] == links[i + k:i + end]:
             k, step = end, step * 2
             continue
         while end - k > 1:  # stored[b + k:b + end] differs somewhere, the part before k does not
             mid = (k + end) // 2
-            if stored[b + k:b + mid] == hashes[i + k:i + mid]:
+            if stored[b + k:b + mid] == links[i + k:i + mid]:
                 k = mid
             else:
                 end = mid

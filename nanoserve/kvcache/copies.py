@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from nanoserve.kvcache.block_pool import BlockHash, BlockKey, BlockPool
+from nanoserve.kvcache.block_pool import BlockHash, BlockKey, BlockPool, pin_taken
 from nanoserve.kvcache.host_tier import HostCopy, HostTier
 
 if TYPE_CHECKING:
@@ -219,10 +219,10 @@ class TierCopies:
         dev_ids[i]); the device blocks are pinned until the copy ends (they survive their sequence
         being freed meanwhile). In whole-list passes: a load can be thousands of blocks; the lists are
         handed over (kept by the load). `dev_spans`, `host_spans`: the blocks as runs [start, stop), in
-        order, when the caller has them (extents.allocate_spans, chain_runs.stored_runs)."""
+        order, when the caller has them (extents.allocate_spans: just taken; chain_runs.stored_runs)."""
         copy = self.host.begin_load(host_ids, dev_ids, dev_spans, host_spans)
         ld = Load(copy, hashes, keys)  # the caller's lists, handed over
-        self.pool.pin_many(copy.dev_ids, dev_spans)
+        pin_taken(self.pool, copy.dev_ids, dev_spans)
         self.loads.append(ld)
         self._unindexed.append(ld)
         return ld

@@ -17,6 +17,7 @@ import numpy as np
 
 from nanoserve.kvcache.block_lists import FREE
 from nanoserve.kvcache.block_pool import BlockPool, Span
+from nanoserve.kvcache.native import FreeExtents
 
 Extent = tuple[int, int]  # (first block, number of blocks)
 
@@ -67,12 +68,16 @@ def allocate_extents(pool: BlockPool, n: int, lossy_ok: bool = True) -> list[int
     return allocate_spans(pool, n, lossy_ok)[0]
 
 
-def allocate_spans(pool: BlockPool, n: int, lossy_ok: bool = True) -> tuple[list[int], list[Span] | None]:
+def allocate_spans(pool: BlockPool, n: int, lossy_ok: bool = True,
+                   free_extents: FreeExtents | None = None) -> tuple[list[int], list[Span] | None]:
     """`allocate_extents`, and its blocks as runs [start, stop) when they are whole extents (no eviction):
-    pinning the blocks then goes run by run without finding the runs again (block_pool.pin_fresh)."""
+    pinning the blocks then goes run by run without finding the runs again (block_pool.pin_fresh).
+    `free_extents`: the C++ kernel choosing the same extents (native.py)."""
     if n > pool.num_available(lossless=not lossy_ok):
         raise RuntimeError("BlockPool exhausted: the caller must check num_available() first")
-    extents = choose_extents(*free_runs(pool.where), min(n, len(pool.free)))
+    k = min(n, len(pool.free))
+    extents = (free_extents(pool.where, FREE, k) if free_extents is not None
+               else choose_extents(*free_runs(pool.where), k))
     spans = [(s, s + k) for s, k in extents]
     for s, e in spans:  # free runs become blocks in use, a slice per run
         assert pool.where.count(FREE, s, e) == e - s, "taking a block that is not free"

@@ -23,7 +23,8 @@ from nanoserve.kvcache.disk_tier import DiskTier
 from nanoserve.kvcache.tier_stats import HitStats, PrefixCacheStats, tier_reports
 from nanoserve.kvcache.host_tier import HostTier
 from nanoserve.kvcache.policy import Supply, TierPolicy
-from nanoserve.kvcache.prefix import ChainDigests, PrefixChains, PrefixHit, Tier
+from nanoserve.kvcache.native import KVKernels
+from nanoserve.kvcache.prefix import PrefixChains, PrefixHit, Tier
 from nanoserve.kvcache.report import TierReport
 from nanoserve.sequence import Sequence
 
@@ -35,7 +36,7 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  host: HostTier | None = None, offload_watermark: int = 0,
                  hash_salt: bytes | None = None, disk: DiskTier | None = None,
-                 digests_of: ChainDigests | None = None) -> None:
+                 kernels: KVKernels = KVKernels()) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
@@ -45,8 +46,8 @@ class KVCacheManager:
         self.device_stats, self.host_stats = self.hits.device, self.hits.host or PrefixCacheStats()
         self.copies = TierCopies(self.pool, host, disk) if host is not None else None
         self.chains = PrefixChains(block_size, self.pool, self.copies, enable_prefix_caching, hash_salt,
-                                   digests_of)
-        self.policy = TierPolicy(self.pool, self.copies, offload_watermark)
+                                   kernels.chain_digests)
+        self.policy = TierPolicy(self.pool, self.copies, offload_watermark, kernels.free_extents)
         self.admitter = Admitter(block_size, self.pool, self.chains, self.policy, self.copies, self.hits)
 
     @property

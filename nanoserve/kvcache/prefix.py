@@ -3,11 +3,15 @@
 Each full block is named by a keyed digest of (parent digest, its tokens), computed once per
 sequence (when the request arrives, for the prompt: on the engine core's intake thread) and kept with
 its `BlockKey`, so that matching a long prompt in a step costs dictionary lookups, not hashing. A match
-takes each link from the device index, then the loads in flight, then the host index, stopping at the
-first miss. It is done a whole tier at a time (one lookup pass over the device index; the host's
-links a run of consecutive host blocks at a time, chain_runs.py; a verifying key comparison per run)
-rather than link by link: a 2,048-block prefix is matched in a few C-level passes. A run whose keys
-do not all verify (a digest collision: never seen) sends the match to the link-by-link walk.
+takes the chain's leading links the device holds, then each further link from the loads in flight or
+else the host index, stopping at the first miss. Past the first device miss the device is not looked
+at: a chain's device blocks are its front (manager.free releases a sequence's tail first, so the LRU
+evicts tails first), and a prefix on host then costs one device lookup, not one per link (vLLM asks
+its KV connector for the tokens past the GPU's prefix hit alike). It is done a whole tier at a time
+(one lookup pass over the device index; the host's links a run of consecutive host blocks at a time,
+chain_runs.py; a verifying key comparison per run) rather than link by link: a 2,048-block prefix is
+matched in a few C-level passes. A run whose keys do not all verify (a digest collision: never seen)
+sends the match to the link-by-link walk.
 """
 from __future__ import annotations
 
@@ -16,7 +20,6 @@ import hashlib
 import os
 from array import array
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from itertools import chain, repeat
@@ -26,6 +29,7 @@ import numpy as np
 from nanoserve.kvcache.block_pool import BlockHash, BlockKey, BlockPool
 from nanoserve.kvcache.chain_runs import canonical, stored_runs
 from nanoserve.kvcache.copies import TierCopies, loading_links
+from nanoserve.kvcache.native import ChainDigests
 from nanoserve.sequence import Sequence
 
 
@@ -80,8 +84,6 @@ class PrefixMatch:
 _TIERS = (Tier.DEVICE, Tier.LOADING, Tier.HOST)
 _NO_PARENT = b"\0" * 32
 
-
-ChainDigests = Callable[[bytes, int, "BlockHash | None", bytes], bytes]
 
 
 def chain_links(parent: BlockHash | None, token_ids: list[int], block_size: int, salt: bytes,
@@ -173,32 +175,30 @@ class PrefixChains:
         host = copies.host if copies is not None and use_host else None
         loading = copies if copies is not None and copies.loads else None
         loading_keys = None
-        found = self._match_plain(hashes, host, loading)
+        found = self._match_plain(hashes, seq.block_keys, host, loading)
         if found is None:
             found, loading_keys = self._match_tiers(hashes, host)
         if self._verified(seq, found, host, loading_keys):
             return found
         return PrefixMatch.of_hits(self._walk(seq, use_host))
 
-    def _match_plain(self, hashes: list[BlockHash], host, loading: TierCopies | None) -> PrefixMatch | None:
+    def _match_plain(self, hashes: list[BlockHash], keys: list[BlockKey], host,
+                     loading: TierCopies | None) -> PrefixMatch | None:
         """The usual shape in list passes: device hits, then host hits, then a miss, with no load in
         flight among the links past the device ones. None when the chain is shaped otherwise."""
         index, n = self.pool.index, len(hashes)
-        # none on device (a host hit's usual case): one membership pass, no list; a device hit at the
-        # start (the other usual case) ends this pass at once
-        dev = [] if index.keys().isdisjoint(hashes) else list(map(index.get, hashes))
+        # the first link missing on device (a host hit's usual case): no pass over the device index
+        dev = list(map(index.get, hashes)) if n and hashes[0] in index else []
         p = dev.index(None) if None in dev else len(dev)
         if p == n:
             return PrefixMatch(dev, [(Tier.DEVICE, 0, n)] if n else [])
-        if dev.count(None) != len(dev) - p:  # a device hit past a miss
-            return None
         if loading is not None and not loading.loading().keys().isdisjoint(hashes[p:]):
             return None
         runs = [(Tier.DEVICE, 0, p)] if p else []
         del dev[p:]
         spans = None
         if host is not None:
-            on_host, spans = stored_runs(host.pool, hashes, p)
+            on_host, spans = stored_runs(host.pool, hashes, keys, p)
             if on_host:
                 dev += on_host
                 runs.append((Tier.HOST, p, p + len(on_host)))
@@ -209,6 +209,7 @@ class PrefixChains:
         n, copies = len(hashes), self.copies
         # per link: 0 device, 1 loading, 2 host, 3 miss; the first index holding it wins
         block = np.fromiter(map(self.pool.index.get, hashes, repeat(-1)), np.int64, n)
+        block[int(np.argmax(block < 0)) if (block < 0).any() else n:] = -1  # the leading device hits only
         tier = np.where(block >= 0, 0, 3)
         loading_keys = None
         if copies is not None and copies.loads:
@@ -238,11 +239,7 @@ class PrefixChains:
                 stored = list(map(self.pool.block_key.__getitem__, found.blocks[lo:hi]))
             elif t is Tier.LOADING:
                 stored = loading_keys[lo:hi]
-            elif found.host_spans is not None:  # (then this is the one host run) a slice per span
-                for s, e in found.host_spans:
-                    if host.pool.block_key[s:e] != keys[lo:lo + e - s]:
-                        return False
-                    lo += e - s
+            elif found.host_spans is not None:  # (then this is the one host run) found by its keys
                 continue
             else:
                 stored = list(map(host.pool.block_key.__getitem__, found.blocks[lo:hi]))
@@ -256,10 +253,13 @@ class PrefixChains:
         host = copies.host if copies is not None and use_host else None
         hits: list[PrefixHit] = []
         device, loading, on_host = Tier.DEVICE, Tier.LOADING, Tier.HOST
+        leading = True  # past the first device miss the device is not looked at (module docstring)
         for h, key in zip(self.hashes(seq, (seq.num_tokens - 1) // self.block_size), seq.block_keys):
-            if (block := self.pool.lookup(h, key)) is not None:
+            if leading and (block := self.pool.lookup(h, key)) is not None:
                 hits.append((device, block))
-            elif copies is not None and (block := copies.loading_block(h, key)) is not None:
+                continue
+            leading = False
+            if copies is not None and (block := copies.loading_block(h, key)) is not None:
                 hits.append((loading, block))
             elif host is not None and (block := host.lookup(h, key)) is not None:
                 hits.append((on_host, block))

@@ -23,6 +23,8 @@ not be read until its transfer is `done()`.
 from __future__ import annotations
 
 import ctypes
+import functools
+import math
 import queue
 import threading
 import time
@@ -34,9 +36,11 @@ import numpy as np
 import torch
 
 from nanoserve.kvcache.block_pool import Span
+from nanoserve.kvcache.native import CopyRuns
 
 BlockCopy = Callable[[torch.Tensor, torch.Tensor], None]
 Run = tuple[int, int, int]  # (src start, dst start, number of blocks)
+BatchCopy = Callable[[torch.Tensor, torch.Tensor, list[Run], int], None]  # (src, dst, runs, span)
 # one DMA at most: multi-MiB copies already run at full PCIe/NVLink-C2C bandwidth (vLLM's offloading
 # moves whole multi-MiB blocks per copy), and a bounded copy keeps one load from monopolising a lane
 MAX_COPY_BYTES = 64 << 20
@@ -88,13 +92,24 @@ def copy_span(block_bytes: int, max_copy_bytes: int = MAX_COPY_BYTES) -> int:
 
 def copy_blocks(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor, dst_ids: Sequence[int],
                 copy: BlockCopy = copy_block, max_copy_bytes: int = MAX_COPY_BYTES,
-                pairs: list[Run] | None = None) -> None:
+                pairs: list[Run] | None = None, batch: BatchCopy | None = None) -> None:
     """src[src_ids[i]] -> dst[dst_ids[i]], one `copy` per run consecutive on both sides within a span.
     `pairs`: those runs (uncut by spans) when the caller knows them (`paired_runs`); the ids are then
-    not read. Raises at the first failing run (the runs before it are done, or queued on CUDA)."""
-    span = copy_span(src[0].numel() * src.element_size(), max_copy_bytes)
+    not read. `batch`: the C++ kernel that cuts and copies all runs in one call (`batch_copy`), in place
+    of `copy`. Raises at the first failing run (the runs before it are done, or queued on CUDA)."""
+    span = copy_span(math.prod(src.shape[1:]) * src.element_size(), max_copy_bytes)
+    if batch is not None:
+        batch(src, dst, runs(src_ids, dst_ids) if pairs is None else pairs, span)
+        return
     for s, d, n in (runs(src_ids, dst_ids, span) if pairs is None else cut_runs(pairs, span)):
         copy(src[s:s + n], dst[d:d + n])
+
+
+def batch_copy(copy_runs: CopyRuns | None, non_blocking: bool) -> BatchCopy | None:
+    """`copy_blocks`' `batch` from the C++ `copy_runs` (native.py), None without it: the runs cut and each
+    copied with `copy_` (`non_blocking`: enqueued on the current CUDA stream) without a Python slice per
+    run, whose dispatch on a cold cache costs several microseconds apiece."""
+    return None if copy_runs is None else functools.partial(copy_runs, non_blocking=non_blocking)
 
 
 def paired_runs(src_spans: list[Span], dst_spans: list[Span]) -> list[Run]:
@@ -151,12 +166,12 @@ def runs(src_ids: Sequence[int], dst_ids: Sequence[int], span: int = 0) -> list[
 
 
 def copy_or_error(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor, dst_ids: Sequence[int],
-                  copy: BlockCopy, max_copy_bytes: int,
-                  pairs: list[Run] | None = None) -> BaseException | None:
+                  copy: BlockCopy, max_copy_bytes: int, pairs: list[Run] | None = None,
+                  batch: BatchCopy | None = None) -> BaseException | None:
     """`copy_blocks`, with its failure returned for the handle instead of raised: both copiers then
     complete the handle after whatever part of the batch was started, never before."""
     try:
-        copy_blocks(src, src_ids, dst, dst_ids, copy, max_copy_bytes, pairs)
+        copy_blocks(src, src_ids, dst, dst_ids, copy, max_copy_bytes, pairs, batch)
     except Exception as e:
         return e
     return None
@@ -296,9 +311,11 @@ class CudaTransfer(Transfer):
 
 
 class CudaCopier(Copier):
-    def __init__(self, device: torch.device, max_copy_bytes: int = MAX_COPY_BYTES) -> None:
+    def __init__(self, device: torch.device, max_copy_bytes: int = MAX_COPY_BYTES,
+                 copy_runs: CopyRuns | None = None) -> None:
         super().__init__(max_copy_bytes)
         self.device = device
+        self.batch = batch_copy(copy_runs, non_blocking=True)  # a submit's copies in one C++ call
 
     def _open_lane(self, name: str) -> torch.cuda.Stream:
         return torch.cuda.Stream(self.device)
@@ -319,12 +336,15 @@ class CudaCopier(Copier):
             start.record(stream)
             # contiguous slabs inside one pinned range each; a failure still records `end` after the
             # runs already queued, so nothing they touch is released before the DMA has finished
-            error = copy_or_error(src, src_ids, dst, dst_ids, copy_block_async, self.max_copy_bytes, pairs)
+            error = copy_or_error(src, src_ids, dst, dst_ids, copy_block_async, self.max_copy_bytes, pairs,
+                                  self.batch)
             end.record(stream)
         handle = CudaTransfer(self.device, start, end)
         handle.error = error
         return handle
 
 
-def make_copier(device: torch.device) -> Copier:
-    return CudaCopier(device) if device.type == "cuda" else ThreadCopier()
+def make_copier(device: torch.device, copy_runs: CopyRuns | None = None) -> Copier:
+    """CUDA: `copy_runs`, the C++ kernel where built, submits each batch in one call (the CPU copier's
+    worker copies with memmove instead: see `copy_block_memmove`)."""
+    return CudaCopier(device, copy_runs=copy_runs) if device.type == "cuda" else ThreadCopier()

@@ -3,9 +3,11 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
 #include <c10/util/string_view.h>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 // The attention kernels serve head_dim 64, 128 and 256; window > 0 is a sliding window (a query at position p
 // sees keys p - window + 1 .. p), 0 plain causal.
@@ -48,3 +50,14 @@ std::string isa();
 constexpr size_t kChainDigestBytes = 32, kChainKeyBytes = 64;
 void chain_digests(const uint8_t* tokens, size_t n_blocks, size_t block_bytes, const uint8_t* parent,
                    const uint8_t* key, size_t key_len, uint8_t* out);
+
+// kv_runs.cpp: a KV load's bookkeeping in one call each (kvcache/extents.py, kvcache/transfer.py)
+struct BlockExtent {
+  int64_t start, length;
+};
+// At most n blocks among where[0..num_blocks) == code (all of them if fewer) as the fewest extents: the
+// longest runs whole, the rest from the start of the smallest run that holds it; ascending by start
+std::vector<BlockExtent> free_extents(const uint8_t* where, int64_t num_blocks, uint8_t code, int64_t n);
+// dst[d:d+n] = src[s:s+n] for each (s, d, n) of runs, cut before either side reaches a multiple of span
+void copy_runs(const at::Tensor& src, const at::Tensor& dst, const std::vector<std::array<int64_t, 3>>& runs,
+               int64_t span, bool non_blocking);

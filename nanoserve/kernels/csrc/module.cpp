@@ -218,12 +218,33 @@ void define_quant(py::module_& m) {
   m.def("isa", &isa);
 }
 
+// free_extents(where, code, n): read in place, the GIL held (a bytearray the engine thread alone writes)
+py::list free_extents_list(const py::buffer& where, int64_t code, int64_t n) {
+  const py::buffer_info info = where.request();
+  if (info.ndim != 1 || info.itemsize != 1)
+    throw py::type_error("free_extents: `where` must be a one-dimensional byte buffer");
+  if (code < 0 || code > 255)
+    throw py::value_error("free_extents: code must be a byte, got " + std::to_string(code));
+  py::list out;
+  for (const BlockExtent& e : free_extents(static_cast<const uint8_t*>(info.ptr), info.shape[0],
+                                           static_cast<uint8_t>(code), n))
+    out.append(py::make_tuple(e.start, e.length));
+  return out;
+}
+
 void define_hashing(py::module_& m) {
   m.def("chain_digests", &chain_digests_bytes, py::arg("tokens"), py::arg("block_size"), py::arg("parent"),
         py::arg("key"),
         "The concatenated 32-byte digests of the full blocks of `tokens` (int64 ids, native order): keyed "
         "BLAKE2b-256 (key[:64]) of the previous digest (block 0: parent, or 32 zero bytes for None) and "
         "the block's bytes, as kvcache's chain_hash computes them one by one.");
+  m.def("free_extents", &free_extents_list, py::arg("where"), py::arg("code"), py::arg("n"),
+        "kvcache/extents.py's choose_extents(*free_runs(where), n) for the blocks where where[b] == code: "
+        "[(start, length)], the fewest extents, ascending.");
+  m.def("copy_runs", &copy_runs, py::arg("src"), py::arg("dst"), py::arg("runs"), py::arg("span"),
+        py::arg("non_blocking"), py::call_guard<py::gil_scoped_release>(),
+        "dst[d:d+n].copy_(src[s:s+n]) for each (s, d, n) of runs, cut before either side reaches a multiple "
+        "of span (kvcache/transfer.py's cut_runs); raises at the first failing copy, the ones before done.");
 }
 
 }  // namespace
