@@ -3,15 +3,14 @@
 Each full block is named by a keyed digest of (parent digest, its tokens), computed once per
 sequence (when the request arrives, for the prompt: on the engine core's intake thread) and kept with
 its `BlockKey`, so that matching a long prompt in a step costs dictionary lookups, not hashing. A match
-takes the chain's leading links the device holds, then each further link from the loads in flight or
-else the host index, stopping at the first miss. Past the first device miss the device is not looked
-at: a chain's device blocks are its front (manager.free releases a sequence's tail first, so the LRU
-evicts tails first), and a prefix on host then costs one device lookup, not one per link (vLLM asks
-its KV connector for the tokens past the GPU's prefix hit alike). It is done a whole tier at a time
-(one lookup pass over the device index; the host's links a run of consecutive host blocks at a time,
-chain_runs.py; a verifying key comparison per run) rather than link by link: a 2,048-block prefix is
-matched in a few C-level passes. A run whose keys do not all verify (a digest collision: never seen)
-sends the match to the link-by-link walk.
+takes each link from the device index, then the loads in flight, then the host index, stopping at the
+first miss. (Not only the chain's leading links can be on device: a prefix loaded from host is clean
+and the LRU evicts clean blocks first, so a conversation's front often leaves the device before its
+tail.) It is done a whole tier at a time (one lookup pass over the device index; the host's links a run
+of consecutive host blocks at a time, found and verified by their keys, chain_runs.py; a verifying key
+comparison per run of the other tiers) rather than link by link: a 2,048-block prefix is matched in a
+few C-level passes. A run whose keys do not all verify (a digest collision: never seen) sends the
+match to the link-by-link walk.
 """
 from __future__ import annotations
 
@@ -83,7 +82,6 @@ class PrefixMatch:
 
 _TIERS = (Tier.DEVICE, Tier.LOADING, Tier.HOST)
 _NO_PARENT = b"\0" * 32
-
 
 
 def chain_links(parent: BlockHash | None, token_ids: list[int], block_size: int, salt: bytes,
@@ -187,11 +185,14 @@ class PrefixChains:
         """The usual shape in list passes: device hits, then host hits, then a miss, with no load in
         flight among the links past the device ones. None when the chain is shaped otherwise."""
         index, n = self.pool.index, len(hashes)
-        # the first link missing on device (a host hit's usual case): no pass over the device index
-        dev = list(map(index.get, hashes)) if n and hashes[0] in index else []
+        # none on device (a host hit's usual case): one membership pass, no list; a device hit at the
+        # start (the other usual case) ends this pass at once
+        dev = [] if index.keys().isdisjoint(hashes) else list(map(index.get, hashes))
         p = dev.index(None) if None in dev else len(dev)
         if p == n:
             return PrefixMatch(dev, [(Tier.DEVICE, 0, n)] if n else [])
+        if dev.count(None) != len(dev) - p:  # a device hit past a miss
+            return None
         if loading is not None and not loading.loading().keys().isdisjoint(hashes[p:]):
             return None
         runs = [(Tier.DEVICE, 0, p)] if p else []
@@ -209,7 +210,6 @@ class PrefixChains:
         n, copies = len(hashes), self.copies
         # per link: 0 device, 1 loading, 2 host, 3 miss; the first index holding it wins
         block = np.fromiter(map(self.pool.index.get, hashes, repeat(-1)), np.int64, n)
-        block[int(np.argmax(block < 0)) if (block < 0).any() else n:] = -1  # the leading device hits only
         tier = np.where(block >= 0, 0, 3)
         loading_keys = None
         if copies is not None and copies.loads:
@@ -253,13 +253,10 @@ class PrefixChains:
         host = copies.host if copies is not None and use_host else None
         hits: list[PrefixHit] = []
         device, loading, on_host = Tier.DEVICE, Tier.LOADING, Tier.HOST
-        leading = True  # past the first device miss the device is not looked at (module docstring)
         for h, key in zip(self.hashes(seq, (seq.num_tokens - 1) // self.block_size), seq.block_keys):
-            if leading and (block := self.pool.lookup(h, key)) is not None:
+            if (block := self.pool.lookup(h, key)) is not None:
                 hits.append((device, block))
-                continue
-            leading = False
-            if copies is not None and (block := copies.loading_block(h, key)) is not None:
+            elif copies is not None and (block := copies.loading_block(h, key)) is not None:
                 hits.append((loading, block))
             elif host is not None and (block := host.lookup(h, key)) is not None:
                 hits.append((on_host, block))
