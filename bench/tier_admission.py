@@ -2,11 +2,12 @@
 
 The device pool is fragmented the way a busy server leaves it: free runs of every length (a few long,
 hundreds of one to six blocks) between blocks in use and cached-free ones, released in shuffled order;
-the host holds a prompt's whole prefix. A copier that does everything but the memcpy (it cuts the
-batch into copies as the real ones do, and counts them) makes the admission cost the bookkeeping
-only. Each repetition builds the same state afresh and times one `admit`; the breakdown is the time
-inside each named stage (inclusive: the load start includes the copier's submit), the rest is the
-admission's own code. Also timed: digesting the prompt as it arrives (`PrefixChains.prompt_chain`, on the
+the host holds a prompt's whole prefix. The copier does on the engine thread what the CUDA copier's
+submit does but the driver's enqueue and its events (its code cuts the batch and `copy_`s each run,
+in C++ where the kernels are built, of 8-byte blocks), so the admission cost is the bookkeeping and
+the copies' dispatch; the copies are counted after. Each repetition builds the same state afresh and
+times one `admit`; the breakdown is the time inside each named stage (inclusive: the load start includes
+the copier's submit), the rest is the admission's own code. Also timed: digesting the prompt as it arrives (`PrefixChains.prompt_chain`, on the
 engine core's intake thread since the engine has one: not step time; an older checkout: `hash_prompt`).
 Times are the engine thread's CPU time (`time.thread_time`): on a shared machine wall time mostly
 measures who else was scheduled, and this is bookkeeping that never waits. A full collection runs just
@@ -194,7 +195,8 @@ def measure(args) -> dict:
         kv.free(fresh)
         kv.check_invariants()
     return {"ms": {k: statistics.median(v) for k, v in rows.items()},
-            "ms_min": {k: min(v) for k, v in rows.items()}, "copies": statistics.median(copies)}
+            "ms_min": {k: min(v) for k, v in rows.items()}, "copies": statistics.median(copies),
+            "kernels": sorted(k for k, v in vars(_kernels()).items() if v is not None)}
 
 
 def main(args) -> None:
@@ -225,6 +227,8 @@ def main(args) -> None:
             if any(label in r["ms"] for r in rs) else f"{'-':>14s}{'-':>12s}" for rs in results.values()))
     print(f"{'copies':16s}" + "".join(f"{statistics.median(r['copies'] for r in rs):14.0f}{'':12s}"
                                       for rs in results.values()))
+    for name, rs in results.items():  # (a checkout whose kernels are not built runs its Python)
+        print(f"{name}: C++ kernels {', '.join(rs[0]['kernels']) or 'none (not built)'}")
     write_json(args.json, {"cpu": cpu_name(), "args": vars(args), "results": results})
 
 
