@@ -7,8 +7,9 @@ submit does but the driver's enqueue and its events (its code cuts the batch and
 in C++ where the kernels are built, of 8-byte blocks), so the admission cost is the bookkeeping and
 the copies' dispatch; the copies are counted after. Each repetition builds the same state afresh and
 times one `admit`; the breakdown is the time inside each named stage (inclusive: the load start includes
-the copier's submit), the rest is the admission's own code. Also timed: digesting the prompt as it arrives (`PrefixChains.prompt_chain`, on the
-engine core's intake thread since the engine has one: not step time; an older checkout: `hash_prompt`).
+the copier's submit), the rest is the admission's own code. Also timed: digesting the prompt as it arrives
+(`PrefixChains.prompt_chain`, on the engine core's intake thread since the engine has one: not step time;
+an older checkout: `hash_prompt`).
 Times are the engine thread's CPU time (`time.thread_time`): on a shared machine wall time mostly
 measures who else was scheduled, and this is bookkeeping that never waits. A full collection runs just
 before each timed admission, so its caches are cold (a forward ran before it in a server); `--warm` admits
