@@ -14,16 +14,8 @@ from array import array
 
 import pytest
 from hypothesis import given, settings, strategies as st
+from tests.test_cpu_kernels import kernels  # noqa: F401 - the module fixture (skips without a toolchain)
 
-from nanoserve.kernels import cpu_kernels
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    k = cpu_kernels.load()
-    if k is None:
-        pytest.skip("no C++ CPU kernels here (no toolchain, disabled, or the build failed: see its warning)")
-    return k
 
 
 def chain_digests_ref(tokens: bytes, block_size: int, parent: bytes | None, key: bytes) -> bytes:

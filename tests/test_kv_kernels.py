@@ -11,19 +11,11 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from nanoserve.kernels import cpu_kernels
 from nanoserve.kvcache import extents, transfer
 from nanoserve.kvcache.block_lists import FREE
 from nanoserve.kvcache.block_pool import BlockPool
 from nanoserve.kvcache.native import KVKernels
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    k = cpu_kernels.load()
-    if k is None:
-        pytest.skip("no C++ CPU kernels here (no toolchain, disabled, or the build failed: see its warning)")
-    return k
+from tests.test_cpu_kernels import kernels  # noqa: F401 - the module fixture (skips without a toolchain)
 
 
 def _where(rng: random.Random, n: int) -> bytearray:

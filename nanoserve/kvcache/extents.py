@@ -71,7 +71,7 @@ def allocate_extents(pool: BlockPool, n: int, lossy_ok: bool = True) -> list[int
 def allocate_spans(pool: BlockPool, n: int, lossy_ok: bool = True,
                    free_extents: FreeExtents | None = None) -> tuple[list[int], list[Span] | None]:
     """`allocate_extents`, and its blocks as runs [start, stop) when they are whole extents (no eviction):
-    pinning the blocks then goes run by run without finding the runs again (block_pool.pin_fresh).
+    pinning the blocks then goes run by run without finding the runs again (block_pool.pin_taken).
     `free_extents`: the C++ kernel choosing the same extents (native.py)."""
     if n > pool.num_available(lossless=not lossy_ok):
         raise RuntimeError("BlockPool exhausted: the caller must check num_available() first")
