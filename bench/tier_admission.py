@@ -119,6 +119,8 @@ def _setup(args, seed: int):
     # the C++ kernels the engine uses where built (an older checkout: those it has)
     if hasattr(kv.chains, "digests_of"):
         kv.chains.digests_of = kernels.chain_digests
+    if hasattr(kv.chains, "runs_of"):
+        kv.chains.runs_of = kernels.stored_runs
     if hasattr(kv.policy, "free_extents"):
         kv.policy.free_extents = kernels.free_extents
     rng = random.Random(seed)
@@ -140,7 +142,7 @@ def _kernels():
     from nanoserve.kernels import cpu_kernels
     module = cpu_kernels.built()
     return SimpleNamespace(**{name: getattr(module, name, None)
-                              for name in ("chain_digests", "free_extents", "copy_runs")})
+                              for name in ("chain_digests", "free_extents", "copy_runs", "stored_runs")})
 
 
 def _timed(owner, name: str, sink: dict[str, float], label: str) -> None:

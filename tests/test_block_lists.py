@@ -116,7 +116,8 @@ def _chain_pool(rng: random.Random, n: int,
 @given(st.integers(0, 10_000), st.integers(0, 30), st.sampled_from([3, 9, 70, 400]),
        st.sampled_from([60, 600]))
 def test_stored_runs_are_the_link_by_link_lookups(seed, start, longest, n) -> None:
-    """Short runs (then the rest link by link, no runs) and long ones (galloping, then halving)."""
+    """Short runs (then the rest link by link, no runs) and long ones (galloping, then halving); in Python,
+    and through the C++ kernel where it is built (its keys compared by value here: no object is shared)."""
     rng = random.Random(seed)
     pool, hashes, keys = _chain_pool(rng, n, longest)
     if rng.random() < 0.5:  # a link whose digest is stored under another key (a collision): a miss there
@@ -127,12 +128,14 @@ def test_stored_runs_are_the_link_by_link_lookups(seed, start, longest, n) -> No
         if (b := pool.lookup(h, key)) is None:
             break
         walk.append(b)
-    blocks, spans = stored_runs(pool, hashes, keys, start)
-    assert blocks == walk
-    if spans is None:
-        return
-    assert [b for s, e in spans for b in range(s, e)] == walk
-    assert all(e > s for s, e in spans) and all(a[1] != b[0] for a, b in zip(spans, spans[1:]))
+    kernels = cpu_kernels.built()  # (test_kv_kernels checks it is built where a toolchain is)
+    for kernel in (None, kernels.stored_runs if kernels is not None else None):
+        blocks, spans = stored_runs(pool, hashes, keys, start, kernel)
+        assert blocks == walk
+        if spans is None:
+            continue
+        assert [b for s, e in spans for b in range(s, e)] == walk
+        assert all(e > s for s, e in spans) and all(a[1] != b[0] for a, b in zip(spans, spans[1:]))
 
 
 @settings(max_examples=40, deadline=None)

@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 
 from nanoserve.kvcache import extents, transfer
 from nanoserve.kvcache.block_lists import FREE
-from nanoserve.kvcache.block_pool import BlockPool
+from nanoserve.kvcache.block_pool import BlockKey, BlockPool
 from nanoserve.kvcache.native import KVKernels
 from tests.test_cpu_kernels import kernels  # noqa: F401 - the module fixture (skips without a toolchain)
 
@@ -110,5 +110,22 @@ def test_copy_blocks_batch_is_the_per_run_copy(kernels) -> None:
 def test_kv_kernels_of_a_module(kernels) -> None:
     assert KVKernels.of(None) == KVKernels()
     k = KVKernels.of(kernels)
-    assert (k.chain_digests, k.free_extents, k.copy_runs) == (
-        kernels.chain_digests, kernels.free_extents, kernels.copy_runs)
+    assert (k.chain_digests, k.free_extents, k.copy_runs, k.stored_runs) == (
+        kernels.chain_digests, kernels.free_extents, kernels.copy_runs, kernels.stored_runs)
+
+
+def test_stored_runs_kernel_finds_maximal_runs_and_refuses_a_bad_index(kernels) -> None:
+    """The runs themselves (the Python path gives none for scattered ones): each maximal, in chain order;
+    an index naming a block outside the pool, or a negative start, raises instead of reading past a list."""
+    pool = BlockPool(8)
+    hashes = [bytes([i]) * 32 for i in range(6)]
+    keys = [BlockKey(None, bytes([i])) for i in range(6)]
+    for b, i in ((4, 0), (5, 1), (1, 2), (2, 3), (6, 4)):  # links 0-4 in three runs, link 5 nowhere
+        pool.publish(b, hashes[i], BlockKey(None, bytes([i])))  # (an equal key, not the same object)
+    assert kernels.stored_runs(pool.index, pool.block_key, hashes, keys, 0) == [(4, 6), (1, 3), (6, 7)]
+    assert kernels.stored_runs(pool.index, pool.block_key, hashes, keys, 3) == [(2, 3), (6, 7)]
+    assert kernels.stored_runs(pool.index, pool.block_key, hashes, keys, 6) == []
+    with pytest.raises(ValueError, match="outside the pool"):
+        kernels.stored_runs({hashes[0]: 8}, pool.block_key, hashes, keys, 0)
+    with pytest.raises(ValueError, match="start must be >= 0"):
+        kernels.stored_runs(pool.index, pool.block_key, hashes, keys, -1)

@@ -10,9 +10,11 @@ import torch
 from nanoserve import SamplingParams
 from nanoserve.kvcache.host_tier import HostTier
 from nanoserve.kvcache.manager import KVCacheManager
+from nanoserve.kvcache.native import KVKernels
 from nanoserve.kvcache.prefix import PrefixMatch
 from nanoserve.kvcache.transfer import Copier, Transfer
 from nanoserve.sequence import Sequence
+from tests.test_cpu_kernels import kernels  # noqa: F401 - the module fixture (skips without a toolchain)
 
 BS = 2
 
@@ -35,18 +37,16 @@ class NeverCopier(Copier):
         return Pending()
 
 
-@pytest.mark.parametrize("seed", range(30))
-def test_match_runs_is_the_walk(seed: int) -> None:
-    rng = random.Random(seed)
-    n = 24
+def _match_is_the_walk(states: list[str], rng: random.Random, kernels) -> None:
+    """Per link a state (D: on device and host, d: on device only, L: a load in flight fills it, H: on host,
+    -: nowhere):
+    the whole-tier match equals the walk, with and without the host."""
+    n = len(states)
     host = HostTier(64, torch.zeros(64, 1, 2, 1, BS, 1), NeverCopier())
-    kv = KVCacheManager(64, BS, host=host)
+    kv = KVCacheManager(64, BS, host=host, kernels=KVKernels.of(kernels))
     seq = Sequence(1, "1", 0, [rng.randrange(100) for _ in range((n + 1) * BS)], SamplingParams(), 4,
                    frozenset())
     kv.hash_prompt(seq)
-    states = [rng.choice("DLHH-" if seed % 3 else "DH-") for _ in range(n)]
-    if seed % 2:  # the usual shape: device hits, then host hits (the list-pass path), then misses
-        states.sort(key="DLH-".index)
     loads: list[list[int]] = []
     for i, s in enumerate(states):
         h, key = seq.block_hashes[i], seq.block_keys[i]
@@ -54,7 +54,7 @@ def test_match_runs_is_the_walk(seed: int) -> None:
             hb = host.pool.allocate_pinned()
             host.pool.publish(hb, h, key)
             host.pool.unpin(hb)
-        if s == "D":
+        if s in "Dd":
             db = kv.pool.allocate()
             kv.pool.publish(db, h, key)
             kv.pool.release(db)
@@ -69,8 +69,29 @@ def test_match_runs_is_the_walk(seed: int) -> None:
                              [host.pool.index[h] for h in hashes], [kv.pool.allocate() for _ in links])
     for h in seq.block_hashes:
         kv.copies._refresh(h)  # the clean flags, as the tiers keep them
-    kv.check_invariants()
+    kv.check_invariants()  # (HostTier.on_device among them)
     for use_host in (True, False):
         want = PrefixMatch.of_hits(kv.chains._walk(seq, use_host))
         got = kv.chains.match_runs(seq, use_host)
         assert (got.blocks, got.runs) == (want.blocks, want.runs), states
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["python", "kernels"])
+@pytest.mark.parametrize("seed", range(30))
+def test_match_runs_is_the_walk(seed: int, native: bool, request) -> None:
+    """Also with the C++ run finding (chain_runs.stored_runs)."""
+    rng = random.Random(seed)
+    states = [rng.choice("DLHH-" if seed % 3 else "DH-") for _ in range(24)]
+    if seed % 2:  # the usual shape: device hits, then host hits (the list-pass path), then misses
+        states.sort(key="DLH-".index)
+    _match_is_the_walk(states, rng, request.getfixturevalue("kernels") if native else None)
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["python", "kernels"])
+@pytest.mark.parametrize("shape", ["HHDHH-", "HHHHD", "HHH-D", "HHHHHD-H", "DHHDH", "HHHHHH", "HDDDD",
+                                   "HHHd", "HHdH-", "HHHdd"])
+def test_a_chain_starting_on_host_with_device_links_is_the_walk(shape: str, native: bool, request) -> None:
+    """A chain whose first link is on host only: the match asks the device about the host run's links by
+    a byte per host block (HostTier.on_device), and about the link past the run; a device link inside or
+    right after the run makes it another shape, which the walk must agree with."""
+    _match_is_the_walk(list(shape), random.Random(0), request.getfixturevalue("kernels") if native else None)

@@ -143,6 +143,7 @@ class TierCopies:
             self.pool.mark_clean(dev, on_host is not None or on_disk)
         if on_host is not None:  # (a disk whose writes failed takes no more: the host keeps its own rule)
             self.host.pool.mark_clean(on_host, on_disk if self.host.backed else dev is not None)
+            self.host.on_device[on_host] = dev is not None
 
     # ---- saves --------------------------------------------------------------------------------------
     def pending_saves(self, exclude: Collection[int] = ()) -> int:
@@ -197,8 +198,8 @@ class TierCopies:
         ok = self.host.end_save(copy)
         self.save_failures_in_row = 0 if ok else self.save_failures_in_row + 1
         for db, (h, key) in zip(copy.dev_ids, copy.keys):
-            if ok and self.pool.block_hash[db] == h:
-                self.twin(db)  # now clean: evicting it loses nothing
+            if ok:
+                self._refresh(h)  # the device block (if it still holds h) is clean: evicting it loses nothing
             self.pool.unpin(db)
         if ok and self.disk is not None:
             self.disk.write_back(copy.host_ids)  # write-through: the host block is clean once on disk
@@ -334,14 +335,7 @@ class TierCopies:
         assert all(ld in self.loads for lds in self.waiting_on.values() for ld in lds), (
             "waiting on an ended load")
         host.check_invariants()
-        disk = self.disk.pool.index if self.disk is not None else {}
-        host_below = (lambda h: h in disk) if self.host.backed else (lambda h: h in dev.index)
-        for a, below, name in ((dev, lambda h: h in host.index or h in disk, "device"),
-                               (host, host_below, "host")):
-            for blk in range(a.num_blocks):
-                h = a.block_hash[blk]
-                if h is not None and a.index.get(h) == blk:
-                    assert a.is_clean[blk] == below(h), f"{name} block {blk} clean flag is wrong"
+        _check_flags(dev, self.host, self.disk.pool.index if self.disk is not None else {})
         assert host.stats().in_use == 0, "host blocks are held by copies (pins), never referenced"
         host_pins = Counter(b for c in self.saves for b in c.host_ids)
         host_pins.update(b for ld in self.loads for b in ld.copy.host_ids)
@@ -351,3 +345,17 @@ class TierCopies:
             host_pins.update(b for staged in self.disk.staged.values() for b in staged)
         assert all(host.pins[b] == host_pins[b] for b in range(host.num_blocks)), (
             "host block pinned without a copy in flight (or the reverse)")
+
+
+def _check_flags(dev: BlockPool, host: HostTier, disk: Collection[BlockHash]) -> None:
+    """Clean <=> the other tier holds the chain (the host's: the disk, or without one the device); a host
+    block's on-device byte <=> the device holds its chain."""
+    host_below = (lambda h: h in disk) if host.backed else (lambda h: h in dev.index)
+    for a, below, name in ((dev, lambda h: h in host.pool.index or h in disk, "device"),
+                           (host.pool, host_below, "host")):
+        for blk in range(a.num_blocks):
+            h = a.block_hash[blk]
+            if h is not None and a.index.get(h) == blk:
+                assert a.is_clean[blk] == below(h), f"{name} block {blk} clean flag is wrong"
+                assert a is dev or host.on_device[blk] == (h in dev.index), (
+                    f"host block {blk}'s on-device byte is wrong")

@@ -150,6 +150,9 @@ class HostTier:
         self.transfers = TransferStats()
         # a disk tier below (disk_tier.py): then a clean host block is one whose chain is on disk
         self.backed = False
+        # per published block: the device index holds its chain too (copies.TierCopies keeps it), so a
+        # match scans a byte per host link for device hits, not the device index (prefix.py)
+        self.on_device = bytearray(num_blocks)
 
     @property
     def num_bytes(self) -> int:

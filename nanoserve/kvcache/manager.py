@@ -46,7 +46,7 @@ class KVCacheManager:
         self.device_stats, self.host_stats = self.hits.device, self.hits.host or PrefixCacheStats()
         self.copies = TierCopies(self.pool, host, disk) if host is not None else None
         self.chains = PrefixChains(block_size, self.pool, self.copies, enable_prefix_caching, hash_salt,
-                                   kernels.chain_digests)
+                                   kernels.chain_digests, kernels.stored_runs)
         self.policy = TierPolicy(self.pool, self.copies, offload_watermark, kernels.free_extents)
         self.admitter = Admitter(block_size, self.pool, self.chains, self.policy, self.copies, self.hits)
 

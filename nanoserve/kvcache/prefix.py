@@ -6,10 +6,11 @@ its `BlockKey`, so that matching a long prompt in a step costs dictionary lookup
 takes each link from the device index, then the loads in flight, then the host index, stopping at the
 first miss. (Not only the chain's leading links can be on device: a prefix loaded from host is clean
 and the LRU evicts clean blocks first, so a conversation's front often leaves the device before its
-tail.) It is done a whole tier at a time (one lookup pass over the device index; the host's links a run
-of consecutive host blocks at a time, found and verified by their keys, chain_runs.py; a verifying key
-comparison per run of the other tiers) rather than link by link: a 2,048-block prefix is matched in a
-few C-level passes. A run whose keys do not all verify (a digest collision: never seen) sends the
+tail.) It is done a whole tier at a time (one lookup pass over the device index when the chain starts
+there; the host's links a run of consecutive host blocks at a time, found and verified by their keys,
+chain_runs.py, with a byte per host block saying whether the device holds it too, so a chain starting on
+host is never looked up in the device index link by link; a verifying key comparison per run of the other
+tiers) rather than link by link: a 2,048-block prefix is matched in a few C-level passes. A run whose keys do not all verify (a digest collision: never seen) sends the
 match to the link-by-link walk.
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ import numpy as np
 from nanoserve.kvcache.block_pool import BlockHash, BlockKey, BlockPool
 from nanoserve.kvcache.chain_runs import canonical, stored_runs
 from nanoserve.kvcache.copies import TierCopies, loading_links
-from nanoserve.kvcache.native import ChainDigests
+from nanoserve.kvcache.native import ChainDigests, StoredRuns
 from nanoserve.sequence import Sequence
 
 
@@ -112,9 +113,11 @@ def chain_links(parent: BlockHash | None, token_ids: list[int], block_size: int,
 
 class PrefixChains:
     def __init__(self, block_size: int, pool: BlockPool, copies: TierCopies | None, enabled: bool = True,
-                 hash_salt: bytes | None = None, digests_of: ChainDigests | None = None) -> None:
+                 hash_salt: bytes | None = None, digests_of: ChainDigests | None = None,
+                 runs_of: StoredRuns | None = None) -> None:
         self.block_size, self.pool, self.copies, self.enabled = block_size, pool, copies, enabled
-        self.digests_of = digests_of  # the C++ chain hashing, where the kernels are built
+        # the C++ chain hashing and run finding (chain_runs.stored_runs), where the kernels are built
+        self.digests_of, self.runs_of = digests_of, runs_of
         # per-process random key for block digests: clients cannot predict or collide them offline
         self.hash_salt = os.urandom(32) if hash_salt is None else hash_salt
 
@@ -185,25 +188,38 @@ class PrefixChains:
         """The usual shape in list passes: device hits, then host hits, then a miss, with no load in
         flight among the links past the device ones. None when the chain is shaped otherwise."""
         index, n = self.pool.index, len(hashes)
-        # none on device (a host hit's usual case): one membership pass, no list; a device hit at the
-        # start (the other usual case) ends this pass at once
-        dev = [] if index.keys().isdisjoint(hashes) else list(map(index.get, hashes))
-        p = dev.index(None) if None in dev else len(dev)
-        if p == n:
-            return PrefixMatch(dev, [(Tier.DEVICE, 0, n)] if n else [])
-        if dev.count(None) != len(dev) - p:  # a device hit past a miss
-            return None
+        if n and hashes[0] in index:  # device hits at the start: one lookup pass
+            dev = list(map(index.get, hashes))
+            p = dev.index(None) if None in dev else n
+            if p == n:
+                return PrefixMatch(dev, [(Tier.DEVICE, 0, n)])
+            if dev.count(None) != n - p:  # a device hit past a miss
+                return None
+            del dev[p:]
+        else:  # (a host hit's usual case) the device is asked below about the host run's links only
+            dev, p = [], 0
         if loading is not None and not loading.loading().keys().isdisjoint(hashes[p:]):
             return None
         runs = [(Tier.DEVICE, 0, p)] if p else []
-        del dev[p:]
-        spans = None
-        if host is not None:
-            on_host, spans = stored_runs(host.pool, hashes, keys, p)
-            if on_host:
-                dev += on_host
-                runs.append((Tier.HOST, p, p + len(on_host)))
-        return PrefixMatch(dev, runs, spans or None)  # (None for scattered host blocks: stored_runs)
+        if host is None:  # link p is in no tier: the match ends there
+            return PrefixMatch(dev, runs)
+        on_host, spans = stored_runs(host.pool, hashes, keys, p, self.runs_of)
+        if not on_host:
+            return PrefixMatch(dev, runs)
+        end = p + len(on_host)
+        if end < n and hashes[end] in index:  # the chain goes on on device past its host run
+            return None
+        if not p and self._on_device(host, hashes, end, spans):  # a host link on device too
+            return None
+        return PrefixMatch(dev + on_host, runs + [(Tier.HOST, p, end)], spans)
+
+    def _on_device(self, host, hashes: list[BlockHash], end: int, spans: list[tuple[int, int]] | None) -> bool:
+        """Whether the device holds any of the first `end` links, which the host holds (in `spans`, when found
+        as runs): a byte scan per run (HostTier.on_device), else one pass over the device index."""
+        if spans is None:
+            return not self.pool.index.keys().isdisjoint(hashes[:end])
+        marks = host.on_device
+        return any(marks.find(1, s, e) >= 0 for s, e in spans)
 
     def _match_tiers(self, hashes: list[BlockHash], host) -> tuple[PrefixMatch, list | None]:
         """Any shape: a tier code per link (numpy), then the runs; and the loads' keys per link."""

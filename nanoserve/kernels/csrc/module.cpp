@@ -232,6 +232,45 @@ py::list free_extents_list(const py::buffer& where, int64_t code, int64_t n) {
   return out;
 }
 
+// stored_runs(index, stored, hashes, keys, start): chain_runs.stored_runs' runs [(first block, end block)]:
+// per run one index lookup, then the stored keys compared with the chain's by pointer first, with no list
+// slice (a slice increfs every key it copies: thousands of cold objects touched on the step path)
+py::list stored_runs_list(const py::dict& index, const py::list& stored, const py::list& hashes,
+                          const py::list& keys, int64_t start) {
+  if (start < 0) throw py::value_error("stored_runs: start must be >= 0, got " + std::to_string(start));
+  // the sizes are read again at each use: a comparison that runs Python code could change the lists
+  const auto links = [&] { return std::min(PyList_GET_SIZE(hashes.ptr()), PyList_GET_SIZE(keys.ptr())); };
+  const auto blocks = [&] { return PyList_GET_SIZE(stored.ptr()); };
+  const auto same = [](PyObject* a, PyObject* b) {
+    if (a == b) return true;
+    const auto hold_a = py::reinterpret_borrow<py::object>(a), hold_b = py::reinterpret_borrow<py::object>(b);
+    const int eq = PyObject_RichCompareBool(a, b, Py_EQ);
+    if (eq < 0) throw py::error_already_set();
+    return eq == 1;
+  };
+  py::list out;
+  for (Py_ssize_t i = start; i < links();) {
+    const py::object digest = py::reinterpret_borrow<py::object>(PyList_GET_ITEM(hashes.ptr(), i));
+    PyObject* found = PyDict_GetItemWithError(index.ptr(), digest.ptr());  // borrowed
+    if (found == nullptr) {
+      if (PyErr_Occurred()) throw py::error_already_set();
+      break;
+    }
+    const Py_ssize_t b = PyLong_AsSsize_t(found);
+    if (b == -1 && PyErr_Occurred()) throw py::error_already_set();
+    if (b < 0 || b >= blocks())
+      throw py::value_error("stored_runs: the index names block " + std::to_string(b) + ", outside the pool");
+    Py_ssize_t k = 0;  // the run: stored[b + k] is link i + k's key
+    while (i + k < links() && b + k < blocks() &&
+           same(PyList_GET_ITEM(stored.ptr(), b + k), PyList_GET_ITEM(keys.ptr(), i + k)))
+      ++k;
+    if (k == 0) break;  // a digest whose stored key differs: a miss there
+    out.append(py::make_tuple(b, b + k));
+    i += k;
+  }
+  return out;
+}
+
 void define_hashing(py::module_& m) {
   m.def("chain_digests", &chain_digests_bytes, py::arg("tokens"), py::arg("block_size"), py::arg("parent"),
         py::arg("key"),
@@ -241,6 +280,11 @@ void define_hashing(py::module_& m) {
   m.def("free_extents", &free_extents_list, py::arg("where"), py::arg("code"), py::arg("n"),
         "kvcache/extents.py's choose_extents(*free_runs(where), n) for the blocks where where[b] == code: "
         "[(start, length)], the fewest extents, ascending.");
+  m.def("stored_runs", &stored_runs_list, py::arg("index"), py::arg("stored"), py::arg("hashes"),
+        py::arg("keys"), py::arg("start"),
+        "kvcache/chain_runs.py's stored_runs: the runs [(first block, end block)] of consecutive blocks "
+        "whose stored keys are links start, start + 1, ... of the chain, up to the first link the verified "
+        "lookup (index[hashes[i]] holding keys[i]) does not find.");
   m.def("copy_runs", &copy_runs, py::arg("src"), py::arg("dst"), py::arg("runs"), py::arg("span"),
         py::arg("non_blocking"), py::call_guard<py::gil_scoped_release>(),
         "dst[d:d+n].copy_(src[s:s+n]) for each (s, d, n) of runs, cut before either side reaches a multiple "
