@@ -40,6 +40,10 @@ def test_free_extents_refuses_what_is_not_a_byte_buffer(kernels) -> None:
         kernels.free_extents(memoryview(bytes(8)).cast("B", (2, 4)), FREE, 1)
     with pytest.raises(ValueError, match="code must be a byte"):
         kernels.free_extents(bytearray(8), 256, 1)
+    with pytest.raises(TypeError, match="ref_count must be a list as long as"):
+        kernels.free_extents(bytearray(8), FREE, 1, [0] * 7)
+    with pytest.raises(BufferError):  # taking writes `where`: a read-only buffer is refused
+        kernels.free_extents(bytes([FREE] * 8), FREE, 1, [0] * 8)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -57,6 +61,7 @@ def test_allocate_spans_with_the_kernel_is_the_python_one(kernels, seed) -> None
                for pool, k in zip(pools, (kernels.free_extents, None))]
         assert got[0] == got[1]
         assert pools[0].where == pools[1].where and list(pools[0].free) == list(pools[1].free)
+        assert pools[0].ref_count == pools[1].ref_count and len(pools[0].free) == len(pools[1].free)
     pools[0].check_invariants()
 
 

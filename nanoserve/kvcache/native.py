@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 ChainDigests = Callable[[bytes, int, "bytes | None", bytes], bytes]        # prefix.chain_links
-FreeExtents = Callable[[bytearray, int, int], list[tuple[int, int]]]     # extents.allocate_spans
+FreeExtents = Callable[[bytearray, int, int, "list[int] | None"], list[tuple[int, int]]]  # extents.allocate_spans
 CopyRuns = Callable[[torch.Tensor, torch.Tensor, list[tuple[int, int, int]], int, bool], None]  # copy_blocks
 StoredRuns = Callable[[dict, list, list, list, int], list[tuple[int, int]]]  # chain_runs.stored_runs
 

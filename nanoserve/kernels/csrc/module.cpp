@@ -2,6 +2,7 @@
 // decoder stack built from kernels/plan.py's typed plan, each field read by name
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>
+#include <cstring>
 #include <map>
 #include <string>
 #include "decoder_stack.h"
@@ -218,18 +219,47 @@ void define_quant(py::module_& m) {
   m.def("isa", &isa);
 }
 
-// free_extents(where, code, n): read in place, the GIL held (a bytearray the engine thread alone writes)
-py::list free_extents_list(const py::buffer& where, int64_t code, int64_t n) {
-  const py::buffer_info info = where.request();
+// free_extents(where, code, n, ref_count): read in place, the GIL held (a bytearray the engine thread alone
+// writes); given `ref_count` (the pool's list), the extents are also taken, as extents.allocate_spans takes
+// them: where[b] = 0 (on no list), ref_count[b] = 1, in one pass instead of a few slices per extent
+py::list free_extents_list(const py::buffer& where, int64_t code, int64_t n, const py::object& ref_count) {
+  const py::buffer_info info = where.request(!ref_count.is_none());
   if (info.ndim != 1 || info.itemsize != 1)
     throw py::type_error("free_extents: `where` must be a one-dimensional byte buffer");
   if (code < 0 || code > 255)
     throw py::value_error("free_extents: code must be a byte, got " + std::to_string(code));
+  if (!ref_count.is_none() &&
+      (!PyList_Check(ref_count.ptr()) || PyList_GET_SIZE(ref_count.ptr()) != info.shape[0]))
+    throw py::type_error("free_extents: ref_count must be a list as long as `where`");
+  auto* codes = static_cast<uint8_t*>(info.ptr);
+  const py::int_ one(1);
   py::list out;
-  for (const BlockExtent& e : free_extents(static_cast<const uint8_t*>(info.ptr), info.shape[0],
-                                           static_cast<uint8_t>(code), n))
+  for (const BlockExtent& e : free_extents(codes, info.shape[0], static_cast<uint8_t>(code), n)) {
     out.append(py::make_tuple(e.start, e.length));
+    if (ref_count.is_none()) continue;
+    std::memset(codes + e.start, 0, static_cast<size_t>(e.length));
+    for (int64_t b = e.start; b < e.start + e.length; ++b)
+      PyList_SetItem(ref_count.ptr(), b, one.inc_ref().ptr());  // (steals the reference, drops the old)
+  }
   return out;
+}
+
+// copy_runs(src, dst, runs, span, non_blocking): the runs read with the GIL held, by hand (pybind's caster
+// for a vector of arrays costs ~10 us warm, several times that cold, on the step path), the copies without it
+void copy_runs_list(const at::Tensor& src, const at::Tensor& dst, const py::list& runs, int64_t span,
+                    bool non_blocking) {
+  std::vector<std::array<int64_t, 3>> parsed(static_cast<size_t>(PyList_GET_SIZE(runs.ptr())));
+  for (size_t i = 0; i < parsed.size(); ++i) {
+    const py::handle run = PyList_GET_ITEM(runs.ptr(), static_cast<Py_ssize_t>(i));
+    if (!PyTuple_Check(run.ptr()) || PyTuple_GET_SIZE(run.ptr()) != 3)
+      throw py::type_error("copy_runs: each run must be a tuple (src start, dst start, length)");
+    for (Py_ssize_t j = 0; j < 3; ++j) {
+      parsed[i][j] = PyLong_AsLongLong(PyTuple_GET_ITEM(run.ptr(), j));
+      if (parsed[i][j] == -1 && PyErr_Occurred()) throw py::error_already_set();
+    }
+  }
+  py::gil_scoped_release release;
+  copy_runs(src, dst, parsed, span, non_blocking);
 }
 
 // stored_runs(index, stored, hashes, keys, start): chain_runs.stored_runs' runs [(first block, end block)]:
@@ -278,15 +308,17 @@ void define_hashing(py::module_& m) {
         "BLAKE2b-256 (key[:64]) of the previous digest (block 0: parent, or 32 zero bytes for None) and "
         "the block's bytes, as kvcache's chain_hash computes them one by one.");
   m.def("free_extents", &free_extents_list, py::arg("where"), py::arg("code"), py::arg("n"),
+        py::arg("ref_count") = py::none(),
         "kvcache/extents.py's choose_extents(*free_runs(where), n) for the blocks where where[b] == code: "
-        "[(start, length)], the fewest extents, ascending.");
+        "[(start, length)], the fewest extents, ascending; given ref_count, also taken (where[b] = 0, "
+        "ref_count[b] = 1).");
   m.def("stored_runs", &stored_runs_list, py::arg("index"), py::arg("stored"), py::arg("hashes"),
         py::arg("keys"), py::arg("start"),
         "kvcache/chain_runs.py's stored_runs: the runs [(first block, end block)] of consecutive blocks "
         "whose stored keys are links start, start + 1, ... of the chain, up to the first link the verified "
         "lookup (index[hashes[i]] holding keys[i]) does not find.");
-  m.def("copy_runs", &copy_runs, py::arg("src"), py::arg("dst"), py::arg("runs"), py::arg("span"),
-        py::arg("non_blocking"), py::call_guard<py::gil_scoped_release>(),
+  m.def("copy_runs", &copy_runs_list, py::arg("src"), py::arg("dst"), py::arg("runs"), py::arg("span"),
+        py::arg("non_blocking"),
         "dst[d:d+n].copy_(src[s:s+n]) for each (s, d, n) of runs, cut before either side reaches a multiple "
         "of span (kvcache/transfer.py's cut_runs); raises at the first failing copy, the ones before done.");
 }
