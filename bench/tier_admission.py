@@ -2,12 +2,14 @@
 
 The device pool is fragmented the way a busy server leaves it: free runs of every length (a few long,
 hundreds of one to six blocks) between blocks in use and cached-free ones, released in shuffled order;
-the host holds a prompt's whole prefix. The copier does on the engine thread what the CUDA copier's
-submit does but the driver's enqueue and its events (its code cuts the batch and `copy_`s each run,
-in C++ where the kernels are built, of 8-byte blocks), so the admission cost is the bookkeeping and
-the copies' dispatch; the copies are counted after. Each repetition builds the same state afresh and
-times one `admit`; the breakdown is the time inside each named stage (inclusive: the load start includes
-the copier's submit), the rest is the admission's own code. Also timed: digesting the prompt as it arrives
+the host holds a prompt's whole prefix. The copier (`--copier`, see `_copier`) is by default one that
+does on the engine thread what the CUDA copier's submit does but the driver's enqueue and its events (its
+code cuts the batch and `copy_`s each run, in C++ where the kernels are built, of 8-byte blocks): the
+admission cost is then the bookkeeping and the copies' dispatch. `--copier server` is the copier the
+server makes on this machine (on CPU: its worker thread copies; the engine thread hands the batch over).
+The copies are counted after. Each repetition builds the same state afresh and times one `admit`; the
+breakdown is the time inside each named stage (inclusive: the load start includes the copier's submit),
+the rest is the admission's own code. Also timed: digesting the prompt as it arrives
 (`PrefixChains.prompt_chain`, on the engine core's intake thread since the engine has one: not step time;
 an older checkout: `hash_prompt`).
 Times are the engine thread's CPU time (`time.thread_time`): on a shared machine wall time mostly
@@ -18,6 +20,7 @@ the same prefix on a twin state first (code and numpy warm, the state's own data
     python bench/tier.py --admission                       # this checkout
     python bench/tier.py --admission --base /tmp/base      # and another checkout's nanoserve, side by side
     python bench/tier.py --admission --warm                # after the same admission on a twin state
+    python bench/tier.py --admission --copier server       # with the copier the server uses on this machine
 """
 from __future__ import annotations
 
@@ -35,9 +38,14 @@ STAGES = (("match", "chains", "match"), ("match", "chains", "match_runs"), ("sup
           ("  of it: submit", "copier", "submit"))
 
 
-def _noop_copier(kernels):
+def _copier(kind: str, kernels):
+    """The copier the admitted load submits to, recording what it was given, to count the copies after.
+    "engine": on the engine thread, what the CUDA copier's submit does but the driver's enqueue and its
+    events: the batch cut into copies, each a `copy_` (the same code: a Python slice and call per copy, or
+    the C++ batch) of 8-byte blocks, 16 KiB in all. "server": the copier the server makes on this machine
+    (transfer.make_copier: on CPU its worker thread copies, the engine thread only hands the batch over)."""
     from nanoserve.kvcache import transfer
-    from nanoserve.kvcache.transfer import Copier, Transfer, copy_blocks
+    from nanoserve.kvcache.transfer import Copier, ThreadCopier, Transfer, copy_blocks
     # the CUDA copier's C++ batch where this checkout has one and the kernels are built
     batch = transfer.batch_copy(kernels.copy_runs, True) if hasattr(transfer, "batch_copy") else None
 
@@ -48,12 +56,15 @@ def _noop_copier(kernels):
         def wait(self, timeout: float | None = None) -> bool:
             return True
 
-    class NoopCopier(Copier):
-        """On the engine thread, what the CUDA copier's submit does but the driver's enqueue and its events:
-        the batch cut into copies, each a `copy_` (the same code: a Python slice and call per copy, or the
-        C++ batch) of 8-byte blocks, 16 KiB in all. The copies are counted after the timed admission."""
-        submitted: list = []
+    submitted: list = []
 
+    def count() -> int:
+        """The copies submitted since the last count."""
+        made = sum(len(transfer.runs(s, d) if p is None else p) for s, d, p in submitted)
+        submitted.clear()
+        return made
+
+    class EngineThreadCopier(Copier):
         def _open_lane(self, name: str) -> None:
             return None
 
@@ -62,16 +73,17 @@ def _noop_copier(kernels):
             copy_blocks(src, src_ids, dst, dst_ids, transfer.copy_block_async, self.max_copy_bytes,
                         **({"pairs": pairs} if pairs is not None else {}),
                         **({"batch": batch} if batch is not None else {}))
-            NoopCopier.submitted.append((src_ids, dst_ids, pairs))
+            submitted.append((src_ids, dst_ids, pairs))
             return Done()
 
-        @staticmethod
-        def count() -> int:
-            """The copies made since the last count."""
-            made = sum(len(transfer.runs(s, d) if p is None else p) for s, d, p in NoopCopier.submitted)
-            NoopCopier.submitted.clear()
-            return made
-    return NoopCopier()
+    class ServerCopier(ThreadCopier):
+        def submit(self, lane, src, src_ids, dst, dst_ids, pairs=None) -> Transfer:
+            submitted.append((src_ids, dst_ids, pairs))
+            return super().submit(lane, src, src_ids, dst, dst_ids, pairs)
+
+    copier = EngineThreadCopier() if kind == "engine" else ServerCopier()
+    copier.count = count
+    return copier
 
 
 def _fragment(kv, rng: random.Random, num_free: int) -> None:
@@ -114,13 +126,16 @@ def _setup(args, seed: int):
     bs, n = args.block_size, args.load_blocks
     device = torch.zeros(args.pool_blocks, 1, 2, 1, 1, 1)  # 8-byte blocks: little to copy, no span cut
     kernels = _kernels()
-    host = HostTier(n + 64, device, _noop_copier(kernels))
+    host = HostTier(n + 64, device, _copier(args.copier, kernels))
+    host.copier.submit("load", host.cache, [], device, []).wait()  # its lane open, as in a server
+    host.copier.count()
     kv = KVCacheManager(args.pool_blocks, bs, host=host)
-    # the C++ kernels the engine uses where built (an older checkout: those it has)
+    # the C++ kernels the engine uses where built (an older checkout: those it has, where it takes them)
+    if hasattr(kv.pool, "kernels"):  # the pools carry them
+        from nanoserve.kvcache.native import KVKernels
+        kv.pool.kernels = host.pool.kernels = KVKernels(**vars(kernels))
     if hasattr(kv.chains, "digests_of"):
         kv.chains.digests_of = kernels.chain_digests
-    if hasattr(kv.chains, "runs_of"):
-        kv.chains.runs_of = kernels.stored_runs
     if hasattr(kv.policy, "free_extents"):
         kv.policy.free_extents = kernels.free_extents
     rng = random.Random(seed)
@@ -141,8 +156,8 @@ def _kernels():
     from types import SimpleNamespace
     from nanoserve.kernels import cpu_kernels
     module = cpu_kernels.built()
-    return SimpleNamespace(**{name: getattr(module, name, None)
-                              for name in ("chain_digests", "free_extents", "copy_runs", "stored_runs")})
+    names = ("chain_digests", "free_extents", "copy_runs", "stored_runs", "take_runs")
+    return SimpleNamespace(**{name: getattr(module, name, None) for name in names})
 
 
 def _timed(owner, name: str, sink: dict[str, float], label: str) -> None:
@@ -192,6 +207,7 @@ def measure(args) -> dict:
         gc.unfreeze()
         assert admitted and kv.load_state(fresh).value == "loading", "the prefix did not start loading"
         copies.append(kv.host.copier.count())
+        kv.host.copier.drain()  # (the server copier's worker copies meanwhile)
         for label, v in {"hash prompt": hashed, "admit": t2 - t1, **sink}.items():
             rows.setdefault(label, []).append(v * 1e3)
         kv.poll_transfers()
@@ -218,7 +234,7 @@ def main(args) -> None:
             results[name].append(tree.run_child() if tree else measure(args))
     print(f"admission of a {args.load_blocks}-block host prefix ({args.block_size}-token blocks) into a "
           f"{args.pool_blocks}-block device pool with {args.free_blocks} free blocks, fragmented; "
-          f"no-op copier; engine-thread CPU ms, median and min of {args.repeat} x {args.rounds} rounds; "
+          f"copier: {args.copier}; engine-thread CPU ms, median and min of {args.repeat} x {args.rounds} rounds; "
           f"{cpu_name()}")
     labels = [k for k in ("admit", "match", "supply", "take blocks", "load start", "  of it: submit",
                           "hash prompt") if any(k in r["ms"] for rs in results.values() for r in rs)]
@@ -248,6 +264,9 @@ def add_args(ap) -> None:
     g.add_argument("--warm", action="store_true",
                    help="admit the same prefix on a twin state just before each timed admission (no full "
                         "collection between): code and numpy warm, as in a busy server's scheduling pass")
+    g.add_argument("--copier", choices=("engine", "server"), default="engine",
+                   help="engine: each copy dispatched on the engine thread, as the CUDA copier's submit does "
+                        "(default); server: the copier the server makes on this machine")
     g.add_argument("--raw", action="store_true", help=argparse_suppress())
 
 

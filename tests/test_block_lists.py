@@ -13,6 +13,7 @@ from nanoserve.kernels import cpu_kernels
 from nanoserve.kvcache.block_lists import CLEAN, DIRTY, FREE, NONE, BlockList
 from nanoserve.kvcache.block_pool import BlockKey, BlockPool, chain_hash, spans_of
 from nanoserve.kvcache.chain_runs import canonical, stored_runs
+from nanoserve.kvcache.native import KVKernels
 from nanoserve.kvcache.prefix import chain_links
 from nanoserve.kvcache.transfer import cut_runs, paired_runs, runs
 
@@ -128,9 +129,9 @@ def test_stored_runs_are_the_link_by_link_lookups(seed, start, longest, n) -> No
         if (b := pool.lookup(h, key)) is None:
             break
         walk.append(b)
-    kernels = cpu_kernels.built()  # (test_kv_kernels checks it is built where a toolchain is)
-    for kernel in (None, kernels.stored_runs if kernels is not None else None):
-        blocks, spans = stored_runs(pool, hashes, keys, start, kernel)
+    # the pool's kernels: none, then the C++ ones where built (test_kv_kernels checks they are)
+    for pool.kernels in (KVKernels(), KVKernels.of(cpu_kernels.built())):
+        blocks, spans = stored_runs(pool, hashes, keys, start)
         assert blocks == walk
         if spans is None:
             continue

@@ -16,6 +16,7 @@ from nanoserve.kernels import cpu_kernels
 from nanoserve.kvcache import prefix
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.metrics import ServerMetrics
+from nanoserve.kvcache.native import KVKernels
 
 HASHED: list[tuple[str, int]] = []  # (thread name, blocks) per chain_links call in the engine below
 KERNELS: list = []  # the engine's bookkeeping kernels (kvcache/native.py)
@@ -33,7 +34,7 @@ def recording_engine(config: EngineConfig) -> LLMEngine:
     prefix.chain_links = recorded  # this engine runs in the test's process (in_process below)
     try:
         engine = LLMEngine(config)
-        KERNELS.append((engine.kv.chains.digests_of, engine.kv.policy.free_extents))
+        KERNELS.append((engine.kv.chains.digests_of, engine.kv.pool.kernels))
     except BaseException:
         prefix.chain_links = real
         raise
@@ -83,7 +84,7 @@ def test_prompts_are_hashed_on_the_intake_thread_and_hit_the_cache(aengine) -> N
     assert len(prompts) == 5 and {name for name, _ in prompts} == {"nanoserve-intake"}
     # the loop only extends chains by generated tokens' blocks (4 tokens: at most one block each)
     assert all(n <= 1 for name, n in hashed if name != "nanoserve-intake")
-    # the C++ hashing and extent choice where this install built them (make install does)
+    # the C++ hashing and the pool's bookkeeping kernels where this install built them (make install does)
     built = cpu_kernels.built()
     assert importlib.import_module(RECORDER).KERNELS == [
-        (built.chain_digests, built.free_extents) if built is not None else (None, None)]
+        (built.chain_digests if built is not None else None, KVKernels.of(built))]

@@ -64,7 +64,8 @@ def host_tier(config: EngineConfig, layout: KVLayout, ranks: Ranks, kv_cache: to
     if not blocks:
         return None
     with startup_phase("host tier") as phase:
-        host = HostTier(blocks, kv_cache, ranks.copier(make_copier(device, kernels.copy_runs)))
+        copier = ranks.copier(make_copier(device, kernels.copy_runs))
+        host = HostTier(blocks, kv_cache, copier, kernels=kernels)
         how = f"pinned in {len(host.pinned_ranges)} range(s)" if device.type == "cuda" else "allocated"
         phase.what = (f"{blocks} blocks = {blocks * layout.block_size} tokens, "
                       f"{host.num_bytes * ranks.tp.size / GiB:.2f} GiB {how}")

@@ -18,19 +18,18 @@ way; one whose block was evicted meanwhile is compared by value, as any other.
 from __future__ import annotations
 
 from nanoserve.kvcache.block_pool import BlockHash, BlockKey, BlockPool, Span
-from nanoserve.kvcache.native import StoredRuns
 
 
-def stored_runs(pool: BlockPool, hashes: list[BlockHash], keys: list[BlockKey], start: int,
-                kernel: StoredRuns | None = None) -> tuple[list[int], list[Span] | None]:
+def stored_runs(pool: BlockPool, hashes: list[BlockHash], keys: list[BlockKey],
+                start: int) -> tuple[list[int], list[Span] | None]:
     """The blocks `pool.lookup` finds for links `start`, `start + 1`, ... of the chain (`hashes`, `keys`),
     up to the first link it does not, and those blocks as runs of consecutive ids; None for the runs
     when they are short (a host tier that had to scatter the chain): a run costs ~3 us of slices and
     comparisons, a lookup ~30 ns, so past a few runs shorter than 128 on average the rest is looked up
-    link by link. `kernel`: the C++ one finding the same runs (native.py), with no list slice: a slice
-    increfs each key it copies, thousands of objects another request left cold."""
-    if kernel is not None:
-        spans = kernel(pool.index, pool.block_key, hashes, keys, start)
+    link by link. The pool's C++ kernel, where built, finds the same runs with no list slice (native.py): a
+    slice increfs each key it copies, thousands of objects another request left cold."""
+    if pool.kernels.stored_runs is not None:
+        spans = pool.kernels.stored_runs(pool.index, pool.block_key, hashes, keys, start)
         found: list[int] = []
         for s, e in spans:
             found += range(s, e)

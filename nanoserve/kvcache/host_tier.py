@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 
 from nanoserve.kvcache.block_pool import BlockHash, BlockKey, BlockPool, Span
+from nanoserve.kvcache.native import KVKernels
 from nanoserve.kvcache.transfer import MAX_COPY_BYTES, Copier, Transfer, copy_span, make_copier, paired_runs
 
 log = logging.getLogger("nanoserve")
@@ -139,8 +140,8 @@ def _unregister(ptrs: list[int]) -> None:
 # ---- the tier ------------------------------------------------------------------------------------
 class HostTier:
     def __init__(self, num_blocks: int, device_cache: torch.Tensor, copier: Copier | None = None,
-                 register_bytes: int = REGISTER_BYTES) -> None:
-        self.pool = BlockPool(num_blocks)
+                 register_bytes: int = REGISTER_BYTES, kernels: KVKernels = KVKernels()) -> None:
+        self.pool = BlockPool(num_blocks, kernels)
         self.device_cache = device_cache
         self.copier = copier or make_copier(device_cache.device)
         self.cache, self._release, self.pinned_ranges = alloc_host_cache(

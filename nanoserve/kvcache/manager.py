@@ -38,7 +38,7 @@ class KVCacheManager:
                  hash_salt: bytes | None = None, disk: DiskTier | None = None,
                  kernels: KVKernels = KVKernels()) -> None:
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, kernels)
         self.enable_prefix_caching = enable_prefix_caching
         self.host, self.disk = host, disk
         self.hits = HitStats(host=PrefixCacheStats() if host is not None else None,
@@ -46,8 +46,8 @@ class KVCacheManager:
         self.device_stats, self.host_stats = self.hits.device, self.hits.host or PrefixCacheStats()
         self.copies = TierCopies(self.pool, host, disk) if host is not None else None
         self.chains = PrefixChains(block_size, self.pool, self.copies, enable_prefix_caching, hash_salt,
-                                   kernels.chain_digests, kernels.stored_runs)
-        self.policy = TierPolicy(self.pool, self.copies, offload_watermark, kernels.free_extents)
+                                   kernels.chain_digests)
+        self.policy = TierPolicy(self.pool, self.copies, offload_watermark)
         self.admitter = Admitter(block_size, self.pool, self.chains, self.policy, self.copies, self.hits)
 
     @property

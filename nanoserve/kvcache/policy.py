@@ -20,7 +20,6 @@ from collections.abc import Collection
 from nanoserve.kvcache.block_pool import BlockPool, Span
 from nanoserve.kvcache.copies import TierCopies
 from nanoserve.kvcache.extents import allocate_spans
-from nanoserve.kvcache.native import FreeExtents
 
 log = logging.getLogger("nanoserve")
 
@@ -34,9 +33,8 @@ class Supply(enum.Enum):
 
 
 class TierPolicy:
-    def __init__(self, pool: BlockPool, copies: TierCopies | None, offload_watermark: int = 0,
-                 free_extents: FreeExtents | None = None) -> None:
-        self.pool, self.copies, self.free_extents = pool, copies, free_extents
+    def __init__(self, pool: BlockPool, copies: TierCopies | None, offload_watermark: int = 0) -> None:
+        self.pool, self.copies = pool, copies
         # 0 = the cleaner's target from demand
         self.offload_watermark = min(offload_watermark, pool.num_blocks)
         self._allocs = 0                                    # device blocks allocated, ever
@@ -55,7 +53,7 @@ class TierPolicy:
         """A load's destinations: `n` blocks, ascending, as few runs as the free blocks allow (and those
         runs, unless an eviction made some: extents.allocate_spans)."""
         self._allocs += n
-        return allocate_spans(self.pool, n, lossy_ok, self.free_extents)
+        return allocate_spans(self.pool, n, lossy_ok)
 
     def host_room(self, exclude: Collection[int] = ()) -> int:
         return self.copies.host.room(exclude) if self.copies is not None else 0

@@ -10,8 +10,8 @@ tail.) It is done a whole tier at a time (one lookup pass over the device index 
 there; the host's links a run of consecutive host blocks at a time, found and verified by their keys,
 chain_runs.py, with a byte per host block saying whether the device holds it too, so a chain starting on
 host is never looked up in the device index link by link; a verifying key comparison per run of the other
-tiers) rather than link by link: a 2,048-block prefix is matched in a few C-level passes. A run whose keys do not all verify (a digest collision: never seen) sends the
-match to the link-by-link walk.
+tiers) rather than link by link: a 2,048-block prefix is matched in a few C-level passes. A run whose keys
+do not all verify (a digest collision: never seen) sends the match to the link-by-link walk.
 """
 from __future__ import annotations
 
@@ -26,10 +26,10 @@ from itertools import chain, repeat
 
 import numpy as np
 
-from nanoserve.kvcache.block_pool import BlockHash, BlockKey, BlockPool
+from nanoserve.kvcache.block_pool import BlockHash, BlockKey, BlockPool, Span
 from nanoserve.kvcache.chain_runs import canonical, stored_runs
 from nanoserve.kvcache.copies import TierCopies, loading_links
-from nanoserve.kvcache.native import ChainDigests, StoredRuns
+from nanoserve.kvcache.native import ChainDigests
 from nanoserve.sequence import Sequence
 
 
@@ -113,11 +113,9 @@ def chain_links(parent: BlockHash | None, token_ids: list[int], block_size: int,
 
 class PrefixChains:
     def __init__(self, block_size: int, pool: BlockPool, copies: TierCopies | None, enabled: bool = True,
-                 hash_salt: bytes | None = None, digests_of: ChainDigests | None = None,
-                 runs_of: StoredRuns | None = None) -> None:
+                 hash_salt: bytes | None = None, digests_of: ChainDigests | None = None) -> None:
         self.block_size, self.pool, self.copies, self.enabled = block_size, pool, copies, enabled
-        # the C++ chain hashing and run finding (chain_runs.stored_runs), where the kernels are built
-        self.digests_of, self.runs_of = digests_of, runs_of
+        self.digests_of = digests_of  # the C++ chain hashing, where the kernels are built
         # per-process random key for block digests: clients cannot predict or collide them offline
         self.hash_salt = os.urandom(32) if hash_salt is None else hash_salt
 
@@ -203,7 +201,7 @@ class PrefixChains:
         runs = [(Tier.DEVICE, 0, p)] if p else []
         if host is None:  # link p is in no tier: the match ends there
             return PrefixMatch(dev, runs)
-        on_host, spans = stored_runs(host.pool, hashes, keys, p, self.runs_of)
+        on_host, spans = stored_runs(host.pool, hashes, keys, p)
         if not on_host:
             return PrefixMatch(dev, runs)
         end = p + len(on_host)
@@ -211,11 +209,11 @@ class PrefixChains:
             return None
         if not p and self._on_device(host, hashes, end, spans):  # a host link on device too
             return None
-        return PrefixMatch(dev + on_host, runs + [(Tier.HOST, p, end)], spans)
+        return PrefixMatch(dev + on_host if dev else on_host, runs + [(Tier.HOST, p, end)], spans)
 
-    def _on_device(self, host, hashes: list[BlockHash], end: int, spans: list[tuple[int, int]] | None) -> bool:
-        """Whether the device holds any of the first `end` links, which the host holds (in `spans`, when found
-        as runs): a byte scan per run (HostTier.on_device), else one pass over the device index."""
+    def _on_device(self, host, hashes: list[BlockHash], end: int, spans: list[Span] | None) -> bool:
+        """Whether the device holds any of the first `end` links, which the host holds (in `spans`, when
+        found as runs): a byte scan per run (HostTier.on_device), else one pass over the device index."""
         if spans is None:
             return not self.pool.index.keys().isdisjoint(hashes[:end])
         marks = host.on_device

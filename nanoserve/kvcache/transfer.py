@@ -23,7 +23,6 @@ not be read until its transfer is `done()`.
 from __future__ import annotations
 
 import ctypes
-import functools
 import math
 import queue
 import threading
@@ -109,7 +108,9 @@ def batch_copy(copy_runs: CopyRuns | None, non_blocking: bool) -> BatchCopy | No
     """`copy_blocks`' `batch` from the C++ `copy_runs` (native.py), None without it: the runs cut and each
     copied with `copy_` (`non_blocking`: enqueued on the current CUDA stream) without a Python slice per
     run, whose dispatch on a cold cache costs several microseconds apiece."""
-    return None if copy_runs is None else functools.partial(copy_runs, non_blocking=non_blocking)
+    if copy_runs is None:
+        return None
+    return lambda src, dst, pairs, span: copy_runs(src, dst, pairs, span, non_blocking)  # (positional only)
 
 
 def paired_runs(src_spans: list[Span], dst_spans: list[Span]) -> list[Run]:

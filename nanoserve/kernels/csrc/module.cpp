@@ -1,6 +1,7 @@
 // The extension module's Python face: every kernel under the name the Python side calls it by, and the
 // decoder stack built from kernels/plan.py's typed plan, each field read by name
 #include <ATen/core/Tensor.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 #include <cstring>
 #include <map>
@@ -219,29 +220,62 @@ void define_quant(py::module_& m) {
   m.def("isa", &isa);
 }
 
-// free_extents(where, code, n, ref_count): read in place, the GIL held (a bytearray the engine thread alone
-// writes); given `ref_count` (the pool's list), the extents are also taken, as extents.allocate_spans takes
-// them: where[b] = 0 (on no list), ref_count[b] = 1, in one pass instead of a few slices per extent
-py::list free_extents_list(const py::buffer& where, int64_t code, int64_t n, const py::object& ref_count) {
-  const py::buffer_info info = where.request(!ref_count.is_none());
+// free_extents(where, code, n): read in place, the GIL held (a bytearray the engine thread alone writes)
+py::list free_extents_list(const py::buffer& where, int64_t code, int64_t n) {
+  const py::buffer_info info = where.request();
   if (info.ndim != 1 || info.itemsize != 1)
     throw py::type_error("free_extents: `where` must be a one-dimensional byte buffer");
   if (code < 0 || code > 255)
     throw py::value_error("free_extents: code must be a byte, got " + std::to_string(code));
-  if (!ref_count.is_none() &&
-      (!PyList_Check(ref_count.ptr()) || PyList_GET_SIZE(ref_count.ptr()) != info.shape[0]))
-    throw py::type_error("free_extents: ref_count must be a list as long as `where`");
-  auto* codes = static_cast<uint8_t*>(info.ptr);
-  const py::int_ one(1);
   py::list out;
-  for (const BlockExtent& e : free_extents(codes, info.shape[0], static_cast<uint8_t>(code), n)) {
+  for (const BlockExtent& e : free_extents(static_cast<const uint8_t*>(info.ptr), info.shape[0],
+                                           static_cast<uint8_t>(code), n))
     out.append(py::make_tuple(e.start, e.length));
-    if (ref_count.is_none()) continue;
-    std::memset(codes + e.start, 0, static_cast<size_t>(e.length));
-    for (int64_t b = e.start; b < e.start + e.length; ++b)
-      PyList_SetItem(ref_count.ptr(), b, one.inc_ref().ptr());  // (steals the reference, drops the old)
-  }
   return out;
+}
+
+// take_runs(where, counts, spans): blocks leaving their lists a run at a time (extents.allocate_spans takes
+// free runs into use, block_pool.pin_fresh pins a load's runs), in one pass instead of a few slices a run.
+// If counts[b] is 0 for every block b of the runs [start, stop): where[b] = 0, counts[b] = 1, and the result
+// is how many of them each code held ([none, free, clean, dirty]: block_lists.py's four); else None, and
+// nothing is changed
+py::object take_runs(const py::buffer& where, const py::list& counts, const py::list& spans) {
+  const py::buffer_info info = where.request(true);
+  if (info.ndim != 1 || info.itemsize != 1)
+    throw py::type_error("take_runs: `where` must be a one-dimensional byte buffer");
+  const Py_ssize_t n = info.shape[0];
+  if (PyList_GET_SIZE(counts.ptr()) != n)
+    throw py::type_error("take_runs: counts must be as long as `where`");
+  std::vector<std::pair<Py_ssize_t, Py_ssize_t>> runs;
+  for (const py::handle span : spans) {
+    const auto [start, stop] = span.cast<std::pair<Py_ssize_t, Py_ssize_t>>();
+    if (start < 0 || start > stop || stop > n)
+      throw py::value_error("take_runs: a run [" + std::to_string(start) + ", " + std::to_string(stop) +
+                            ") outside the pool");
+    runs.emplace_back(start, stop);
+  }
+  const py::int_ zero(0), one(1);  // (small ints: CPython's shared objects, compared by pointer first)
+  for (const auto& [start, stop] : runs)
+    for (Py_ssize_t b = start; b < stop; ++b) {
+      PyObject* c = PyList_GET_ITEM(counts.ptr(), b);
+      int overflow = 0;
+      if (c != zero.ptr() && (!PyLong_Check(c) || PyLong_AsLongLongAndOverflow(c, &overflow) != 0 || overflow))
+        return py::none();
+    }
+  auto* codes = static_cast<uint8_t*>(info.ptr);
+  int64_t held[4] = {};
+  for (const auto& [start, stop] : runs)
+    for (Py_ssize_t b = start; b < stop; ++b) {
+      if (codes[b] > 3) throw py::value_error("take_runs: block " + std::to_string(b) + " has code " +
+                                              std::to_string(codes[b]) + ", not one of block_lists' four");
+      ++held[codes[b]];
+    }
+  for (const auto& [start, stop] : runs) {
+    std::memset(codes + start, 0, static_cast<size_t>(stop - start));
+    for (Py_ssize_t b = start; b < stop; ++b)
+      PyList_SetItem(counts.ptr(), b, one.inc_ref().ptr());  // (steals the reference, drops the old)
+  }
+  return py::make_tuple(held[0], held[1], held[2], held[3]);
 }
 
 // copy_runs(src, dst, runs, span, non_blocking): the runs read with the GIL held, by hand (pybind's caster
@@ -307,20 +341,104 @@ void define_hashing(py::module_& m) {
         "The concatenated 32-byte digests of the full blocks of `tokens` (int64 ids, native order): keyed "
         "BLAKE2b-256 (key[:64]) of the previous digest (block 0: parent, or 32 zero bytes for None) and "
         "the block's bytes, as kvcache's chain_hash computes them one by one.");
-  m.def("free_extents", &free_extents_list, py::arg("where"), py::arg("code"), py::arg("n"),
-        py::arg("ref_count") = py::none(),
-        "kvcache/extents.py's choose_extents(*free_runs(where), n) for the blocks where where[b] == code: "
-        "[(start, length)], the fewest extents, ascending; given ref_count, also taken (where[b] = 0, "
-        "ref_count[b] = 1).");
-  m.def("stored_runs", &stored_runs_list, py::arg("index"), py::arg("stored"), py::arg("hashes"),
-        py::arg("keys"), py::arg("start"),
-        "kvcache/chain_runs.py's stored_runs: the runs [(first block, end block)] of consecutive blocks "
-        "whose stored keys are links start, start + 1, ... of the chain, up to the first link the verified "
-        "lookup (index[hashes[i]] holding keys[i]) does not find.");
-  m.def("copy_runs", &copy_runs_list, py::arg("src"), py::arg("dst"), py::arg("runs"), py::arg("span"),
-        py::arg("non_blocking"),
-        "dst[d:d+n].copy_(src[s:s+n]) for each (s, d, n) of runs, cut before either side reaches a multiple "
-        "of span (kvcache/transfer.py's cut_runs); raises at the first failing copy, the ones before done.");
+}
+
+// ---- the KV tiers' step-path kernels as plain CPython functions (METH_FASTCALL, positional arguments) ----
+// pybind11's dispatcher costs ~40 us on a first call after a forward has left the caches cold (~10 us on a
+// later one), more than these kernels' own work; admitting a load calls three of them
+template <PyObject* (*F)(PyObject* const*, Py_ssize_t)>
+PyObject* fast_call(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+  try {
+    return F(args, nargs);
+  } catch (py::error_already_set& e) {
+    e.restore();
+  } catch (py::builtin_exception& e) {
+    e.set_error();
+  } catch (const c10::Error& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+  return nullptr;
+}
+
+void check_nargs(const char* name, Py_ssize_t nargs, Py_ssize_t least, Py_ssize_t most) {
+  if (nargs < least || nargs > most)
+    throw py::type_error(std::string(name) + "() takes " + std::to_string(least) +
+                         (most > least ? " to " + std::to_string(most) : std::string()) +
+                         " positional arguments, got " + std::to_string(nargs));
+}
+
+template <typename T>
+T arg_as(PyObject* arg) {
+  return py::reinterpret_borrow<py::object>(arg).cast<T>();
+}
+
+PyObject* free_extents_fast(PyObject* const* args, Py_ssize_t nargs) {
+  check_nargs("free_extents", nargs, 3, 3);
+  return free_extents_list(py::reinterpret_borrow<py::buffer>(args[0]), arg_as<int64_t>(args[1]),
+                           arg_as<int64_t>(args[2]))
+      .release()
+      .ptr();
+}
+
+PyObject* take_runs_fast(PyObject* const* args, Py_ssize_t nargs) {
+  check_nargs("take_runs", nargs, 3, 3);
+  if (!PyList_Check(args[1]) || !PyList_Check(args[2]))
+    throw py::type_error("take_runs: (where: bytearray, counts: list, spans: list)");
+  return take_runs(py::reinterpret_borrow<py::buffer>(args[0]), py::reinterpret_borrow<py::list>(args[1]),
+                   py::reinterpret_borrow<py::list>(args[2]))
+      .release()
+      .ptr();
+}
+
+PyObject* stored_runs_fast(PyObject* const* args, Py_ssize_t nargs) {
+  check_nargs("stored_runs", nargs, 5, 5);
+  if (!PyDict_Check(args[0]) || !PyList_Check(args[1]) || !PyList_Check(args[2]) || !PyList_Check(args[3]))
+    throw py::type_error("stored_runs: (index: dict, stored: list, hashes: list, keys: list, start: int)");
+  const auto list = [&](int i) { return py::reinterpret_borrow<py::list>(args[i]); };
+  return stored_runs_list(py::reinterpret_borrow<py::dict>(args[0]), list(1), list(2), list(3),
+                          arg_as<int64_t>(args[4]))
+      .release()
+      .ptr();
+}
+
+PyObject* copy_runs_fast(PyObject* const* args, Py_ssize_t nargs) {
+  check_nargs("copy_runs", nargs, 5, 5);
+  if (!THPVariable_Check(args[0]) || !THPVariable_Check(args[1]) || !PyList_Check(args[2]))
+    throw py::type_error("copy_runs: (src: Tensor, dst: Tensor, runs: list, span: int, non_blocking: bool)");
+  copy_runs_list(THPVariable_Unpack(args[0]), THPVariable_Unpack(args[1]),
+                 py::reinterpret_borrow<py::list>(args[2]), arg_as<int64_t>(args[3]), arg_as<bool>(args[4]));
+  Py_RETURN_NONE;
+}
+
+#define NS_FAST(fn) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fast_call<fn>)), METH_FASTCALL
+PyMethodDef kv_methods[] = {
+    {"free_extents", NS_FAST(free_extents_fast),
+     "free_extents(where, code, n): kvcache/extents.py's choose_extents(*free_runs(where), n) for the blocks "
+     "where where[b] == code: [(start, length)], the fewest extents, ascending."},
+    {"take_runs", NS_FAST(take_runs_fast),
+     "take_runs(where, counts, spans): if counts[b] == 0 for every block of the runs [(start, stop)], sets "
+     "where[b] = 0 and counts[b] = 1 and returns how many of them held each code (none, free, clean, "
+     "dirty); else None, nothing changed."},
+    {"stored_runs", NS_FAST(stored_runs_fast),
+     "stored_runs(index, stored, hashes, keys, start): kvcache/chain_runs.py's stored_runs, the runs [(first "
+     "block, end block)] of consecutive blocks whose stored keys are links start, start + 1, ... of the "
+     "chain, up to the first link the verified lookup (index[hashes[i]] holding keys[i]) does not find."},
+    {"copy_runs", NS_FAST(copy_runs_fast),
+     "copy_runs(src, dst, runs, span, non_blocking): dst[d:d+n].copy_(src[s:s+n]) for each (s, d, n) of runs "
+     "(tuples), cut before either side reaches a multiple of span (kvcache/transfer.py's cut_runs), the GIL "
+     "released; raises at the first failing copy, the ones before it done."},
+};
+#undef NS_FAST
+
+void define_kv(py::module_& m) {
+  const py::object module_name = m.attr("__name__");
+  for (PyMethodDef& def : kv_methods) {
+    PyObject* fn = PyCFunction_NewEx(&def, nullptr, module_name.ptr());
+    if (fn == nullptr) throw py::error_already_set();
+    m.add_object(def.ml_name, py::reinterpret_steal<py::object>(fn));
+  }
 }
 
 }  // namespace
@@ -329,6 +447,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   define_attention(m);
   define_quant(m);
   define_hashing(m);
+  define_kv(m);
   py::class_<DecoderStack>(m, "DecoderStack")
       .def(py::init(&read_stack), py::arg("plan"))
       .def(
