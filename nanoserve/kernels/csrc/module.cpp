@@ -278,8 +278,11 @@ py::object take_runs(const py::buffer& where, const py::list& counts, const py::
   return py::make_tuple(held[0], held[1], held[2], held[3]);
 }
 
-// copy_runs(src, dst, runs, span, non_blocking): the runs read with the GIL held, by hand (pybind's caster
-// for a vector of arrays costs ~10 us warm, several times that cold, on the step path), the copies without it
+// copy_runs(src, dst, runs, span, non_blocking): the runs read by hand (pybind's caster for a vector of arrays
+// costs ~10 us warm, several times that cold, on the step path). The GIL is released only for copies made
+// here (not non_blocking): enqueueing CUDA copies is microseconds each, and handing the GIL to a thread that
+// waits for it (the intake hashing a prompt) can cost the engine thread its switch interval (5 ms) to take
+// it back
 void copy_runs_list(const at::Tensor& src, const at::Tensor& dst, const py::list& runs, int64_t span,
                     bool non_blocking) {
   std::vector<std::array<int64_t, 3>> parsed(static_cast<size_t>(PyList_GET_SIZE(runs.ptr())));
@@ -292,8 +295,12 @@ void copy_runs_list(const at::Tensor& src, const at::Tensor& dst, const py::list
       if (parsed[i][j] == -1 && PyErr_Occurred()) throw py::error_already_set();
     }
   }
+  if (non_blocking) {
+    copy_runs(src, dst, parsed, span, true);
+    return;
+  }
   py::gil_scoped_release release;
-  copy_runs(src, dst, parsed, span, non_blocking);
+  copy_runs(src, dst, parsed, span, false);
 }
 
 // stored_runs(index, stored, hashes, keys, start): chain_runs.stored_runs' runs [(first block, end block)]:
@@ -428,7 +435,7 @@ PyMethodDef kv_methods[] = {
     {"copy_runs", NS_FAST(copy_runs_fast),
      "copy_runs(src, dst, runs, span, non_blocking): dst[d:d+n].copy_(src[s:s+n]) for each (s, d, n) of runs "
      "(tuples), cut before either side reaches a multiple of span (kvcache/transfer.py's cut_runs), the GIL "
-     "released; raises at the first failing copy, the ones before it done."},
+     "released unless non_blocking; raises at the first failing copy, the ones before it done."},
 };
 #undef NS_FAST
 
