@@ -224,14 +224,16 @@ def main(args) -> None:
     if args.raw:  # one side's child process of an A/B
         print(json.dumps(measure(args)))
         return
-    sides = {"this": None}
+    # each side a fresh process per round, with the engine process's environment (run_in_tree); this
+    # checkout too (measured in-process instead, its rounds read ~5% slower than an identical child's)
+    argv = child_argv(sys.argv[1:]) + ["--raw"]
+    sides = {"this": OtherTree(Path(__file__).resolve().parent.parent, "tier.py", argv)}
     if args.base:
-        sides = {"base": OtherTree(Path(args.base), "tier.py", child_argv(sys.argv[1:]) + ["--raw"]),
-                 "this": None}
+        sides = {"base": OtherTree(Path(args.base), "tier.py", argv), **sides}
     results: dict[str, list[dict]] = {k: [] for k in sides}
     for _ in range(args.rounds):  # alternated: drift hits both alike
         for name, tree in sides.items():
-            results[name].append(tree.run_child() if tree else measure(args))
+            results[name].append(tree.run_child())
     print(f"admission of a {args.load_blocks}-block host prefix ({args.block_size}-token blocks) into a "
           f"{args.pool_blocks}-block device pool with {args.free_blocks} free blocks, fragmented; "
           f"copier: {args.copier}; engine-thread CPU ms, median and min of {args.repeat} x {args.rounds} rounds; "
