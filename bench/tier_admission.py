@@ -156,7 +156,7 @@ def _kernels():
     from types import SimpleNamespace
     from nanoserve.kernels import cpu_kernels
     module = cpu_kernels.built()
-    names = ("chain_digests", "free_extents", "copy_runs", "stored_runs", "take_runs")
+    names = ("chain_digests", "free_extents", "copy_runs", "stored_runs")
     return SimpleNamespace(**{name: getattr(module, name, None) for name in names})
 
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from nanoserve.kvcache import block_lists, extents, transfer
-from nanoserve.kvcache.block_lists import CLEAN, DIRTY, FREE, NONE
+from nanoserve.kvcache import extents, transfer
+from nanoserve.kvcache.block_lists import FREE
 from nanoserve.kvcache.block_pool import BlockKey, BlockPool
 from nanoserve.kvcache.native import KVKernels
 from tests.test_cpu_kernels import kernels  # noqa: F401 - the module fixture (skips without a toolchain)
@@ -111,8 +111,8 @@ def test_copy_blocks_batch_is_the_per_run_copy(kernels) -> None:
 def test_kv_kernels_of_a_module(kernels) -> None:
     assert KVKernels.of(None) == KVKernels()
     k = KVKernels.of(kernels)
-    assert (k.chain_digests, k.free_extents, k.copy_runs, k.stored_runs, k.take_runs) == (
-        kernels.chain_digests, kernels.free_extents, kernels.copy_runs, kernels.stored_runs, kernels.take_runs)
+    assert (k.chain_digests, k.free_extents, k.copy_runs, k.stored_runs) == (
+        kernels.chain_digests, kernels.free_extents, kernels.copy_runs, kernels.stored_runs)
 
 
 def test_stored_runs_kernel_finds_maximal_runs_and_refuses_a_bad_index(kernels) -> None:
@@ -130,32 +130,3 @@ def test_stored_runs_kernel_finds_maximal_runs_and_refuses_a_bad_index(kernels) 
         kernels.stored_runs({hashes[0]: 8}, pool.block_key, hashes, keys, 0)
     with pytest.raises(ValueError, match="start must be >= 0"):
         kernels.stored_runs(pool.index, pool.block_key, hashes, keys, -1)
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.integers(0, 10_000), st.integers(1, 300))
-def test_take_runs_kernel_is_the_python(kernels, seed, n) -> None:
-    """Runs over blocks of every code, their counts 0 or not: the same answer (None when a count is not 0,
-    nothing changed then) and the same `where` and counts after."""
-    rng = random.Random(seed)
-    where = bytearray(rng.choice([NONE, FREE, CLEAN, DIRTY]) for _ in range(n))
-    counts = [0 if rng.random() < 0.97 else rng.randint(1, 3) for _ in range(n)]
-    cuts = sorted(rng.sample(range(n + 1), min(n + 1, 2 * rng.randint(0, 6))))
-    spans = [(s, e) for s, e in zip(cuts[::2], cuts[1::2])]
-    rng.shuffle(spans)
-    python = (bytearray(where), list(counts))
-    assert kernels.take_runs(where, counts, spans) == block_lists.take_runs(*python, spans)
-    assert (where, counts) == python
-
-
-def test_take_runs_kernel_refuses_what_it_cannot_take(kernels) -> None:
-    with pytest.raises(ValueError, match="outside the pool"):
-        kernels.take_runs(bytearray(4), [0] * 4, [(2, 5)])
-    with pytest.raises(TypeError, match="as long as"):
-        kernels.take_runs(bytearray(4), [0] * 3, [(0, 1)])
-    with pytest.raises(BufferError):  # it writes `where`
-        kernels.take_runs(bytes(4), [0] * 4, [(0, 1)])
-    with pytest.raises(ValueError, match="not one of block_lists' four"):
-        kernels.take_runs(bytearray([0, 9]), [0, 0], [(0, 2)])
-    with pytest.raises(TypeError, match="takes 3 to|takes 3 positional"):
-        kernels.take_runs(bytearray(4), [0] * 4)

@@ -1,6 +1,5 @@
 """`BlockPool.pin_many`'s fast paths (runs of consecutive blocks, scattered blocks, runs the caller knows)
-leave the pool exactly as pinning the blocks one by one does: pins, held count, both LRUs in order; in
-Python and through the pool's C++ kernels (block_lists.take_runs) where built."""
+leave the pool exactly as pinning the blocks one by one does: pins, held count, both LRUs in order."""
 from __future__ import annotations
 
 import copy
@@ -9,13 +8,11 @@ import random
 import pytest
 
 from nanoserve.kvcache.block_pool import BlockKey, BlockPool, spans_of
-from nanoserve.kvcache.native import KVKernels
-from tests.test_cpu_kernels import kernels  # noqa: F401 - the module fixture (skips without a toolchain)
 
 
-def _pool(rng: random.Random, n: int, kernels: KVKernels = KVKernels()) -> BlockPool:
+def _pool(rng: random.Random, n: int) -> BlockPool:
     """Blocks in every state: in use (some published), cached-free clean and dirty, free, pinned."""
-    pool = BlockPool(n, kernels)
+    pool = BlockPool(n)
     blocks = [pool.allocate() for _ in range(n)]
     for b in blocks:
         if rng.random() < 0.7:
@@ -36,12 +33,10 @@ def _state(pool: BlockPool) -> tuple:
             pool.num_held)
 
 
-@pytest.mark.parametrize("native", [False, True], ids=["python", "kernels"])
 @pytest.mark.parametrize("seed", range(40))
-def test_pin_many_is_pin_one_by_one(seed: int, native: bool, request) -> None:
+def test_pin_many_is_pin_one_by_one(seed: int) -> None:
     rng = random.Random(seed)
-    pool = _pool(rng, rng.choice((64, 300)), KVKernels.of(request.getfixturevalue("kernels")) if native
-                 else KVKernels())
+    pool = _pool(rng, rng.choice((64, 300)))
     ok = [b for b in range(pool.num_blocks) if pool.ref_count[b] or pool.is_cached_free(b)]
     if rng.random() < 0.5:  # runs of consecutive blocks, in some order
         lo = rng.randrange(len(ok))

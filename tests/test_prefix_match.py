@@ -37,12 +37,13 @@ class NeverCopier(Copier):
         return Pending()
 
 
-def _match_is_the_walk(states: list[str], rng: random.Random, kernels) -> None:
+def _match_is_the_walk(states: list[str], rng: random.Random, kernels, fast: bool | None = None) -> None:
     """Per link a state (D: on device and host, d: on device only, L: a load in flight fills it, H: on host,
     -: nowhere):
-    the whole-tier match equals the walk, with and without the host."""
+    the whole-tier match equals the walk, with and without the host; `fast`: whether the list-pass path
+    (`_match_plain`) must be the one that answers."""
     n = len(states)
-    host = HostTier(64, torch.zeros(64, 1, 2, 1, BS, 1), NeverCopier())
+    host = HostTier(64, torch.zeros(64, 1, 2, 1, BS, 1), NeverCopier(), kernels=KVKernels.of(kernels))
     kv = KVCacheManager(64, BS, host=host, kernels=KVKernels.of(kernels))
     seq = Sequence(1, "1", 0, [rng.randrange(100) for _ in range((n + 1) * BS)], SamplingParams(), 4,
                    frozenset())
@@ -70,6 +71,9 @@ def _match_is_the_walk(states: list[str], rng: random.Random, kernels) -> None:
     for h in seq.block_hashes:
         kv.copies._refresh(h)  # the clean flags, as the tiers keep them
     kv.check_invariants()  # (HostTier.on_device among them)
+    if fast is not None:
+        plain = kv.chains._match_plain(seq.block_hashes, seq.block_keys, host, None)
+        assert (plain is not None) == fast, states
     for use_host in (True, False):
         want = PrefixMatch.of_hits(kv.chains._walk(seq, use_host))
         got = kv.chains.match_runs(seq, use_host)
@@ -89,9 +93,12 @@ def test_match_runs_is_the_walk(seed: int, native: bool, request) -> None:
 
 @pytest.mark.parametrize("native", [False, True], ids=["python", "kernels"])
 @pytest.mark.parametrize("shape", ["HHDHH-", "HHHHD", "HHH-D", "HHHHHD-H", "DHHDH", "HHHHHH", "HDDDD",
-                                   "HHHd", "HHdH-", "HHHdd"])
+                                   "HHHd", "HHdH-", "HHHdd", "DDHHH-", "H-HH"])
 def test_a_chain_starting_on_host_with_device_links_is_the_walk(shape: str, native: bool, request) -> None:
     """A chain whose first link is on host only: the match asks the device about the host run's links by
     a byte per host block (HostTier.on_device), and about the link past the run; a device link inside or
-    right after the run makes it another shape, which the walk must agree with."""
-    _match_is_the_walk(list(shape), random.Random(0), request.getfixturevalue("kernels") if native else None)
+    right after the run makes it another shape (the list-pass path declines it), which the walk must agree
+    with. (D is on host too: inside a host run.)"""
+    fast = shape in ("HHH-D", "HHHHHH", "DDHHH-", "H-HH")
+    _match_is_the_walk(list(shape), random.Random(0), request.getfixturevalue("kernels") if native else None,
+                       fast)

@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 
-from nanoserve.kvcache.native import TakeRuns
-
 NONE, FREE, CLEAN, DIRTY = 0, 1, 2, 3
 
 
@@ -72,24 +70,3 @@ class BlockList:
     def dropped(self, n: int) -> None:
         """`n` live blocks left the list through `where` (their entries are stale now)."""
         self._len -= n
-
-
-def take_runs(where: bytearray, counts: list[int], spans: list[tuple[int, int]],
-              kernel: TakeRuns | None = None) -> tuple[int, int, int, int] | None:
-    """Blocks leaving their lists a run [start, stop) at a time, through `where` (extents.allocate_spans takes
-    free runs into use, `counts` being the ref counts; block_pool.pin_fresh pins a load's runs, the pins):
-    if counts[b] is 0 for every block of `spans`, where[b] = NONE and counts[b] = 1, and the result is how
-    many of them each code held (NONE, FREE, CLEAN, DIRTY); else None, and nothing is changed. `kernel`: the
-    C++ one (native.py), one pass instead of a few slices a run."""
-    if kernel is not None:
-        return kernel(where, counts, spans)
-    if any(any(counts[s:e]) for s, e in spans):
-        return None
-    held = [0, 0, 0, 0]
-    for s, e in spans:
-        for code in (FREE, CLEAN, DIRTY):
-            held[code] += where.count(code, s, e)
-        held[NONE] += where.count(NONE, s, e)
-        where[s:e] = bytes(e - s)
-        counts[s:e] = [1] * (e - s)
-    return held[0], held[1], held[2], held[3]

@@ -33,7 +33,7 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from nanoserve.kvcache.block_lists import CLEAN, DIRTY, FREE, NONE, BlockList, take_runs
+from nanoserve.kvcache.block_lists import CLEAN, DIRTY, FREE, NONE, BlockList
 from nanoserve.kvcache.native import KVKernels
 
 BlockHash = bytes
@@ -82,7 +82,7 @@ class PoolStats:
 class BlockPool:
     def __init__(self, num_blocks: int, kernels: KVKernels = KVKernels()) -> None:
         self.num_blocks = num_blocks
-        self.kernels = kernels  # the C++ bookkeeping kernels where built (native.py), for work on the lists
+        self.kernels = kernels  # the C++ bookkeeping kernels where built (native.py): matching, extents
         self.ref_count = [0] * num_blocks
         self.block_hash: list[BlockHash | None] = [None] * num_blocks
         self.block_key: list[BlockKey | None] = [None] * num_blocks
@@ -337,12 +337,18 @@ def pin_fresh(pool: BlockPool, blocks: list[int], spans: list[Span] | None) -> b
         return True
     if spans is None:  # scattered: per-run slices would cost more than per-block passes
         return _pin_scattered(pool, blocks)
-    # unreferenced and unpinned: in an LRU unless free (the invariants), so this is `pin`'s assertion
-    assert not any(pool.where.count(FREE, s, e) for s, e in spans), "pinning a free block (nothing to copy)"
-    held = take_runs(pool.where, pool.pins, spans, pool.kernels.take_runs)  # (referenced ones: on no list)
-    if held is None:  # a block is pinned already
+    pins, where = pool.pins, pool.where
+    if any(any(pins[s:e]) for s, e in spans):
         return False
-    _unparked(pool, held[CLEAN], held[DIRTY])
+    # unreferenced and unpinned: in an LRU unless free (the invariants), so this is `pin`'s assertion
+    assert not any(where.count(FREE, s, e) for s, e in spans), "pinning a free block (nothing to copy)"
+    clean = dirty = 0
+    for s, e in spans:
+        clean += where.count(CLEAN, s, e)
+        dirty += where.count(DIRTY, s, e)
+        where[s:e] = bytes(e - s)  # (the referenced ones are on no list already)
+        pins[s:e] = [1] * (e - s)
+    _unparked(pool, clean, dirty)
     return True
 
 

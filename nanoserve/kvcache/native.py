@@ -13,7 +13,6 @@ import torch
 
 ChainDigests = Callable[[bytes, int, "bytes | None", bytes], bytes]        # prefix.chain_links
 FreeExtents = Callable[[bytearray, int, int], list[tuple[int, int]]]     # extents.allocate_spans
-TakeRuns = Callable[[bytearray, list, list], "tuple[int, int, int, int] | None"]  # block_lists.take_runs
 CopyRuns = Callable[[torch.Tensor, torch.Tensor, list[tuple[int, int, int]], int, bool], None]  # copy_blocks
 StoredRuns = Callable[[dict, list, list, list, int], list[tuple[int, int]]]  # chain_runs.stored_runs
 
@@ -24,12 +23,10 @@ class KVKernels:
     free_extents: FreeExtents | None = None
     copy_runs: CopyRuns | None = None
     stored_runs: StoredRuns | None = None
-    take_runs: TakeRuns | None = None
 
     @classmethod
     def of(cls, module: Any | None) -> KVKernels:
         """The kernels of a built module (cpu_kernels.built()), none for None."""
         if module is None:
             return cls()
-        return cls(module.chain_digests, module.free_extents, module.copy_runs, module.stored_runs,
-                   module.take_runs)
+        return cls(module.chain_digests, module.free_extents, module.copy_runs, module.stored_runs)

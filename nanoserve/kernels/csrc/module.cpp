@@ -3,6 +3,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <string>
@@ -234,55 +235,11 @@ py::list free_extents_list(const py::buffer& where, int64_t code, int64_t n) {
   return out;
 }
 
-// take_runs(where, counts, spans): blocks leaving their lists a run at a time (extents.allocate_spans takes
-// free runs into use, block_pool.pin_fresh pins a load's runs), in one pass instead of a few slices a run.
-// If counts[b] is 0 for every block b of the runs [start, stop): where[b] = 0, counts[b] = 1, and the result
-// is how many of them each code held ([none, free, clean, dirty]: block_lists.py's four); else None, and
-// nothing is changed
-py::object take_runs(const py::buffer& where, const py::list& counts, const py::list& spans) {
-  const py::buffer_info info = where.request(true);
-  if (info.ndim != 1 || info.itemsize != 1)
-    throw py::type_error("take_runs: `where` must be a one-dimensional byte buffer");
-  const Py_ssize_t n = info.shape[0];
-  if (PyList_GET_SIZE(counts.ptr()) != n)
-    throw py::type_error("take_runs: counts must be as long as `where`");
-  std::vector<std::pair<Py_ssize_t, Py_ssize_t>> runs;
-  for (const py::handle span : spans) {
-    const auto [start, stop] = span.cast<std::pair<Py_ssize_t, Py_ssize_t>>();
-    if (start < 0 || start > stop || stop > n)
-      throw py::value_error("take_runs: a run [" + std::to_string(start) + ", " + std::to_string(stop) +
-                            ") outside the pool");
-    runs.emplace_back(start, stop);
-  }
-  const py::int_ zero(0), one(1);  // (small ints: CPython's shared objects, compared by pointer first)
-  for (const auto& [start, stop] : runs)
-    for (Py_ssize_t b = start; b < stop; ++b) {
-      PyObject* c = PyList_GET_ITEM(counts.ptr(), b);
-      int overflow = 0;
-      if (c != zero.ptr() && (!PyLong_Check(c) || PyLong_AsLongLongAndOverflow(c, &overflow) != 0 || overflow))
-        return py::none();
-    }
-  auto* codes = static_cast<uint8_t*>(info.ptr);
-  int64_t held[4] = {};
-  for (const auto& [start, stop] : runs)
-    for (Py_ssize_t b = start; b < stop; ++b) {
-      if (codes[b] > 3) throw py::value_error("take_runs: block " + std::to_string(b) + " has code " +
-                                              std::to_string(codes[b]) + ", not one of block_lists' four");
-      ++held[codes[b]];
-    }
-  for (const auto& [start, stop] : runs) {
-    std::memset(codes + start, 0, static_cast<size_t>(stop - start));
-    for (Py_ssize_t b = start; b < stop; ++b)
-      PyList_SetItem(counts.ptr(), b, one.inc_ref().ptr());  // (steals the reference, drops the old)
-  }
-  return py::make_tuple(held[0], held[1], held[2], held[3]);
-}
-
-// copy_runs(src, dst, runs, span, non_blocking): the runs read by hand (pybind's caster for a vector of arrays
-// costs ~10 us warm, several times that cold, on the step path). The GIL is released only for copies made
-// here (not non_blocking): enqueueing CUDA copies is microseconds each, and handing the GIL to a thread that
-// waits for it (the intake hashing a prompt) can cost the engine thread its switch interval (5 ms) to take
-// it back
+// copy_runs(src, dst, runs, span, non_blocking): the runs read by hand (pybind's caster for a vector of
+// arrays costs ~10 us warm, several times that cold, on the step path). The GIL is released only for
+// copies made here (not non_blocking): enqueueing CUDA copies is microseconds each, and handing the GIL
+// to a thread that waits for it (the intake hashing a prompt) can cost the engine thread its switch
+// interval (5 ms) to take it back
 void copy_runs_list(const at::Tensor& src, const at::Tensor& dst, const py::list& runs, int64_t span,
                     bool non_blocking) {
   std::vector<std::array<int64_t, 3>> parsed(static_cast<size_t>(PyList_GET_SIZE(runs.ptr())));
@@ -359,10 +316,20 @@ PyObject* fast_call(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs)
     return F(args, nargs);
   } catch (py::error_already_set& e) {
     e.restore();
+  } catch (const py::cast_error& e) {  // an argument of the wrong type (its overload resolution's TypeError)
+    PyErr_SetString(PyExc_TypeError, e.what());
   } catch (py::builtin_exception& e) {
     e.set_error();
+  } catch (const c10::IndexError& e) {
+    PyErr_SetString(PyExc_IndexError, e.what_without_backtrace());
+  } catch (const c10::ValueError& e) {
+    PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
+  } catch (const c10::TypeError& e) {
+    PyErr_SetString(PyExc_TypeError, e.what_without_backtrace());
   } catch (const c10::Error& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+  } catch (const std::bad_alloc&) {
+    PyErr_NoMemory();
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
   }
@@ -385,16 +352,6 @@ PyObject* free_extents_fast(PyObject* const* args, Py_ssize_t nargs) {
   check_nargs("free_extents", nargs, 3, 3);
   return free_extents_list(py::reinterpret_borrow<py::buffer>(args[0]), arg_as<int64_t>(args[1]),
                            arg_as<int64_t>(args[2]))
-      .release()
-      .ptr();
-}
-
-PyObject* take_runs_fast(PyObject* const* args, Py_ssize_t nargs) {
-  check_nargs("take_runs", nargs, 3, 3);
-  if (!PyList_Check(args[1]) || !PyList_Check(args[2]))
-    throw py::type_error("take_runs: (where: bytearray, counts: list, spans: list)");
-  return take_runs(py::reinterpret_borrow<py::buffer>(args[0]), py::reinterpret_borrow<py::list>(args[1]),
-                   py::reinterpret_borrow<py::list>(args[2]))
       .release()
       .ptr();
 }
@@ -424,10 +381,6 @@ PyMethodDef kv_methods[] = {
     {"free_extents", NS_FAST(free_extents_fast),
      "free_extents(where, code, n): kvcache/extents.py's choose_extents(*free_runs(where), n) for the blocks "
      "where where[b] == code: [(start, length)], the fewest extents, ascending."},
-    {"take_runs", NS_FAST(take_runs_fast),
-     "take_runs(where, counts, spans): if counts[b] == 0 for every block of the runs [(start, stop)], sets "
-     "where[b] = 0 and counts[b] = 1 and returns how many of them held each code (none, free, clean, "
-     "dirty); else None, nothing changed."},
     {"stored_runs", NS_FAST(stored_runs_fast),
      "stored_runs(index, stored, hashes, keys, start): kvcache/chain_runs.py's stored_runs, the runs [(first "
      "block, end block)] of consecutive blocks whose stored keys are links start, start + 1, ... of the "
