@@ -2,7 +2,8 @@
 `make install` and the Docker image build them, for a CUDA engine too). Each replaces a Python function
 that runs without them and that the tests compare it with; on the step path, where a forward has left
 the caches cold, one call replaces a dozen numpy or tensor-slicing calls of ~5-10 us apiece. A pool
-carries them (`BlockPool.kernels`): the functions working on a pool's lists find them there."""
+carries them (`BlockPool.kernels`), so the functions given a pool (matching its runs, choosing its extents)
+find them there; the hashing and the copier are handed theirs."""
 from __future__ import annotations
 
 from collections.abc import Callable
