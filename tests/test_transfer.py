@@ -16,7 +16,7 @@ from hypothesis import given, settings, strategies as st
 from nanoserve import LLM, SamplingParams
 from nanoserve.kvcache.host_tier import HostTier, alloc_host_cache, host_memory_available
 from nanoserve.kvcache.manager import KVCacheManager, LoadState
-from nanoserve.kvcache.transfer import Copier, ThreadCopier, Transfer
+from nanoserve.kvcache.transfer import Copier, ThreadCopier, Transfer, copy_blocks
 from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence, SeqStatus
 from bench.gpu_check import check_round_trip, forget_device_cache
@@ -549,3 +549,15 @@ def test_cpu_copies_are_exact_split_or_not():
         copy_block_memmove(src[1:blocks + 1], dst[2:blocks + 2])
         assert torch.equal(dst[2:blocks + 2], src[1:blocks + 1])
         assert not dst[:2].any() and not dst[blocks + 2:].any()
+
+
+def test_copy_blocks_refuses_a_run_past_a_pool_with_the_runs_before_it_done() -> None:
+    """In Python as in the C++ batch (test_kv_kernels): a run past either pool's end raises, the runs before
+    it copied. (Unchecked, the slice past the end is short, and a one-block copy into an empty slice
+    broadcasts: nothing copied, no error.)"""
+    src, dst = torch.arange(20.0).reshape(10, 2), torch.zeros(10, 2)
+    with pytest.raises(IndexError, match="outside pools of 10 -> 10 blocks"):
+        copy_blocks(src, [], dst, [], pairs=[(0, 0, 2), (3, 10, 1), (4, 4, 2)])
+    assert torch.equal(dst[:2], src[:2]) and not dst[2:].any()
+    with pytest.raises(IndexError):
+        copy_blocks(src, [9, 10], dst, [0, 1])
