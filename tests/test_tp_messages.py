@@ -24,9 +24,12 @@ from nanoserve.distributed.parallel import Rendezvous, join, leave
 from nanoserve.distributed.shm import ShmChannel, map_segment
 from nanoserve.parallel.messages import (WIRE_VERSION, CopyCommand, MessageError, Setup, Step, Stop, decode,
                                          encode)
+from nanoserve.kvcache.transfer import batch_copy, copy_block_async
 from nanoserve.parallel.leader import WorkerSpec
+from nanoserve.parallel.worker import copies_for, run_copies
 from nanoserve.runner.step_plan import StepPlan, plan_warmup_prefill
 from server_fixture import free_port
+from tests.test_cpu_kernels import kernels  # noqa: F401 - the module fixture (skips without a toolchain)
 
 PLAN = StepPlan([5, 6, 7], [9, 3, 4], [2, 0, 0], [1, 3, 4], [0, 2], [1, 2], [10, 5], [[1, 2], [0]], 1, None)
 STEP = Step(PLAN, [CopyCommand("save", [3, 4], [0, 1]), CopyCommand("load", [7], [2])])
@@ -147,3 +150,19 @@ def test_rank_zero_listens_only_on_the_address_given():
                 assert (s.connect_ex((host, port)) == 0) is reached, host
     finally:
         leave()
+
+
+@pytest.mark.parametrize("how", ["cpu", "per run", "kernels"])
+def test_a_follower_runs_rank_zeros_copies_as_its_copier_would(how, request):
+    """A follower's copies (worker.run_copies): on CPU memmoves (`copies_for`), and each of the CUDA
+    forms on CPU tensors: a `copy_` per run, or the C++ batch where built; a copy past the pool fails
+    alone (its flag 1), the ones after it still run."""
+    copy, batch = {"cpu": copies_for(torch.device("cpu")), "per run": (copy_block_async, None),
+                   "kernels": (copy_block_async,
+                               batch_copy(request.getfixturevalue("kernels").copy_runs, True))}[how]
+    device, host = torch.zeros(8, 2, 3), torch.arange(48.0).reshape(8, 2, 3)
+    cmds = [CopyCommand("load", [0, 1, 2, 6], [4, 5, 6, 0]), CopyCommand("load", [7], [8]),
+            CopyCommand("save", [4, 0], [1, 3])]
+    assert run_copies(cmds, device, host, copy, batch) == [0, 1, 0]
+    assert torch.equal(device[[4, 5, 6, 0]], torch.arange(48.0).reshape(8, 2, 3)[[0, 1, 2, 6]])
+    assert torch.equal(host[[1, 3]], device[[4, 0]])

@@ -25,23 +25,27 @@ from nanoserve.parallel.placement import die_with_parent
 from nanoserve.parallel.messages import CopyCommand, MessageError, Setup, Step, Stop, decode
 from nanoserve.parallel.leader import WorkerSpec
 from nanoserve.kvcache.host_tier import alloc_host_cache
-from nanoserve.kvcache.transfer import copy_block_async, copy_blocks
+from nanoserve.kernels import cpu_kernels
+from nanoserve.kvcache.native import KVKernels
+from nanoserve.kvcache.transfer import (BatchCopy, BlockCopy, batch_copy, copy_block_async,
+                                        copy_block_memmove, copy_blocks)
 from nanoserve.models.loader import ModelSource, load_config
 
 log = logging.getLogger("nanoserve.worker")
 
 
-def run_copies(copies: list[CopyCommand], device_cache: torch.Tensor,
-               host_cache: torch.Tensor | None) -> list[int]:
+def run_copies(copies: list[CopyCommand], device_cache: torch.Tensor, host_cache: torch.Tensor | None,
+               copy: BlockCopy = copy_block_memmove, batch: BatchCopy | None = None) -> list[int]:
     """Run this rank's part of rank 0's copies, in order, before the step's forward (on CUDA on the
-    compute stream, so the forward is ordered after them). -> 1 per failed copy."""
+    compute stream, so the forward is ordered after them). `copy`, `batch`: as rank 0's copier copies
+    (`copies_for`). -> 1 per failed copy."""
     failed = []
     for cmd in copies:
         try:
             if host_cache is None:
                 raise RuntimeError("a KV copy arrived but this rank has no host tier")
             src, dst = (device_cache, host_cache) if cmd.lane == "save" else (host_cache, device_cache)
-            copy_blocks(src, cmd.src_ids, dst, cmd.dst_ids, copy_block_async)
+            copy_blocks(src, cmd.src_ids, dst, cmd.dst_ids, copy, batch=batch)
             failed.append(0)
         except Exception:  # reported to rank 0 through the ack; the block is not published
             log.exception("KV %s of %d blocks failed", cmd.lane, len(cmd.src_ids))
@@ -64,6 +68,15 @@ class RankZeroGone(Exception):
     pass
 
 
+def copies_for(device: torch.device) -> tuple[BlockCopy, BatchCopy | None]:
+    """How this rank copies, as rank 0's copier does on the same device (transfer.make_copier): on CUDA the
+    C++ batch where built (each run enqueued with no Python slice), else per run; on CPU memmoves (not
+    torch's copy_, whose OpenMP team spins beside the model's: transfer.copy_block_memmove)."""
+    if device.type == "cuda":
+        return copy_block_async, batch_copy(KVKernels.of(cpu_kernels.built()).copy_runs, non_blocking=True)
+    return copy_block_memmove, None
+
+
 def serve(spec: WorkerSpec) -> int:
     device = torch.device("cuda", spec.device_index) if spec.device_index is not None else torch.device("cpu")
     if device.type == "cuda":
@@ -77,9 +90,10 @@ def serve(spec: WorkerSpec) -> int:
     host_cache = (alloc_host_cache((blocks, *shard.runner.kv_cache.shape[1:]), shard.layout.dtype,
                                    pin=device.type == "cuda")[0] if blocks else None)
     log.info("rank %d ready: %d KV blocks, %d host blocks", tp.rank, shard.num_blocks, blocks)
+    copy, batch = copies_for(device)
     with torch.inference_mode():
         while not isinstance(msg := _next(channel, (Step, Stop)), Stop):
-            flags = run_copies(msg.copies, shard.runner.kv_cache, host_cache)
+            flags = run_copies(msg.copies, shard.runner.kv_cache, host_cache, copy, batch)
             if msg.plan is not None:
                 shard.runner.execute(msg.plan)
             if msg.copies:
