@@ -78,12 +78,25 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing=False: FakeEvent(log, enable_timing))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: log.current)
     monkeypatch.setattr(torch.cuda, "stream", stream)
+    copy_async = transfer.copy_block_async  # each copy logs the stream it was enqueued on
+
+    def logged_copy(src: torch.Tensor, dst: torch.Tensor) -> None:
+        log.ops.append(("copy", log.current.name))
+        copy_async(src, dst)
+    monkeypatch.setattr(transfer, "copy_block_async", logged_copy)
     return log
 
 
 def _submit(log: Log, copy_runs, src_ids: list[int], dst_ids: list[int]):
     src = torch.arange(32, dtype=torch.float32).reshape(16, 2)
     copier = CudaCopier(torch.device("cpu"), max_copy_bytes=3 * 8, copy_runs=copy_runs)  # spans of 3 blocks
+    if copier.batch is not None:  # the C++ batch: one call for all the runs, logged like a copy
+        batch = copier.batch
+
+        def logged_batch(*args) -> None:
+            log.ops.append(("copy", log.current.name))
+            batch(*args)
+        copier.batch = logged_batch
     handle = copier.submit("load", src, src_ids, log.dst, dst_ids)
     return src, handle
 
@@ -94,12 +107,16 @@ def test_submit_orders_the_copies_between_the_compute_stream_and_its_events(fake
     copy_runs = request.getfixturevalue("kernels").copy_runs if native else None
     src_ids, dst_ids = [0, 1, 2, 3, 4, 9, 10], [5, 6, 7, 8, 9, 1, 2]
     src, handle = _submit(log, copy_runs, src_ids, dst_ids)
-    ready, start, end = (op[1] for op in log.ops if op[0] == "record")
+    records = [op for op in log.ops if op[0] == "record"]
+    ready, start, end = (op[1] for op in records)
     kinds = [op[:3] for op in log.ops]
-    # after what compute enqueued so far: `ready` on compute, the lane waits for it, then start ... end
+    copies = 1 if native else len(transfer.runs(src_ids, dst_ids, 3))  # (spans of 3 blocks: 5 runs)
+    assert native or copies == 5
+    # after what compute enqueued so far: `ready` on compute, the lane waits for it, then start, the copies
+    # on the lane (not on compute, in line with the model), end
     assert kinds == [("record", ready, "compute"), ("wait", "lane", ready), ("record", start, "lane"),
-                     ("record", end, "lane")]
-    before_start, at_end = log.ops[2][3], log.ops[3][3]
+                     *[("copy", "lane")] * copies, ("record", end, "lane")]
+    before_start, at_end = records[1][3], records[2][3]
     assert not before_start.any()  # nothing copied before `start`
     assert torch.equal(at_end[dst_ids], src[src_ids])  # every copy enqueued before `end`
     assert handle.error is None and handle.done() and handle.seconds == pytest.approx(2.5e-3)

@@ -87,8 +87,12 @@ def test_copy_runs_copies_what_the_per_run_slices_copy(kernels, seed, span, non_
 
 def test_copy_runs_raises_at_the_first_bad_run_with_the_ones_before_done(kernels) -> None:
     src, dst = torch.arange(10.0), torch.zeros(10)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(IndexError, match=r"\[8, 13\) -> \[8, 13\) is outside pools of 10 -> 10 blocks"):
         kernels.copy_runs(src, dst, [(0, 0, 2), (8, 8, 5), (4, 4, 2)], 64, False)
+    assert dst.tolist() == [0.0, 1.0] + [0.0] * 8
+    for run in [(10, 0, 1), (0, 10, 1), (9, 0, 2), (0, 9, 2)]:  # (IndexError as transfer.copy_blocks raises)
+        with pytest.raises(IndexError, match="outside pools"):
+            kernels.copy_runs(src, dst, [run], 64, False)
     assert dst.tolist() == [0.0, 1.0] + [0.0] * 8
     with pytest.raises(RuntimeError, match="negative"):
         kernels.copy_runs(src, dst, [(-1, 0, 1)], 64, False)

@@ -24,7 +24,7 @@ from nanoserve.distributed.parallel import Rendezvous, join, leave
 from nanoserve.distributed.shm import ShmChannel, map_segment
 from nanoserve.parallel.messages import (WIRE_VERSION, CopyCommand, MessageError, Setup, Step, Stop, decode,
                                          encode)
-from nanoserve.kvcache.transfer import batch_copy, copy_block_async
+from nanoserve.kvcache.transfer import copy_block_async, copy_block_memmove
 from nanoserve.parallel.leader import WorkerSpec
 from nanoserve.parallel.worker import copies_for, run_copies
 from nanoserve.runner.step_plan import StepPlan, plan_warmup_prefill
@@ -152,17 +152,24 @@ def test_rank_zero_listens_only_on_the_address_given():
         leave()
 
 
-@pytest.mark.parametrize("how", ["cpu", "per run", "kernels"])
+@pytest.mark.parametrize("how", ["cpu", "cuda", "per run"])
 def test_a_follower_runs_rank_zeros_copies_as_its_copier_would(how, request):
-    """A follower's copies (worker.run_copies): on CPU memmoves (`copies_for`), and each of the CUDA
-    forms on CPU tensors: a `copy_` per run, or the C++ batch where built; a copy past the pool fails
-    alone (its flag 1), the ones after it still run."""
-    copy, batch = {"cpu": copies_for(torch.device("cpu")), "per run": (copy_block_async, None),
-                   "kernels": (copy_block_async,
-                               batch_copy(request.getfixturevalue("kernels").copy_runs, True))}[how]
+    """A follower's copies (worker.run_copies) as `copies_for` gives them: memmoves on CPU; on CUDA (run
+    here on CPU tensors) the C++ batch where built, else a `copy_` per run (also run on its own); a copy
+    past the pool fails alone (its flag 1), the ones after it still run, nothing else is written."""
+    if how == "cuda":
+        request.getfixturevalue("kernels")  # (built, so that `copies_for` finds them)
+    copy, batch = (copy_block_async, None) if how == "per run" else copies_for(torch.device(how))
+    if how == "cpu":
+        assert (copy, batch) == (copy_block_memmove, None)
+    else:
+        assert copy is copy_block_async and (batch is None) is (how == "per run")
     device, host = torch.zeros(8, 2, 3), torch.arange(48.0).reshape(8, 2, 3)
     cmds = [CopyCommand("load", [0, 1, 2, 6], [4, 5, 6, 0]), CopyCommand("load", [7], [8]),
             CopyCommand("save", [4, 0], [1, 3])]
     assert run_copies(cmds, device, host, copy, batch) == [0, 1, 0]
-    assert torch.equal(device[[4, 5, 6, 0]], torch.arange(48.0).reshape(8, 2, 3)[[0, 1, 2, 6]])
-    assert torch.equal(host[[1, 3]], device[[4, 0]])
+    expected_host = torch.arange(48.0).reshape(8, 2, 3)
+    assert torch.equal(device[[4, 5, 6, 0]], expected_host[[0, 1, 2, 6]])
+    assert not device[[1, 2, 3, 7]].any()
+    expected_host[[1, 3]] = device[[4, 0]]
+    assert torch.equal(host, expected_host)

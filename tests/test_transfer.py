@@ -561,3 +561,5 @@ def test_copy_blocks_refuses_a_run_past_a_pool_with_the_runs_before_it_done() ->
     assert torch.equal(dst[:2], src[:2]) and not dst[2:].any()
     with pytest.raises(IndexError):
         copy_blocks(src, [9, 10], dst, [0, 1])
+    with pytest.raises(IndexError):  # a negative length: empty slices, a silent no-op unchecked
+        copy_blocks(src, [], dst, [], pairs=[(0, 0, -1)])

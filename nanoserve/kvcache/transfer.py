@@ -102,7 +102,7 @@ def copy_blocks(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor, ds
         return
     for s, d, n in (runs(src_ids, dst_ids, span) if pairs is None else cut_runs(pairs, span)):
         # checked: a slice past a pool's end is short, and a copy into it broadcasts without an error
-        if min(s, d) < 0 or s + n > len(src) or d + n > len(dst):
+        if min(s, d, n) < 0 or s + n > len(src) or d + n > len(dst):
             raise IndexError(f"a copy of blocks [{s}, {s + n}) -> [{d}, {d + n}) is outside pools of "
                              f"{len(src)} -> {len(dst)} blocks")
         copy(src[s:s + n], dst[d:d + n])

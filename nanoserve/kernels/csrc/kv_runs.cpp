@@ -64,6 +64,10 @@ void copy_runs(const at::Tensor& src, const at::Tensor& dst, const std::vector<s
   for (const auto& run : runs) {
     int64_t s = run[0], d = run[1], n = run[2];
     TORCH_CHECK(s >= 0 && d >= 0 && n >= 0, "copy_runs: a run (", s, ", ", d, ", ", n, ") is negative");
+    // IndexError, as transfer.copy_blocks raises (narrow's own checks raise other types for some of these)
+    TORCH_CHECK_INDEX(s + n <= src.size(0) && d + n <= dst.size(0), "copy_runs: a copy of blocks [", s, ", ",
+                      s + n, ") -> [", d, ", ", d + n, ") is outside pools of ", src.size(0), " -> ",
+                      dst.size(0), " blocks");
     while (n > 0) {  // cut before either side reaches a multiple of `span` (transfer.py's cut_runs)
       const int64_t k = std::min({n, span - s % span, span - d % span});
       dst.narrow(0, d, k).copy_(src.narrow(0, s, k), non_blocking);
