@@ -2,7 +2,8 @@
 and events replaced by stand-ins that log what is enqueued where: the copies are ordered after what the
 compute stream enqueued so far, run on their lane between the timing events (in one C++ call where the
 kernels are built), `end` is recorded even after a failing copy, the compute stream waits for `end`
-before reading a load's blocks, and a sticky error while polling is a DeviceFault."""
+before reading a load's blocks, a sticky error while polling is a DeviceFault, `wait` polls until `end` or
+its timeout, and `drain` synchronizes every lane."""
 from __future__ import annotations
 
 import contextlib
@@ -42,6 +43,7 @@ class FakeEvent:
         FakeEvent.made += 1
         self.log, self.name, self.timing = log, f"event{FakeEvent.made}", enable_timing
         self.fault: str | None = None
+        self.pending = False  # query() says not yet
 
     def record(self, stream: FakeStream | None = None) -> None:
         stream = stream or self.log.current
@@ -51,14 +53,15 @@ class FakeEvent:
     def query(self) -> bool:
         if self.fault:
             raise RuntimeError(self.fault)
-        return True
+        return not self.pending
 
     def elapsed_time(self, end: FakeEvent) -> float:
         assert self.timing and end.timing, "timing asked of events made without it"
         return 2.5  # ms
 
     def synchronize(self) -> None:
-        pass
+        self.log.ops.append(("synchronize", self.name))
+        self.pending = False
 
 
 @pytest.fixture
@@ -151,3 +154,21 @@ def test_the_batch_is_the_c_kernel_given_positionally(kernels):
     assert torch.equal(dst[4:7], src[0:3])
     with pytest.raises(TypeError):
         kernels.copy_runs(src, dst, [(0, 4, 3)], 64, non_blocking=True)
+
+
+def test_wait_polls_until_end_or_its_timeout_and_drain_synchronizes_every_lane(fake_cuda):
+    log = fake_cuda
+    _, load = _submit(log, None, [0], [0])
+    load.end.pending = True
+    assert load.wait(timeout=0.01) is False and not load.done()  # (`end` not reached: the timeout answers)
+    load.end.pending = False
+    assert load.wait(timeout=0.01) and load.seconds == pytest.approx(2.5e-3)
+    _, other = _submit(log, None, [1], [1])
+    other.end.pending = True
+    assert other.wait() and ("synchronize", other.end.name) in log.ops  # no timeout: blocks on `end`
+    copier = CudaCopier(torch.device("cpu"))
+    copier.submit("load", log.dst, [0], log.dst, [1])
+    copier.submit("save", log.dst, [2], log.dst, [3])
+    log.ops.clear()
+    copier.drain()
+    assert log.ops == [("synchronize", "lane")] * 2  # each lane opened, once
