@@ -10,7 +10,6 @@ checked by an opt-in test (NANOSERVE_TEST_ISAS=1: three ~30 s builds, then cache
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 
@@ -21,6 +20,7 @@ import torch
 from nanoserve.kernels import cpu_kernels
 from nanoserve.layers.quant_linear import (GEMV_MAX_ROWS, Q4_K, Q6_K, QuantEmbedding, QuantLinear,
                                            QuantTensor, Scratch)
+from tests.test_cpu_kernels import built_or_skip
 
 TYPES = {"Q4_K": Q4_K, "Q6_K": Q6_K}
 
@@ -28,12 +28,8 @@ TYPES = {"Q4_K": Q4_K, "Q6_K": Q6_K}
 @pytest.fixture(scope="module")
 def kernels():
     k = cpu_kernels.quant()
-    if (k is None or k.kquants is None) and shutil.which("g++") and shutil.which("ninja"):
-        pytest.fail("a compiler and ninja are here, yet the quantized kernels did not build "
-                    "(see the log warning)")
-    if k is None or k.kquants is None:
-        pytest.skip("no C++ toolchain: K-quant GGUF weights are dequantized at load")
-    return k
+    return built_or_skip(k if k is not None and k.kquants is not None else None,
+                         "K-quant GGUF weights are dequantized at load")
 
 
 def k_blocks(rows: int, cols: int, qtype: int, seed: int = 0) -> np.ndarray:

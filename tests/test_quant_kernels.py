@@ -9,8 +9,6 @@ summation order: fp32 results agree to ~1e-6 relative; with bf16 activations the
 bf16 first (as the prefill path's bf16 copy is), and results agree to one bf16 rounding."""
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
 import torch
@@ -18,19 +16,14 @@ import torch
 from nanoserve.kernels import cpu_kernels
 from nanoserve.layers.quant_linear import (GEMV_MAX_ROWS, PACKED_MAX_ROWS, Q4_0, Q4_1, Q4_K, Q5_0, Q6_K,
                                            Q8_0, QuantEmbedding, QuantLinear, QuantTensor, Scratch)
+from tests.test_cpu_kernels import built_or_skip
 
 TYPES = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q5_0": Q5_0, "Q8_0": Q8_0}
 
 
 @pytest.fixture(scope="module")
 def kernels():
-    k = cpu_kernels.quant()
-    if k is None and shutil.which("g++") and shutil.which("ninja"):
-        pytest.fail("a compiler and ninja are here, yet the quantized kernels did not build "
-                    "(see the log warning)")
-    if k is None:
-        pytest.skip("no C++ toolchain: GGUF weights are dequantized at load")
-    return k
+    return built_or_skip(cpu_kernels.quant(), "GGUF weights are dequantized at load")
 
 
 def quantized(rows: int, cols: int, qtype: int, seed: int = 0) -> QuantTensor:
