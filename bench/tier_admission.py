@@ -21,6 +21,7 @@ the same prefix on a twin state first (code and numpy warm, the state's own data
     python bench/tier.py --admission --base /tmp/base      # and another checkout's nanoserve, side by side
     python bench/tier.py --admission --warm                # after the same admission on a twin state
     python bench/tier.py --admission --copier server       # with the copier the server uses on this machine
+    python bench/tier.py --admission --copier server --device cuda   # the CUDA copier (bench/gpu_check.py)
 """
 from __future__ import annotations
 
@@ -38,24 +39,19 @@ STAGES = (("match", "chains", "match"), ("match", "chains", "match_runs"), ("sup
           ("  of it: submit", "copier", "submit"))
 
 
-def _copier(kind: str, kernels):
+def _copier(kind: str, kernels, device):
     """The copier the admitted load submits to, recording what it was given, to count the copies after.
-    "engine": on the engine thread, what the CUDA copier's submit does but the driver's enqueue and its
-    events: the batch cut into copies, each a `copy_` (the same code: a Python slice and call per copy, or
-    the C++ batch) of 8-byte blocks, 16 KiB in all. "server": the copier the server makes on this machine
-    (transfer.make_copier: on CPU its worker thread copies, the engine thread only hands the batch over)."""
+    "engine": on the engine thread, what the CUDA copier's submit does but its events (on CPU also the
+    driver's enqueue): the batch cut into copies, each a `copy_` (the same code: a Python slice and call
+    per copy, or the C++ batch) of 8-byte blocks, 16 KiB in all. "server": the copier the server makes on
+    this device (transfer.make_copier: on CPU its worker thread copies, the engine thread only hands the
+    batch over; on CUDA its submit enqueues the copies and their events on the lane)."""
+    import inspect
+
     from nanoserve.kvcache import transfer
-    from nanoserve.kvcache.transfer import Copier, ThreadCopier, Transfer, copy_blocks
+    from nanoserve.kvcache.transfer import Copier, Transfer, copy_blocks
     # the CUDA copier's C++ batch where this checkout has one and the kernels are built
     batch = transfer.batch_copy(kernels.copy_runs, True) if hasattr(transfer, "batch_copy") else None
-
-    class Done(Transfer):
-        def done(self) -> bool:
-            return True
-
-        def wait(self, timeout: float | None = None) -> bool:
-            return True
-
     submitted: list = []
 
     def count() -> int:
@@ -63,6 +59,13 @@ def _copier(kind: str, kernels):
         made = sum(len(transfer.runs(s, d) if p is None else p) for s, d, p in submitted)
         submitted.clear()
         return made
+
+    class Done(Transfer):
+        def done(self) -> bool:
+            return True
+
+        def wait(self, timeout: float | None = None) -> bool:
+            return True
 
     class EngineThreadCopier(Copier):
         def _open_lane(self, name: str) -> None:
@@ -76,12 +79,22 @@ def _copier(kind: str, kernels):
             submitted.append((src_ids, dst_ids, pairs))
             return Done()
 
-    class ServerCopier(ThreadCopier):
-        def submit(self, lane, src, src_ids, dst, dst_ids, pairs=None) -> Transfer:
-            submitted.append((src_ids, dst_ids, pairs))
-            return super().submit(lane, src, src_ids, dst, dst_ids, pairs)
+        def drain(self) -> None:
+            if device.type == "cuda":  # (its copies are enqueued, not waited for)
+                import torch
+                torch.cuda.synchronize(device)
 
-    copier = EngineThreadCopier() if kind == "engine" else ServerCopier()
+    if kind == "engine":
+        copier = EngineThreadCopier()
+    else:  # (an older checkout's make_copier takes no kernel)
+        takes_kernel = "copy_runs" in inspect.signature(transfer.make_copier).parameters
+        copier = transfer.make_copier(device, **({"copy_runs": kernels.copy_runs} if takes_kernel else {}))
+        submit = copier.submit
+
+        def recorded(lane, src, src_ids, dst, dst_ids, pairs=None) -> Transfer:
+            submitted.append((src_ids, dst_ids, pairs))
+            return submit(lane, src, src_ids, dst, dst_ids, pairs)
+        copier.submit = recorded
     copier.count = count
     return copier
 
@@ -124,9 +137,10 @@ def _setup(args, seed: int):
     from nanoserve.sampling_params import SamplingParams
     from nanoserve.sequence import Sequence
     bs, n = args.block_size, args.load_blocks
-    device = torch.zeros(args.pool_blocks, 1, 2, 1, 1, 1)  # 8-byte blocks: little to copy, no span cut
+    where = torch.device(getattr(args, "device", "cpu"))
+    device = torch.zeros(args.pool_blocks, 1, 2, 1, 1, 1, device=where)  # 8-byte blocks: no span cut
     kernels = _kernels()
-    host = HostTier(n + 64, device, _copier(args.copier, kernels))
+    host = HostTier(n + 64, device, _copier(args.copier, kernels, where))
     host.copier.submit("load", host.cache, [], device, []).wait()  # its lane open, as in a server
     host.copier.count()
     kv = KVCacheManager(args.pool_blocks, bs, host=host)
@@ -236,7 +250,8 @@ def main(args) -> None:
             results[name].append(tree.run_child())
     print(f"admission of a {args.load_blocks}-block host prefix ({args.block_size}-token blocks) into a "
           f"{args.pool_blocks}-block device pool with {args.free_blocks} free blocks, fragmented; "
-          f"copier: {args.copier}; engine-thread CPU ms, median and min of {args.repeat} x {args.rounds} rounds; "
+          f"copier: {args.copier} on {args.device}; engine-thread CPU ms, median and min of "
+          f"{args.repeat} x {args.rounds} rounds; "
           f"{cpu_name()}")
     labels = [k for k in ("admit", "match", "supply", "take blocks", "load start", "  of it: submit",
                           "hash prompt") if any(k in r["ms"] for rs in results.values() for r in rs)]
@@ -269,6 +284,8 @@ def add_args(ap) -> None:
     g.add_argument("--copier", choices=("engine", "server"), default="engine",
                    help="engine: each copy dispatched on the engine thread, as the CUDA copier's submit does "
                         "(default); server: the copier the server makes on this machine")
+    g.add_argument("--device", default="cpu", help="where the device pool is (cuda: pinned host blocks, "
+                                                   "with --copier server the CUDA copier)")
     g.add_argument("--raw", action="store_true", help=argparse_suppress())
 
 

@@ -36,10 +36,10 @@ def test_gpu_check_cpu_smoke(tmp_path):
     engine while the batch stays full; the quant section's kernels meet their bounds and its
     quantized twins of the small model generate; the tier round trip and TTFT outputs check out;
     copies run both ways; steps are timed while a host load is in flight and the loader's tokens
-    equal the device-cache run's; nothing on the path imports pyzmq, fastapi, gguf, the embedded
-    model package or test code."""
+    equal the device-cache run's; a host prefix is admitted and its copies counted; nothing on the path
+    imports pyzmq, fastapi, gguf, the embedded model package or test code."""
     r = run_smoke(tmp_path, ["speed", "quant", "tier_round_trip", "tier_ttft", "tier_bandwidth",
-                             "tier_overlap"])
+                             "tier_overlap", "tier_admission"])
     batches, steps = CPU_SMOKE.batches, CPU_SMOKE.decode_steps
     for backend in ("flash", "triton", "torch"):
         rows = r["speed"][backend]["eager"]
@@ -63,9 +63,12 @@ def test_gpu_check_cpu_smoke(tmp_path):
     ov = r["tier_overlap"]
     assert ov["in_flight_steps"] > 0 and ov["quiet_steps"] == CPU_SMOKE.overlap_loads * CPU_SMOKE.quiet_steps
     assert ov["ratio"] > 0 and ov["outputs_equal"] and ov["host_loaded"]
-    overlap, host_hit = [c for c in r["gpu_criteria"] if c["timing"]]
+    ad = r["tier_admission"]  # the host prefix was admitted, its load started, with the server's copier
+    assert ad["load_blocks"] == CPU_SMOKE.admission[0] and ad["admit_ms"] > 0 and 1 <= ad["copies"] <= 16
+    assert ad["stages_ms"]["load start"] > 0
+    overlap, host_hit, admission = [c for c in r["gpu_criteria"] if c["timing"]]
     # the figures are measured; the bounds are not judged on CPU
-    assert overlap["passed"] is not None and host_hit["passed"] is not None
+    assert None not in (overlap["passed"], host_hit["passed"], admission["passed"])
 
 
 @pytest.mark.server
