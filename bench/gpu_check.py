@@ -82,7 +82,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))  # common.py; the server section runs on peers.py and serve.py
 
-from common import percentile  # noqa: E402
+from common import cpu_name, percentile  # noqa: E402
 from nanoserve import LLM, SamplingParams  # noqa: E402
 from nanoserve.kvcache.host_tier import HostTier  # noqa: E402
 from nanoserve.layers.backend_choice import triton_usable  # noqa: E402
@@ -1218,9 +1218,11 @@ def main() -> int:
     report = Report(Path(args.out))
     report.put("device", torch.cuda.get_device_name() if device == "cuda" else "cpu")
     report.put("torch", torch.__version__)
+    # the host's CPU (amx_bf16 among its flags: the CPU issues' Xeon figures can be taken on this machine too)
+    report.put("host_cpu", cpu_name())
     backends = backends_present(device, args.cpu_smoke, report)
-    log(f"device {report.data['device']}, torch {torch.__version__}, backends "
-        f"{ {b.name: b.note for b in backends} }")
+    log(f"device {report.data['device']} on {report.data['host_cpu']}, torch {torch.__version__}, "
+        f"backends { {b.name: b.note for b in backends} }")
     tier_kw = (backends[0].kw if backends[0].name != "flash" or device == "cuda"
                else dict(attention_backend="auto"))
     report.put("tier_backend", tier_kw.get("attention_backend"))

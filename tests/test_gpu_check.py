@@ -27,6 +27,7 @@ def run_smoke(tmp_path: Path, sections: list[str]) -> dict:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["forbidden_modules_loaded"] == [] and r["failed_sections"] == []
+    assert r["host_cpu"].split(",")[0] in Path("/proc/cpuinfo").read_text()  # (its model name)
     assert "GPU criteria" in proc.stdout
     return r
 
