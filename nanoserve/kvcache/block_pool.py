@@ -187,7 +187,7 @@ class BlockPool:
         the blocks as runs [start, stop), in order, if the caller knows them. Returns those runs (found
         here if not given; None when the blocks are scattered), for the copies to use too."""
         if spans is None and blocks:
-            spans = spans_of(blocks, len(blocks) // 8 + 1)
+            spans = spans_of(blocks, most_spans(len(blocks)))
         if not pin_fresh(self, blocks, spans):
             _pin_one_by_one(self, blocks)
         return spans
@@ -318,6 +318,11 @@ class BlockPool:
             "a key without a digest")
 
 
+def most_spans(num_blocks: int) -> int:
+    """The most runs that blocks are handled as (a slice per run) before per-block passes cost less."""
+    return num_blocks // 8 + 1
+
+
 def spans_of(blocks: list[int], most: int) -> list[Span] | None:
     """`blocks` as the maximal runs of consecutive ascending ids, [start, stop) in list order; None if
     there are more than `most`."""
@@ -353,9 +358,8 @@ def pin_fresh(pool: BlockPool, blocks: list[int], spans: list[Span] | None) -> b
 
 
 def pin_taken(pool: BlockPool, blocks: list[int], spans: list[Span] | None) -> None:
-    """`pool.pin_many(blocks)`; when given as runs (`spans`), blocks just allocated, in use and pinned by
-    nothing (extents.allocate_spans): on no list, so nothing to move or check, a slice per run
-    (check_invariants holds the rest)."""
+    """`pool.pin_many(blocks)`; given as runs (`spans`), blocks extents.allocate_spans just took: in use, on
+    no list, pinned by nothing, so a slice per run with nothing to move or check (check_invariants is)."""
     if spans is None:
         pool.pin_many(blocks)
         return

@@ -17,7 +17,7 @@ way; one whose block was evicted meanwhile is compared by value, as any other.
 """
 from __future__ import annotations
 
-from nanoserve.kvcache.block_pool import BlockHash, BlockKey, BlockPool, Span
+from nanoserve.kvcache.block_pool import BlockHash, BlockKey, BlockPool, Span, most_spans
 
 
 def stored_runs(pool: BlockPool, hashes: list[BlockHash], keys: list[BlockKey],
@@ -33,7 +33,7 @@ def stored_runs(pool: BlockPool, hashes: list[BlockHash], keys: list[BlockKey],
         found: list[int] = []
         for s, e in spans:
             found += range(s, e)
-        return found, spans if len(spans) <= len(found) // 8 + 1 else None  # (pin_many's rule)
+        return found, spans if len(spans) <= most_spans(len(found)) else None
     index, stored, n = pool.index, pool.block_key, len(hashes)
     blocks: list[int] = []
     spans: list[Span] = []
