@@ -109,6 +109,7 @@ class EngineCore:
                 log.error("the API process is gone; stopping")
                 return Received(Stop())
             self.engine.check_workers()  # a tensor-parallel worker died while idle: ParallelFault
+            self.engine.idle()
         if received.msg is None:  # reading the socket failed
             raise received.built
         return received

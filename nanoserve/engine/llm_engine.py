@@ -47,14 +47,18 @@ log = logging.getLogger("nanoserve")
 GiB = 1 << 30
 
 
-def kv_event_publisher(endpoint: str | None, kv: KVCacheManager):
-    """What each tier stores and drops, for routers (--kv-events-endpoint); pyzmq is imported only then."""
-    if not endpoint:
+def kv_event_publisher(config: EngineConfig, kv: KVCacheManager):
+    """What each tier holds, stores and drops, for routers (--kv-events-config); pyzmq is imported only
+    then."""
+    if config.kv_events_config is None:
         return None
     from nanoserve.engine.kv_events import KVEventPublisher
-    publisher = KVEventPublisher(endpoint, kv.block_size)
-    publisher.log.watch(kv.pool, kv.host.pool if kv.host is not None else None,
-                        kv.disk.pool if kv.disk is not None else None)
+    from nanoserve.kvcache.events import KVEventLog
+    events = KVEventLog(kv.block_size, config.kv_events_int_hashes, kv.chains.salt_id)
+    publisher = KVEventPublisher(config.kv_events_config, events)
+    events.watch(kv.pool, kv.host.pool if kv.host is not None else None,
+                 kv.disk.pool if kv.disk is not None else None)
+    publisher.flush()  # a starting replica's AllBlocksCleared and what its disk brought back, now
     return publisher
 
 
@@ -132,9 +136,9 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching, host,
                                  config.host_offload_watermark, disk.hash_key if disk else None, disk,
                                  kernels)
-        self.kv_events = kv_event_publisher(config.kv_events_endpoint, self.kv)
         if disk is not None:
-            disk.restore()  # with the events publisher watching: routers hear what the disk holds
+            disk.restore()
+        self.kv_events = kv_event_publisher(config, self.kv)  # routers hear what the disk brought back
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.step_tokens,
                                    inline_loads=self.device.type == "cpu")
         self.sampler = Sampler(config.seed, self.device)
@@ -311,6 +315,13 @@ class LLMEngine:
     def check_workers(self) -> None:
         self.ranks.check()
 
+    def idle(self) -> None:
+        """Nothing to run (the loop calls this while it waits): end the copies that landed, and tell
+        routers what the tiers did meanwhile."""
+        self.kv.poll_transfers()
+        if self.kv_events is not None:
+            self.kv_events.flush()
+
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
 
@@ -332,6 +343,5 @@ class LLMEngine:
             finally:
                 self.ranks.close()
                 if self.kv_events is not None:
-                    self.kv_events.flush()
-                    self.kv_events.close()
+                    self.kv_events.close()  # (what the shutdown's saves stored, sent first)
 
