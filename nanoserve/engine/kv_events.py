@@ -32,8 +32,8 @@ def binds(endpoint: str) -> bool:
 
 
 class KVEventPublisher:
-    def __init__(self, config: KVEventsConfig, log_: KVEventLog) -> None:
-        self.log, self.config, self.seq, self.dropped = log_, config, 0, 0
+    def __init__(self, config: KVEventsConfig, events: KVEventLog) -> None:
+        self.events, self.config, self.seq, self.dropped = events, config, 0, 0
         self._queue: queue.Queue[tuple[int, KVEventBatch] | None] = queue.Queue(config.max_queue_size)
         self._ctx = zmq.Context()
         self._pub, self._replay = self._ctx.socket(zmq.PUB), None
@@ -57,7 +57,7 @@ class KVEventPublisher:
 
     def flush(self) -> None:
         """Hand what the log holds, if anything, to the publisher thread (never blocks)."""
-        batch = self.log.take()
+        batch = self.events.take()
         if batch is None:
             return
         try:
@@ -72,8 +72,9 @@ class KVEventPublisher:
     def close(self) -> None:
         """Send what is queued (the last events of a shutdown), then stop."""
         self.flush()
-        self._queue.put(None)
-        self._thread.join()
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
         self._ctx.term()
 
     def _run(self) -> None:
@@ -97,6 +98,8 @@ class KVEventPublisher:
                 except zmq.Again:
                     pass  # nobody connected, or a subscriber this far behind: it sees the gap
                 kept.append((seq, payload))
+        except Exception:  # a bug: say so once, the engine keeps serving
+            log.exception("KV events: the publisher thread failed; no more events are sent")
         finally:
             self._close_sockets()
 

@@ -47,11 +47,17 @@ log = logging.getLogger("nanoserve")
 GiB = 1 << 30
 
 
+class NoKVEvents:
+    """KV events off: nothing to send."""
+    def flush(self) -> None: ...
+    def close(self) -> None: ...
+
+
 def kv_event_publisher(config: EngineConfig, kv: KVCacheManager):
     """What each tier holds, stores and drops, for routers (--kv-events-config); pyzmq is imported only
     then."""
     if config.kv_events_config is None:
-        return None
+        return NoKVEvents()
     from nanoserve.engine.kv_events import KVEventPublisher
     from nanoserve.kvcache.events import KVEventLog
     events = KVEventLog(kv.block_size, config.kv_events_int_hashes, kv.chains.salt_id)
@@ -232,8 +238,7 @@ class LLMEngine:
         try:
             return self._step()
         finally:
-            if self.kv_events is not None:  # what the step stored and dropped, for routers
-                self.kv_events.flush()
+            self.kv_events.flush()  # what the step stored and dropped, for routers
 
     def _step(self) -> list[RequestOutput]:
         """One turn: schedule a step, collect the one in flight (one step ahead), launch the new one, complete
@@ -312,15 +317,12 @@ class LLMEngine:
                 touched[req.request_id] = req
         return [self.table.output(r) for r in touched.values()]
 
-    def check_workers(self) -> None:
-        self.ranks.check()
-
     def idle(self) -> None:
-        """Nothing to run (the loop calls this while it waits): end the copies that landed, and tell
-        routers what the tiers did meanwhile."""
+        """The loop waits for work (each second): a tensor-parallel worker that died meanwhile raises
+        ParallelFault; the copies that landed end, and routers hear what the tiers did."""
+        self.ranks.check()
         self.kv.poll_transfers()
-        if self.kv_events is not None:
-            self.kv_events.flush()
+        self.kv_events.flush()
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
@@ -342,6 +344,5 @@ class LLMEngine:
                 self.kv.close()
             finally:
                 self.ranks.close()
-                if self.kv_events is not None:
-                    self.kv_events.close()  # (what the shutdown's saves stored, sent first)
+                self.kv_events.close()  # (what the shutdown's saves stored, sent first)
 
