@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch is imported where a device or dtype is resolved: the API process never does
@@ -26,6 +27,62 @@ def opt(default, help: str, **cli) -> typing.Any:
 
 
 STEP_TOKENS = {"cpu": 1024, "cuda": 2048}  # default token budget of an engine step, by device
+ZMQ_TRANSPORTS = ("tcp://", "ipc://", "inproc://")
+JSON_KINDS = {bool: "true or false", int: "an integer", str: "a string", type(None): "null"}
+
+
+@dataclass
+class KVEventsConfig:
+    """vLLM's KVEventsConfig (--kv-events-config JSON), field for field, with its defaults."""
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # "zmq" when enabled, else "null" (as vLLM resolves it)
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000    # batches kept for replay
+    hwm: int = 100_000            # batches PUB queues for a slow subscriber before dropping
+    max_queue_size: int = 100_000  # batches waiting for the publisher thread before dropping
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        def refuse(name: str, what: str) -> typing.NoReturn:
+            raise ValueError(f"--kv-events-config {name} {what}, got {json.dumps(getattr(self, name), default=repr)}")
+        hints = typing.get_type_hints(KVEventsConfig)
+        for f in fields(self):
+            value, kinds = getattr(self, f.name), typing.get_args(hints[f.name]) or (hints[f.name],)
+            if not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool)):
+                refuse(f.name, "must be " + " or ".join(JSON_KINDS[k] for k in kinds))
+        self.publisher = self.publisher or ("zmq" if self.enable_kv_cache_events else "null")
+        if self.publisher not in ("null", "zmq"):
+            refuse("publisher", 'must be "null" or "zmq"')
+        for name in ("endpoint", "replay_endpoint"):
+            if getattr(self, name) is not None and not getattr(self, name).startswith(ZMQ_TRANSPORTS):
+                refuse(name, "must be tcp://HOST:PORT (or ipc://PATH)")
+        for name, least in (("buffer_steps", 1), ("hwm", 0), ("max_queue_size", 1)):
+            if getattr(self, name) < least:
+                refuse(name, f"must be >= {least}")
+
+    @classmethod
+    def of(cls, value: str | dict | KVEventsConfig | None, endpoint: str | None) -> KVEventsConfig | None:
+        """The flag's JSON (or a dict, or one), with --kv-events-endpoint's shorthand applied: it turns
+        events on at that endpoint. None when events are off."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--kv-events-config is not JSON: {e}") from None
+        if isinstance(value, dict):
+            if not_vllms := set(value) - {f.name for f in fields(cls)}:
+                raise ValueError(f"--kv-events-config: unknown field {sorted(not_vllms)[0]!r} (vLLM's are "
+                                 f"{', '.join(f.name for f in fields(cls))})")
+            value = cls(**value)
+        if value is not None and not isinstance(value, cls):
+            raise ValueError(f"--kv-events-config must be a JSON object, got {value!r}")
+        if endpoint:
+            if not endpoint.startswith(ZMQ_TRANSPORTS):
+                raise ValueError(f"--kv-events-endpoint must be tcp://HOST:PORT (or ipc://PATH), got "
+                                 f"{endpoint!r}")
+            value = replace(value or cls(), enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint)
+        return value if value is not None and value.enable_kv_cache_events and value.publisher == "zmq" else None
 
 
 @dataclass
@@ -94,11 +151,18 @@ class EngineConfig:
                                       "--no-enable-prefix-caching (or --no-prefix-caching) computes every "
                                       "prompt in full", negatable=True, off_aliases=("--no-prefix-caching",),
                                       group="KV cache")
-    kv_events_endpoint: str | None = opt(None, "publish which KV blocks each tier stores and drops, in "
-                                         "vLLM's KV-events format over a ZMQ PUB socket, for a prefix-aware "
-                                         "router: tcp://*:PORT binds, tcp://HOST:PORT connects to a "
-                                         "subscriber that binds; no authentication (a trusted network only)",
+    kv_events_config: str | KVEventsConfig | None = opt(
+        None, "publish which KV blocks each tier stores and drops, for a prefix-aware router, as vLLM does: "
+        "its KVEventsConfig JSON, e.g. '{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", "
+        "\"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv\"}' (ZMQ; tcp://*:PORT binds, tcp://HOST:PORT "
+        "connects to a subscriber that binds; no authentication: a trusted network only); block hashes are "
+        "64-bit ints unless $VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0", metavar="JSON", group="KV cache")
+    kv_events_endpoint: str | None = opt(None, "shorthand for --kv-events-config '{\"enable_kv_cache_events\": "
+                                         "true, \"endpoint\": ENDPOINT}' (with it: sets its endpoint)",
                                          metavar="ENDPOINT", group="KV cache")
+    # Python API only: KV events' block hashes, as vLLM's $VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES says (read
+    # once, here): 64-bit ints (its default), or the 32-byte digests
+    kv_events_int_hashes: bool | None = None
     async_scheduling: bool | None = opt(None, "schedule step N+1 while step N's kernels run, its sampled "
                                         "tokens fed to N+1 on the device; default: on with CUDA, off on CPU, "
                                         "where the host's work would take cores from the forward "
@@ -143,10 +207,12 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.host_cache_gb < 0:
             raise ValueError("host_cache_gb must be >= 0")
-        endpoint = self.kv_events_endpoint
-        if endpoint and not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
-            raise ValueError(f"--kv-events-endpoint must be tcp://HOST:PORT (or ipc://PATH), got "
-                             f"{endpoint!r}")
+        self.kv_events_config = KVEventsConfig.of(self.kv_events_config, self.kv_events_endpoint)
+        if self.kv_events_int_hashes is None:
+            flag = os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1")
+            if not flag.lstrip("-").isdigit():
+                raise ValueError(f"$VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES must be 0 or 1, got {flag!r}")
+            self.kv_events_int_hashes = bool(int(flag))
         self.master_addr = self.master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
         self.master_port = self.master_port or int(os.environ.get("MASTER_PORT", "0"))
         tp, nodes = self.tensor_parallel_size, self.nnodes

@@ -108,7 +108,7 @@ class EngineCore:
             if self.parent_pid is not None and os.getppid() != self.parent_pid:
                 log.error("the API process is gone; stopping")
                 return Received(Stop())
-            self.engine.check_workers()  # a tensor-parallel worker died while idle: ParallelFault
+            self.engine.idle()  # (a tensor-parallel worker that died raises ParallelFault here)
         if received.msg is None:  # reading the socket failed
             raise received.built
         return received

@@ -47,14 +47,24 @@ log = logging.getLogger("nanoserve")
 GiB = 1 << 30
 
 
-def kv_event_publisher(endpoint: str | None, kv: KVCacheManager):
-    """What each tier stores and drops, for routers (--kv-events-endpoint); pyzmq is imported only then."""
-    if not endpoint:
-        return None
+class NoKVEvents:
+    """KV events off: nothing to send."""
+    def flush(self) -> None: ...
+    def close(self) -> None: ...
+
+
+def kv_event_publisher(config: EngineConfig, kv: KVCacheManager):
+    """What each tier holds, stores and drops, for routers (--kv-events-config); pyzmq is imported only
+    then."""
+    if config.kv_events_config is None:
+        return NoKVEvents()
     from nanoserve.engine.kv_events import KVEventPublisher
-    publisher = KVEventPublisher(endpoint, kv.block_size)
-    publisher.log.watch(kv.pool, kv.host.pool if kv.host is not None else None,
-                        kv.disk.pool if kv.disk is not None else None)
+    from nanoserve.kvcache.events import KVEventLog
+    events = KVEventLog(kv.block_size, config.kv_events_int_hashes, kv.chains.salt_id)
+    publisher = KVEventPublisher(config.kv_events_config, events)
+    events.watch(kv.pool, kv.host.pool if kv.host is not None else None,
+                 kv.disk.pool if kv.disk is not None else None)
+    publisher.flush()  # a starting replica's AllBlocksCleared and what its disk brought back, now
     return publisher
 
 
@@ -132,9 +142,9 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching, host,
                                  config.host_offload_watermark, disk.hash_key if disk else None, disk,
                                  kernels)
-        self.kv_events = kv_event_publisher(config.kv_events_endpoint, self.kv)
         if disk is not None:
-            disk.restore()  # with the events publisher watching: routers hear what the disk holds
+            disk.restore()
+        self.kv_events = kv_event_publisher(config, self.kv)  # routers hear what the disk brought back
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.step_tokens,
                                    inline_loads=self.device.type == "cpu")
         self.sampler = Sampler(config.seed, self.device)
@@ -228,8 +238,7 @@ class LLMEngine:
         try:
             return self._step()
         finally:
-            if self.kv_events is not None:  # what the step stored and dropped, for routers
-                self.kv_events.flush()
+            self.kv_events.flush()  # what the step stored and dropped, for routers
 
     def _step(self) -> list[RequestOutput]:
         """One turn: schedule a step, collect the one in flight (one step ahead), launch the new one, complete
@@ -308,8 +317,12 @@ class LLMEngine:
                 touched[req.request_id] = req
         return [self.table.output(r) for r in touched.values()]
 
-    def check_workers(self) -> None:
+    def idle(self) -> None:
+        """The loop waits for work (each second): a tensor-parallel worker that died meanwhile raises
+        ParallelFault; the copies that landed end, and routers hear what the tiers did."""
         self.ranks.check()
+        self.kv.poll_transfers()
+        self.kv_events.flush()
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
@@ -331,7 +344,5 @@ class LLMEngine:
                 self.kv.close()
             finally:
                 self.ranks.close()
-                if self.kv_events is not None:
-                    self.kv_events.flush()
-                    self.kv_events.close()
+                self.kv_events.close()  # (what the shutdown's saves stored, sent first)
 

@@ -134,11 +134,22 @@ class PrefixChains:
 
     def _root(self, salt: str | None) -> BlockHash | None:
         """The parent of a chain's first block: none, or a keyed digest of the request's cache_salt, so
-        chains under different salts share no block (lookups compare the parent too, not only digests)."""
+        chains under different salts share no block (lookups compare the parent too, not only digests).
+        Its second half is a keyed mark of its first (the salt's id), so a root is told from a block's
+        digest without remembering salts (`salt_id`)."""
         if salt is None:
             return None
-        return hashlib.blake2b(salt.encode(), digest_size=32, key=self.hash_salt[:64],
-                               person=b"cache_salt").digest()
+        ident = hashlib.blake2b(salt.encode(), digest_size=16, key=self.hash_salt[:64],
+                                person=b"cache_salt").digest()
+        return ident + self._root_mark(ident)
+
+    def _root_mark(self, ident: bytes) -> bytes:
+        return hashlib.blake2b(ident, digest_size=16, key=self.hash_salt[:64], person=b"salt root").digest()
+
+    def salt_id(self, parent: BlockHash) -> str | None:
+        """For KV events: the salt's id (hex of its keyed digest) if `parent` is a salted chain's root,
+        else None (a block's digest: carrying the mark by chance is a 2**-128 event)."""
+        return parent[:16].hex() if parent[16:] == self._root_mark(parent[:16]) else None
 
     def hash_prompt(self, seq: Sequence) -> None:
         if self.enabled:
